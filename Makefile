@@ -1,0 +1,28 @@
+# Two entry points on a fresh machine: `make demo` and `make test`. Both build .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[test,bench]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) scripts/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) scripts/benchmark.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check tpu_ckpt tests scripts
+
+clean:
+	rm -rf $(VENV) build *.egg-info

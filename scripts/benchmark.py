@@ -1,0 +1,341 @@
+"""Benchmark tpu_ckpt against Orbax's StandardCheckpointer on the same pytrees.
+
+Both libraries run in one process on the same arrays, repetitions interleaved (tpu_ckpt,
+orbax, tpu_ckpt, orbax, ...), every save into a fresh directory, and the table reports
+medians and tpu_ckpt/orbax ratios against the project's targets. Ratios measured in the
+same run cancel out most of what a shared 2-core machine does to absolute numbers.
+
+    python scripts/benchmark.py --scale 0.1 --reps 2
+    python scripts/benchmark.py --workload many --reps 1 --json /tmp/bench.json
+"""
+
+import os
+
+# Eight simulated devices, so meshes (4, 2) and (2, 4) exist; must precede importing jax.
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+import psutil  # noqa: E402
+from flax.training import train_state  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+
+import tpu_ckpt as tc  # noqa: E402
+
+MB = 1e6
+SAVE_MESH, RESTORE_MESH = (4, 2), (2, 4)
+LM_LAYERS, LM_VOCAB, LM_SEQ = 8, 32768, 1024
+LM_PARAMS_AT_SCALE_1 = 108e6  # x3 (params, mu, nu) x 4 bytes ~= 1.3 GB
+MANY_LEAVES = 4000
+MANY_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int32, jnp.float16, jnp.int8)
+# (workload, metric) -> largest passing tpu_ckpt/orbax ratio.
+RATIO_TARGETS = {
+    ("lm", "save_s"): 0.25, ("lm", "restore_same_s"): 0.4, ("lm", "restore_resharded_s"): 0.4,
+    ("many", "save_s"): 0.05, ("many", "restore_same_s"): 0.4, ("many", "restore_resharded_s"): 0.4,
+}
+MIN_BANDWIDTH_SHARE = 0.8  # lm sync save throughput / fsync'd sequential write bandwidth
+
+
+def mesh(shape):
+    """A ('data', 'model') mesh over the same 8 devices, so restores can change its shape."""
+    return Mesh(np.array(jax.devices()).reshape(shape), ("data", "model"))
+
+
+def sharding_for(m, shape):
+    """Shards 2-D leaves over both mesh axes where they divide evenly, replicates the rest,
+    the way a simple data x model parallel setup lays out a GPT."""
+    if len(shape) == 2 and shape[0] % m.shape["data"] == 0 and shape[1] % m.shape["model"] == 0:
+        return NamedSharding(m, PartitionSpec("data", "model"))
+    return NamedSharding(m, PartitionSpec())
+
+
+def abstract(tree, m):
+    """Restore target: ShapeDtypeStructs laid out on mesh `m`, which both libraries accept."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_for(m, x.shape)), tree)
+
+
+def lm_state(scale):
+    """A GPT-shaped Flax TrainState with Adam, every float leaf random (so neither library
+    gains from zero pages or compression), built by one jit with the optimizer state sharded
+    like the params. The width is picked so params+mu+nu is ~1.3 GB * scale."""
+    rows = LM_VOCAB + LM_SEQ
+    # Solve 12*L*d^2 + rows*d = params for d, rounded to a multiple of 64 (divides both meshes).
+    a, target = 12 * LM_LAYERS, LM_PARAMS_AT_SCALE_1 * scale
+    d = max(64, int(round((-rows + (rows * rows + 4 * a * target) ** 0.5) / (2 * a) / 64)) * 64)
+    shapes = {"embed": {"tokens": (LM_VOCAB, d), "positions": (LM_SEQ, d)},
+              "ln_f": {"scale": (d,), "bias": (d,)}}
+    for i in range(LM_LAYERS):
+        shapes[f"layer_{i}"] = {
+            "ln_1": {"scale": (d,), "bias": (d,)},
+            "attn": {"qkv": {"kernel": (d, 3 * d), "bias": (3 * d,)},
+                     "out": {"kernel": (d, d), "bias": (d,)}},
+            "ln_2": {"scale": (d,), "bias": (d,)},
+            "mlp": {"fc": {"kernel": (d, 4 * d), "bias": (4 * d,)},
+                    "proj": {"kernel": (4 * d, d), "bias": (d,)}},
+        }
+    tx = optax.adam(1e-3)  # one instance: the jit output's treedef must match out_shardings
+
+    def init(key):
+        params = jax.tree.map(jnp.zeros, shapes, is_leaf=lambda s: isinstance(s, tuple))
+        state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+        leaves, treedef = jax.tree.flatten(state)
+        keys = jax.random.split(key, len(leaves))
+        return treedef.unflatten([
+            jax.random.normal(k, x.shape, x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+            for k, x in zip(keys, leaves)])
+
+    m = mesh(SAVE_MESH)
+    out_shardings = jax.tree.map(lambda x: sharding_for(m, x.shape), jax.eval_shape(init, jax.random.key(0)))
+    return jax.block_until_ready(jax.jit(init, out_shardings=out_shardings)(jax.random.key(0)))
+
+
+def many_state():
+    """4000 small leaves of mixed dtypes and shapes (~15 MB), half 2-D and sharded, half 1-D
+    and replicated: the case where per-leaf overhead, not bandwidth, decides the cost."""
+    rng = np.random.default_rng(0)
+    m = mesh(SAVE_MESH)
+    tree = {}
+    for i in range(MANY_LEAVES):
+        if i % 2:
+            shape = tuple(int(n) for n in rng.choice([8, 16, 32, 64, 128], size=2))
+        else:
+            shape = (int(rng.integers(1, 1025)),)
+        dtype = np.dtype(MANY_DTYPES[i % len(MANY_DTYPES)])
+        if np.issubdtype(dtype, np.integer):
+            value = rng.integers(-100, 100, shape).astype(dtype)
+        else:
+            value = rng.standard_normal(shape).astype(dtype)
+        tree.setdefault(f"group_{i // 100}", {})[f"leaf_{i % 100}"] = jax.device_put(value, sharding_for(m, shape))
+    return jax.block_until_ready(tree)
+
+
+class TpuCkpt:
+    """tpu_ckpt with its defaults; save(...).wait() is the full synchronous cost."""
+    name = "tpu_ckpt"
+
+    def save(self, path, tree):
+        tc.save(path, tree).wait()
+
+    def restore(self, path, target):
+        return tc.restore(path, target)
+
+
+class Orbax:
+    """Orbax StandardCheckpointer with its defaults. Its save is asynchronous, so the sync
+    cost is save() plus wait_until_finished(). One instance serves the whole run, as in a
+    training loop."""
+    name = "orbax"
+
+    def __init__(self):
+        self.ckptr = ocp.StandardCheckpointer()
+
+    def save(self, path, tree):
+        self.ckptr.save(path, tree)
+        self.ckptr.wait_until_finished()
+
+    def restore(self, path, target):
+        return self.ckptr.restore(path, target)
+
+
+class PeakRss:
+    """Samples this process's RSS every 5 ms on a thread: a checkpoint's memory cost is its
+    transient high-water mark (host copies, read buffers), which before/after RSS hides."""
+
+    def __enter__(self):
+        self._proc = psutil.Process()
+        self.start = self.peak = self._proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+
+def measure(fn):
+    """Runs fn, returning (its result, wall seconds, RSS peak minus RSS at start in MB)."""
+    with PeakRss() as rss:
+        start = time.perf_counter()
+        result = fn()
+        seconds = time.perf_counter() - start
+    return result, seconds, (rss.peak - rss.start) / MB
+
+
+def disk_usage(path):
+    """(bytes, files) under a checkpoint directory: what the library actually wrote."""
+    size = files = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            size += os.path.getsize(os.path.join(root, name))
+            files += 1
+    return size, files
+
+
+def free(tree):
+    """Deletes restored device buffers so the next rep starts from the same memory state."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array):
+            leaf.delete()
+
+
+def disk_bandwidth(workdir, scale):
+    """fsync'd sequential write bandwidth in MB/s: one Python stream of ~1 GB * scale (at
+    least 256 MB) of random bytes, timed through the final fsync. The yardstick for save
+    throughput, since it is what this disk can do with no library in the way."""
+    chunk = np.random.default_rng(0).bytes(16 * 2**20)
+    writes = max(256 * MB, 1e9 * scale) // len(chunk) + 1
+    path = os.path.join(workdir, "bandwidth.bin")
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(int(writes)):
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - start
+    os.remove(path)
+    return writes * len(chunk) / MB / seconds
+
+
+def warm_up(libs, workdir):
+    """One untimed save+restore per library of a tiny sharded tree, so one-time costs
+    (thread pools, tensorstore contexts, jit of Orbax's helpers) stay out of rep 1."""
+    m = mesh(SAVE_MESH)
+    tree = {"w": jax.device_put(np.ones((8, 8), np.float32), sharding_for(m, (8, 8))),
+            "b": jax.device_put(np.ones((3,), np.float32), sharding_for(m, (3,)))}
+    for lib in libs:
+        path = os.path.join(workdir, f"warmup-{lib.name}")
+        lib.save(path, tree)
+        free(jax.block_until_ready(lib.restore(path, abstract(tree, m))))
+        shutil.rmtree(path)
+
+
+def run_workload(name, tree, libs, workdir, reps):
+    """Interleaved reps of save / restore same sharding / restore onto mesh (2, 4); each
+    operation runs for every library before the next starts. Returns {lib: {metric: [samples]}}."""
+    targets = {"restore_same": abstract(tree, mesh(SAVE_MESH)),
+               "restore_resharded": abstract(tree, mesh(RESTORE_MESH))}
+    samples = {lib.name: {} for lib in libs}
+    for rep in range(reps):
+        paths = {lib.name: os.path.join(workdir, f"{name}-{lib.name}-rep{rep}") for lib in libs}
+        for lib in libs:
+            rec = samples[lib.name]
+            _, seconds, rss = measure(lambda: lib.save(paths[lib.name], tree))
+            size, files = disk_usage(paths[lib.name])
+            for metric, value in (("save_s", seconds), ("save_rss_mb", rss), ("bytes_mb", size / MB),
+                                  ("files", files), ("save_mbps", size / MB / seconds)):
+                rec.setdefault(metric, []).append(value)
+        for op, target in targets.items():
+            for lib in libs:
+                restored, seconds, rss = measure(
+                    lambda: jax.block_until_ready(lib.restore(paths[lib.name], target)))
+                free(restored)
+                del restored
+                samples[lib.name].setdefault(f"{op}_s", []).append(seconds)
+                samples[lib.name].setdefault(f"{op}_rss_mb", []).append(rss)
+        for lib in libs:
+            shutil.rmtree(paths[lib.name])
+            s = samples[lib.name]
+            print(f"[{name} rep {rep + 1}/{reps}] {lib.name:8s} save {s['save_s'][-1]:.3f}s "
+                  f"restore {s['restore_same_s'][-1]:.3f}s restore{RESTORE_MESH} "
+                  f"{s['restore_resharded_s'][-1]:.3f}s", file=sys.stderr, flush=True)
+    return samples
+
+
+METRICS = (  # (key, label, format)
+    ("save_s", "sync save (s)", "{:.3f}"),
+    ("restore_same_s", f"restore mesh {SAVE_MESH} (s)", "{:.3f}"),
+    ("restore_resharded_s", f"restore mesh {RESTORE_MESH} (s)", "{:.3f}"),
+    ("save_mbps", "save throughput (MB/s)", "{:.0f}"),
+    ("bytes_mb", "bytes written (MB)", "{:.1f}"),
+    ("files", "files written", "{:.0f}"),
+    ("save_rss_mb", "peak RSS save (MB)", "{:.0f}"),
+    ("restore_same_rss_mb", f"peak RSS restore {SAVE_MESH} (MB)", "{:.0f}"),
+    ("restore_resharded_rss_mb", f"peak RSS restore {RESTORE_MESH} (MB)", "{:.0f}"),
+)
+
+
+def report(name, samples, bandwidth):
+    """Prints the table of medians, ratios and verdicts; returns its rows for --json."""
+    med = {lib: {k: statistics.median(v) for k, v in s.items()} for lib, s in samples.items()}
+    rows = []
+    for key, label, fmt in METRICS:
+        ours, theirs = med["tpu_ckpt"][key], med["orbax"][key]
+        ratio = ours / theirs if theirs else float("nan")
+        limit = RATIO_TARGETS.get((name, key))
+        rows.append({"metric": label, "tpu_ckpt": fmt.format(ours), "orbax": fmt.format(theirs),
+                     "ratio": f"{ratio:.3f}x", "target": f"<= {limit}x" if limit else "",
+                     "result": ("PASS" if ratio <= limit else "FAIL") if limit else ""})
+    share = {lib: med[lib]["save_mbps"] / bandwidth for lib in med}
+    wanted = MIN_BANDWIDTH_SHARE if name == "lm" else None
+    rows.append({"metric": "save throughput / disk bw", "tpu_ckpt": f"{share['tpu_ckpt']:.0%}",
+                 "orbax": f"{share['orbax']:.0%}", "ratio": "",
+                 "target": f">= {wanted:.0%}" if wanted else "",
+                 "result": ("PASS" if share["tpu_ckpt"] >= wanted else "FAIL") if wanted else ""})
+    columns = ("metric", "tpu_ckpt", "orbax", "ratio", "target", "result")
+    widths = [max(len(c), *(len(r[c]) for r in rows)) for c in columns]
+    print(f"\n== workload {name} (medians) ==")
+    for row in [dict(zip(columns, columns)), *rows]:
+        print("  ".join(row[c].ljust(w) if i == 0 else row[c].rjust(w)
+                        for i, (c, w) in enumerate(zip(columns, widths))))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", choices=("lm", "many", "all"), default="all")
+    parser.add_argument("--scale", type=float, default=1.0, help="lm size; 1.0 ~= 1.3 GB")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--dir", help="parent for the scratch directory (default: the system temp dir)")
+    parser.add_argument("--json", help="also write all samples and rows to this file")
+    args = parser.parse_args()
+
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
+    workdir = os.path.abspath(tempfile.mkdtemp(prefix="tpu_ckpt_bench_", dir=args.dir))
+    libs = [TpuCkpt(), Orbax()]
+    try:
+        bandwidth = disk_bandwidth(workdir, args.scale)
+        print(f"disk: fsync'd sequential write {bandwidth:.0f} MB/s ({workdir})")
+        warm_up(libs, workdir)
+        results = {"disk_write_mbps": bandwidth, "scale": args.scale, "reps": args.reps, "workloads": {}}
+        for name in ("lm", "many") if args.workload == "all" else (args.workload,):
+            tree = lm_state(args.scale) if name == "lm" else many_state()
+            leaves = jax.tree.leaves(tree)
+            print(f"\n{name}: {len(leaves)} leaves, {sum(x.nbytes for x in leaves) / MB:.1f} MB",
+                  file=sys.stderr, flush=True)
+            samples = run_workload(name, tree, libs, workdir, args.reps)
+            free(tree)
+            rows = report(name, samples, bandwidth)
+            results["workloads"][name] = {"samples": samples, "rows": rows}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+    finally:
+        libs[1].ckptr.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

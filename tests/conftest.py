@@ -1,0 +1,19 @@
+"""Test set-up: 8 simulated CPU devices, configured before anything imports jax."""
+
+import os
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def mesh42():
+    return jax.make_mesh((4, 2), ("data", "model"))
+
+
+@pytest.fixture(scope="session")
+def mesh24():
+    return jax.make_mesh((2, 4), ("data", "model"))

@@ -1,0 +1,114 @@
+"""Cross-process coordination over JAX's distributed runtime (the only user of its client).
+
+Checkpointing must never hang silently, and must never issue device collectives (they can
+deadlock with a training step running on another thread). So every cross-process wait here
+is a poll of the coordination service's key-value store: each process publishes
+``<op>/<stage>/<process>`` and waiters read the directory until everyone has arrived, someone
+reported an error, or ``timeout`` passes. On timeout the error names the processes that
+never arrived and the stage, which ``wait_at_barrier`` cannot do.
+
+Operation ids come from a per-process counter: like ``jax.jit``, checkpoint calls are SPMD,
+made by every process in the same order, so the n-th call has the same id everywhere.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import jax
+
+from tpu_ckpt.errors import CoordinationTimeoutError, RemoteProcessError
+
+_ERROR = "error"
+_op_counter = itertools.count()
+
+
+def process_index() -> int:
+    return jax.process_index()
+
+
+def process_count() -> int:
+    return jax.process_count()
+
+
+def _client() -> Any:
+    from jax._src.distributed import global_state
+
+    return global_state.client
+
+
+class Coordinator:
+    """Named, time-bounded rendezvous points for one checkpoint operation."""
+
+    def __init__(self, what: str, timeout: float):
+        self.count = process_count()
+        self.me = process_index()
+        self.timeout = timeout
+        self.what = what
+        self.prefix = f"tpu_ckpt/{next(_op_counter)}"
+        self._client = _client() if self.count > 1 else None
+        if self.count > 1 and self._client is None:
+            raise RuntimeError(
+                "jax.process_count() > 1 but the JAX distributed runtime client is missing; "
+                "call jax.distributed.initialize() first."
+            )
+
+    def gather(self, stage: str, value: str = "") -> dict[int, str]:
+        """Publishes ``value`` for ``stage`` and waits for every process's value."""
+        if self._client is None:
+            return {self.me: value}
+        self._client.key_value_set(f"{self.prefix}/{stage}/{self.me}", value)
+        return self._wait(stage, set(range(self.count)))
+
+    def publish(self, stage: str, value: str = "") -> None:
+        """Publishes a value others may :meth:`receive` (e.g. process 0's decision)."""
+        if self._client is not None:
+            self._client.key_value_set(f"{self.prefix}/{stage}/{self.me}", value)
+
+    def receive(self, stage: str, sender: int) -> str:
+        """Waits for ``sender``'s value for ``stage``."""
+        if self._client is None:
+            raise RuntimeError("receive() needs more than one process")
+        return self._wait(stage, {sender})[sender]
+
+    def report_failure(self, error: BaseException) -> None:
+        """Tells the other processes this one failed, so they stop waiting for it at once."""
+        if self._client is not None:
+            try:
+                self._client.key_value_set(
+                    f"{self.prefix}/{_ERROR}/{self.me}", f"{type(error).__name__}: {error}", allow_overwrite=True
+                )
+            except Exception:  # noqa: BLE001 - the coordinator may itself be gone
+                pass
+
+    def _wait(self, stage: str, expected: set[int]) -> dict[int, str]:
+        deadline = time.monotonic() + self.timeout
+        delay = 0.001
+        while True:
+            failures = self._entries(_ERROR)
+            if failures:
+                who, message = sorted(failures.items())[0]
+                raise RemoteProcessError(
+                    f"{self.what}: process {who} failed while this process ({self.me}) waited at "
+                    f"stage '{stage}': {message}"
+                )
+            arrived = self._entries(stage)
+            if expected <= arrived.keys():
+                return {p: arrived[p] for p in expected}
+            if time.monotonic() > deadline:
+                missing = sorted(expected - arrived.keys())
+                raise CoordinationTimeoutError(
+                    f"{self.what}: processes {missing} did not reach stage '{stage}' within "
+                    f"coordination_timeout={self.timeout:g}s (this is process {self.me} of {self.count}). "
+                    "Check those hosts' logs; raise coordination_timeout if they are merely slow.",
+                    stage=stage,
+                    missing=missing,
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def _entries(self, stage: str) -> dict[int, str]:
+        entries = self._client.key_value_dir_get(f"{self.prefix}/{stage}/")
+        return {int(key.rsplit("/", 1)[1]): value for key, value in entries}

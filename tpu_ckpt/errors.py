@@ -1,0 +1,59 @@
+"""The exceptions tpu_ckpt raises.
+
+Every error names what is wrong and where (checkpoint key, file, process) so a user can act on
+it without reading our source. Where a builtin describes the problem well (``ValueError`` for a
+bad option or sharding-callback result, ``FileNotFoundError`` for a missing checkpoint), the
+error also derives from it, so existing ``except`` clauses keep working.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every tpu_ckpt error; carries the offending key and file when known."""
+
+    def __init__(self, message: str, *, key: str | None = None, file: str | None = None):
+        super().__init__(message)
+        self.key = key
+        self.file = file
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No committed checkpoint exists at the path."""
+
+
+class UncommittedCheckpointError(CheckpointNotFoundError):
+    """Only a partial (never committed) checkpoint exists at the path."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """The destination already holds data; tpu_ckpt never overwrites silently."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A data file is missing, truncated, or fails its crc32c check."""
+
+
+class FormatVersionError(CheckpointError):
+    """The checkpoint was written by a newer, incompatible format version."""
+
+
+class TargetMismatchError(CheckpointError, ValueError):
+    """The restore target's structure, shape or dtype does not match the checkpoint."""
+
+
+class InvalidShardsError(CheckpointError, ValueError):
+    """A sharding callback returned shards that do not cover the pieces exactly once."""
+
+
+class CoordinationTimeoutError(CheckpointError, TimeoutError):
+    """Some processes did not reach a cross-process stage within ``coordination_timeout``."""
+
+    def __init__(self, message: str, *, stage: str, missing: list[int]):
+        super().__init__(message)
+        self.stage = stage
+        self.missing = missing
+
+
+class RemoteProcessError(CheckpointError):
+    """Another process of the job failed at a stage this process was waiting on."""

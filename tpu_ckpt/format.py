@@ -1,0 +1,224 @@
+"""The on-disk format: the JSON manifest and the safetensors data files (see FORMAT.md).
+
+The manifest is the only file a reader trusts: it lists every leaf, every piece of every
+leaf and where its bytes live (file, offset, length, crc32c). Data files are valid
+safetensors files, so a shard can be opened with the ``safetensors`` package, but nothing of
+ours ever parses their headers: byte offsets come from the manifest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import crc32c as _crc32c
+import ml_dtypes
+import numpy as np
+
+from tpu_ckpt.errors import CorruptCheckpointError, FormatVersionError
+from tpu_ckpt.keys import PathEntry
+from tpu_ckpt.pieces import SliceSpec
+
+FORMAT_NAME = "tpu_ckpt"
+FORMAT_VERSION = "1.0"
+MANIFEST_FILE = "manifest.json"
+
+_ML_DTYPES = {
+    name: np.dtype(getattr(ml_dtypes, name))
+    for name in (
+        "bfloat16", "float8_e3m4", "float8_e4m3", "float8_e4m3b11fnuz", "float8_e4m3fn",
+        "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn",
+        "float6_e2m3fn", "float6_e3m2fn", "int2", "int4", "uint2", "uint4",
+    )
+    if hasattr(ml_dtypes, name)
+}
+_NUMPY_DTYPES = {
+    np.dtype(t).name: np.dtype(t)
+    for t in (
+        np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+        np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128,
+    )
+}
+_DTYPES = {**_NUMPY_DTYPES, **_ML_DTYPES}
+
+# safetensors' dtype codes; dtypes it has no code for are stored as raw bytes ("U8").
+_SAFETENSORS_CODES = {
+    "bool": "BOOL", "int8": "I8", "int16": "I16", "int32": "I32", "int64": "I64",
+    "uint8": "U8", "uint16": "U16", "uint32": "U32", "uint64": "U64", "float16": "F16",
+    "float32": "F32", "float64": "F64", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
+
+
+def dtype_name(dtype: Any) -> str:
+    """The manifest's name for a dtype; TypeError for dtypes a checkpoint cannot hold."""
+    dt = np.dtype(dtype)
+    name = dt.name
+    if _DTYPES.get(name) != dt:
+        raise TypeError(f"dtype {dt!r} cannot be checkpointed (supported: {', '.join(sorted(_DTYPES))})")
+    return name
+
+
+def dtype_from_name(name: str) -> np.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise FormatVersionError(
+            f"The checkpoint uses dtype {name!r}, unknown to this tpu_ckpt/ml_dtypes; upgrade them."
+        ) from None
+
+
+def crc32c(data: Any) -> int:
+    """crc32c of a bytes-like object or a C-contiguous numpy array (hardware-accelerated)."""
+    return _crc32c.crc32c(data)
+
+
+@dataclasses.dataclass(frozen=True)
+class PieceEntry:
+    """Where one piece's bytes live: ``length`` bytes at ``offset`` of ``file``."""
+
+    slice: SliceSpec
+    file: str
+    offset: int
+    length: int
+    crc32c: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafEntry:
+    """One leaf of the saved tree: an array (with pieces) or a small Python value."""
+
+    key: str
+    path: list[PathEntry]
+    kind: str  # "array" | "value"
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+    is_slot: bool = False
+    sharding: dict[str, Any] | None = None
+    pieces: tuple[PieceEntry, ...] = ()
+    value: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtype_from_name(self.dtype).itemsize if self.kind == "array" else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    leaves: tuple[LeafEntry, ...]
+    files: dict[str, int]  # data file name -> size in bytes
+    process_count: int
+    sharding_callback: str
+    version: str = FORMAT_VERSION
+
+    def to_json(self) -> bytes:
+        doc = {
+            "format": FORMAT_NAME,
+            "format_version": self.version,
+            "process_count": self.process_count,
+            "sharding_callback": self.sharding_callback,
+            "files": self.files,
+            "leaves": [_leaf_to_json(leaf) for leaf in self.leaves],
+        }
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, *, where: str) -> Manifest:
+        try:
+            doc = json.loads(data)
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{where}: manifest is not valid JSON ({e})", file=where) from None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+            raise CorruptCheckpointError(f"{where}: not a tpu_ckpt manifest", file=where)
+        version = str(doc.get("format_version", ""))
+        ours, theirs = int(FORMAT_VERSION.split(".")[0]), _major(version, where)
+        if theirs > ours:
+            raise FormatVersionError(
+                f"{where} has format version {version}, newer than this tpu_ckpt reads "
+                f"({FORMAT_VERSION}); upgrade tpu_ckpt to restore it.",
+                file=where,
+            )
+        try:
+            leaves = tuple(_leaf_from_json(d) for d in doc["leaves"])
+            return cls(leaves, dict(doc["files"]), int(doc["process_count"]), str(doc["sharding_callback"]), version)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptCheckpointError(f"{where}: malformed manifest ({e!r})", file=where) from None
+
+
+def _major(version: str, where: str) -> int:
+    try:
+        return int(version.split(".")[0])
+    except ValueError:
+        raise CorruptCheckpointError(f"{where}: bad format_version {version!r}", file=where) from None
+
+
+def _leaf_to_json(leaf: LeafEntry) -> dict[str, Any]:
+    doc: dict[str, Any] = {"key": leaf.key, "path": [list(e) for e in leaf.path], "kind": leaf.kind}
+    if leaf.kind == "value":
+        doc["value"] = leaf.value
+        return doc
+    doc.update(
+        shape=list(leaf.shape),
+        dtype=leaf.dtype,
+        is_slot=leaf.is_slot,
+        sharding=leaf.sharding,
+        pieces=[
+            {"slice": [list(s) for s in p.slice], "file": p.file, "offset": p.offset, "length": p.length, "crc32c": p.crc32c}
+            for p in leaf.pieces
+        ],
+    )
+    return doc
+
+
+def _leaf_from_json(doc: dict[str, Any]) -> LeafEntry:
+    path = [(str(kind), name) for kind, name in doc["path"]]
+    if doc["kind"] == "value":
+        return LeafEntry(doc["key"], path, "value", value=doc["value"])
+    pieces = tuple(
+        PieceEntry(tuple((int(a), int(b)) for a, b in p["slice"]), p["file"], int(p["offset"]), int(p["length"]), int(p["crc32c"]))
+        for p in doc["pieces"]
+    )
+    return LeafEntry(
+        doc["key"], path, "array", tuple(int(d) for d in doc["shape"]), doc["dtype"], bool(doc["is_slot"]),
+        doc.get("sharding"), pieces,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DataFileLayout:
+    """A data file ready to write: its safetensors header and each tensor's byte offset."""
+
+    header: bytes
+    offsets: list[int]  # absolute offset of each tensor's first byte in the file
+    size: int
+
+
+def safetensors_layout(tensors: Sequence[tuple[str, str, tuple[int, ...], int]]) -> DataFileLayout:
+    """Lays out ``(name, dtype_name, shape, nbytes)`` tensors as one safetensors file.
+
+    The header is padded with spaces to a multiple of 8 bytes, as the safetensors spec
+    recommends, so tensor data starts aligned.
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}}
+    relative = 0
+    starts = []
+    for name, dtype, shape, nbytes in tensors:
+        code = _SAFETENSORS_CODES.get(dtype)
+        st_shape = list(shape) if code else [nbytes]
+        if not code:
+            header["__metadata__"][name] = dtype
+        header[name] = {"dtype": code or "U8", "shape": st_shape, "data_offsets": [relative, relative + nbytes]}
+        starts.append(relative)
+        relative += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    base = 8 + len(raw)
+    return DataFileLayout(len(raw).to_bytes(8, "little") + raw, [base + s for s in starts], base + relative)
+
+
+def tensor_name(key: str, slice_spec: SliceSpec) -> str:
+    """The safetensors name of a piece: its key and its slice, e.g. ``w[0:4,0:2]``."""
+    return f"{key}[{','.join(f'{a}:{b}' for a, b in slice_spec)}]"

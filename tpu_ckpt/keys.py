@@ -1,0 +1,106 @@
+"""Key paths: how a leaf of a pytree is named in a checkpoint.
+
+A leaf's checkpoint key is its JAX key path with entries joined by ``/`` (dict key ->
+``str(key)``, attribute -> its name, sequence index -> the number). Keys are the only link
+between a checkpoint and a restore target, so restoring into a differently built but
+equally named tree (a ``TrainState`` from a dict, NNX state from Linen) just works.
+
+Besides the joined string we keep each entry's kind (``dict``/``attr``/``seq``), so a
+checkpoint restored without a target comes back as nested dicts and lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+
+PathEntry = tuple[str, Any]  # ("dict", key) | ("attr", name) | ("seq", index)
+
+
+def path_entries(path: tuple[Any, ...]) -> list[PathEntry]:
+    """Turns a ``jax.tree_util`` key path into ``(kind, name)`` entries."""
+    entries: list[PathEntry] = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            entries.append(("dict", k.key if isinstance(k.key, (int, str)) else str(k.key)))
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            entries.append(("attr", k.name))
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            entries.append(("seq", k.idx))
+        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+            entries.append(("seq", k.key))
+        else:
+            entries.append(("dict", str(k)))
+    return entries
+
+
+def join(entries: Iterable[PathEntry]) -> str:
+    """``[("attr", "params"), ("dict", "w")]`` -> ``"params/w"``."""
+    return "/".join(str(name) for _, name in entries)
+
+
+def flatten(tree: Any, *, keep_none: bool = False) -> tuple[list[tuple[str, list[PathEntry], Any]], Any]:
+    """Flattens ``tree`` into ``(key, entries, leaf)`` triples in tree-flatten order.
+
+    ``keep_none`` treats ``None`` as a leaf (saving records it); otherwise ``None`` is an
+    empty subtree as everywhere in JAX (a target's ``None`` reads nothing).
+
+    Raises ValueError when two leaves would get the same key or a name contains ``/``, since
+    either would make the checkpoint ambiguous.
+    """
+    is_leaf: Callable[[Any], bool] | None = (lambda x: x is None) if keep_none else None
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    out = []
+    seen: dict[str, int] = {}
+    for i, (path, leaf) in enumerate(with_path):
+        entries = path_entries(path)
+        for _, name in entries:
+            if "/" in str(name):
+                raise ValueError(
+                    f"Tree key {name!r} (in {jax.tree_util.keystr(path)}) contains '/', which "
+                    "tpu_ckpt uses to join key paths; rename it."
+                )
+        key = join(entries)
+        if key in seen:
+            raise ValueError(
+                f"Two leaves map to the checkpoint key {key!r} (leaves #{seen[key]} and #{i}); "
+                "make the tree's keys distinct (e.g. do not mix 1 and '1' as dict keys)."
+            )
+        seen[key] = i
+        out.append((key, entries, leaf))
+    return out, treedef
+
+
+def under(key: str, prefix: str) -> bool:
+    """Whether ``key`` is ``prefix`` itself or lies below it."""
+    return not prefix or key == prefix or key.startswith(prefix + "/")
+
+
+def unflatten_nested(items: Iterable[tuple[list[PathEntry], Any]]) -> Any:
+    """Rebuilds nested dicts (from dict/attr entries) and lists (from seq entries)."""
+    root = _Node()
+    for entries, value in items:
+        if not entries:
+            return value
+        node = root
+        for entry in entries[:-1]:
+            node = node.setdefault(entry, _Node())
+        node[entries[-1]] = value
+    return _materialize(root)
+
+
+class _Node(dict):
+    """An inner node while rebuilding; distinguishes containers from leaf values."""
+
+
+def _materialize(node: Any) -> Any:
+    if not isinstance(node, _Node):
+        return node
+    if node and all(kind == "seq" for kind, _ in node):
+        out: list[Any] = [None] * (max(i for _, i in node) + 1)
+        for (_, i), child in node.items():
+            out[i] = _materialize(child)
+        return out
+    return {name: _materialize(child) for (_, name), child in node.items()}

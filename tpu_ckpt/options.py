@@ -1,0 +1,209 @@
+"""CheckpointOptions: TensorFlow's ``tf.train.CheckpointOptions``, brought to JAX.
+
+One immutable object, validated at construction. Each TF spelling (``experimental_*``) is an
+alias of exactly one field, accepted as a keyword and readable as an attribute; giving both
+spellings with different values is an error rather than a silent precedence rule.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from tpu_ckpt.pieces import ShardingCallback
+from tpu_ckpt.policies import ShardByDevicePolicy
+
+WriteCallback = Callable[[], Any] | Callable[[str], Any]
+
+_TF_ALIASES = {
+    "experimental_io_device": "io_device",
+    "experimental_write_callbacks": "write_callbacks",
+    "experimental_skip_slot_variables": "skip_slot_variables",
+    "experimental_sharding_callback": "sharding_callback",
+}
+_UNSET: Any = object()
+_LOCALHOST = re.compile(r"^/job:localhost(/replica:0)?(/task:0)?(/device:[A-Za-z_]+:\d+)?$")
+_WORKER = re.compile(r"^/job:worker(/replica:\d+)?/task:(\d+)(/device:[A-Za-z_]+:\d+)?$")
+
+
+class CheckpointOptions:
+    """Options for :func:`tpu_ckpt.save` and :func:`tpu_ckpt.restore`.
+
+    Args:
+      io_device: ``None`` (every process writes its own pieces), or the one process that does
+        all file IO: a process index, a ``jax.Device``, or a TF device string
+        (``/job:localhost`` = process 0, ``/job:worker/task:N[/device:CPU:0]`` = process N).
+      enable_async: return from ``save`` once the data is on the host; write in background.
+      write_callbacks: callables run in order after each save is committed; one that accepts
+        a positional argument gets the saved path.
+      skip_slot_variables: on restore, do not read optimizer slot variables.
+      sharding_callback: a :class:`ShardingCallback` deciding which pieces go to which data
+        file; ``None`` means :class:`ShardByDevicePolicy`.
+      coordination_timeout: seconds any cross-process wait may take before raising an error
+        that names the processes which did not arrive.
+
+    TF spellings (``experimental_io_device``, ``experimental_write_callbacks``,
+    ``experimental_skip_slot_variables``, ``experimental_sharding_callback``, and the
+    deprecated ``experimental_enable_async_checkpoint``) are accepted as keywords and
+    readable as attributes.
+    """
+
+    __slots__ = (
+        "io_device", "enable_async", "write_callbacks", "skip_slot_variables",
+        "sharding_callback", "coordination_timeout",
+    )
+
+    io_device: int | None
+    enable_async: bool
+    write_callbacks: tuple[WriteCallback, ...]
+    skip_slot_variables: bool
+    sharding_callback: ShardingCallback
+    coordination_timeout: float
+
+    def __init__(
+        self,
+        io_device: int | jax.Device | str | None = _UNSET,
+        enable_async: bool = _UNSET,
+        write_callbacks: Sequence[WriteCallback] | None = _UNSET,
+        skip_slot_variables: bool = _UNSET,
+        sharding_callback: ShardingCallback | None = _UNSET,
+        coordination_timeout: float = 300.0,
+        *,
+        experimental_io_device: int | jax.Device | str | None = _UNSET,
+        experimental_enable_async_checkpoint: bool = _UNSET,
+        experimental_write_callbacks: Sequence[WriteCallback] | None = _UNSET,
+        experimental_skip_slot_variables: bool = _UNSET,
+        experimental_sharding_callback: ShardingCallback | None = _UNSET,
+    ):
+        given = {
+            "io_device": (io_device, experimental_io_device, None),
+            "write_callbacks": (write_callbacks, experimental_write_callbacks, None),
+            "skip_slot_variables": (skip_slot_variables, experimental_skip_slot_variables, False),
+            "sharding_callback": (sharding_callback, experimental_sharding_callback, None),
+        }
+        values = {name: _merge(name, new, old, default) for name, (new, old, default) in given.items()}
+        if experimental_enable_async_checkpoint is not _UNSET:
+            warnings.warn(
+                "experimental_enable_async_checkpoint is deprecated; use enable_async instead.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        # TF's rule: the deprecated flag OR enable_async.
+        async_flag = bool(
+            (experimental_enable_async_checkpoint if experimental_enable_async_checkpoint is not _UNSET else False)
+            or (enable_async if enable_async is not _UNSET else False)
+        )
+        set_ = object.__setattr__
+        set_(self, "io_device", parse_io_device(values["io_device"]))
+        set_(self, "enable_async", async_flag)
+        set_(self, "write_callbacks", _check_callbacks(values["write_callbacks"]))
+        set_(self, "skip_slot_variables", bool(values["skip_slot_variables"]))
+        set_(self, "sharding_callback", _check_sharding_callback(values["sharding_callback"]))
+        set_(self, "coordination_timeout", _check_timeout(coordination_timeout))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"CheckpointOptions is immutable; build a new one (tried to set {name!r})")
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _TF_ALIASES:
+            return getattr(self, _TF_ALIASES[name])
+        if name == "experimental_enable_async_checkpoint":
+            return self.enable_async
+        raise AttributeError(f"CheckpointOptions has no attribute {name!r}")
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__)
+        return f"CheckpointOptions({fields})"
+
+
+
+def wants_path(callback: WriteCallback) -> bool:
+    """Whether a write callback takes the saved path as its positional argument."""
+    return _positional_capacity(callback)[1] >= 1
+
+
+def _merge(name: str, new: Any, old: Any, default: Any) -> Any:
+    if new is not _UNSET and old is not _UNSET and new is not old and new != old:
+        raise ValueError(
+            f"CheckpointOptions got both {name}={new!r} and experimental_{name}={old!r}; pass only one."
+        )
+    if new is not _UNSET:
+        return new
+    return default if old is _UNSET else old
+
+
+def parse_io_device(value: Any) -> int | None:
+    """Resolves every accepted io_device form to a process index (ValueError otherwise)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"io_device must be a process index, jax.Device or TF device string, not {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"io_device process index must be >= 0, got {value}")
+        return value
+    if isinstance(value, jax.Device):
+        return int(value.process_index)
+    if isinstance(value, str):
+        text = value.strip()
+        if _LOCALHOST.match(text):
+            return 0
+        match = _WORKER.match(text)
+        if match:
+            return int(match.group(2))
+    raise ValueError(
+        f"io_device {value!r} is not understood: use a process index, a jax.Device, "
+        "'/job:localhost' or '/job:worker/task:N[/device:CPU:0]'."
+    )
+
+
+def _positional_capacity(callback: Callable[..., Any]) -> tuple[int, float]:
+    """(required positional parameters, maximum positional arguments accepted)."""
+    try:
+        params = inspect.signature(callback).parameters.values()
+    except (TypeError, ValueError):
+        return 0, 1  # builtins without a signature: treat like print(*args)
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = sum(1 for p in positional if p.default is p.empty)
+    most = float("inf") if any(p.kind == p.VAR_POSITIONAL for p in params) else len(positional)
+    return required, most
+
+
+def _check_callbacks(callbacks: Sequence[WriteCallback] | None) -> tuple[WriteCallback, ...]:
+    if callbacks is None:
+        return ()
+    if callable(callbacks) or isinstance(callbacks, (str, bytes)):
+        raise TypeError("write_callbacks must be a sequence of callables, e.g. [callback]")
+    out = tuple(callbacks)
+    for cb in out:
+        if not callable(cb):
+            raise TypeError(f"write callback {cb!r} is not callable")
+        required, _ = _positional_capacity(cb)
+        if required > 1:
+            raise ValueError(
+                f"write callback {getattr(cb, '__name__', cb)!r} requires {required} positional "
+                "arguments; a write callback takes none or one (the saved path)."
+            )
+    return out
+
+
+def _check_sharding_callback(callback: Any) -> ShardingCallback:
+    if callback is None:
+        return ShardByDevicePolicy()
+    if not isinstance(callback, ShardingCallback):
+        raise ValueError(
+            "sharding_callback must be an instance of tpu_ckpt.ShardingCallback (e.g. "
+            f"tc.MaxShardSizePolicy(2**30)); got {callback!r} of type {type(callback).__name__}."
+        )
+    return callback
+
+
+def _check_timeout(timeout: Any) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"coordination_timeout must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)

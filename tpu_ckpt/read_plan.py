@@ -1,0 +1,76 @@
+"""Read planning (pure, no IO): which byte ranges a restore must read.
+
+For each wanted global slice we find the pieces that overlap it; pieces are always read
+whole, so every byte that reaches the user has been checked against its crc32c. Pieces that
+sit next to each other in one data file are fetched with one ranged read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+from tpu_ckpt.format import LeafEntry, PieceEntry
+from tpu_ckpt.pieces import SliceSpec
+
+MAX_READ_BYTES = 64 << 20  # bigger single reads cost parallelism and gain nothing
+MAX_GAP_BYTES = 4 << 10  # reading a small gap beats a second request
+
+
+@dataclasses.dataclass(frozen=True)
+class Read:
+    """One ranged read of ``[start, stop)`` of ``file``, serving ``pieces``."""
+
+    file: str
+    start: int
+    stop: int
+    pieces: tuple[tuple[str, PieceEntry], ...]  # (leaf key, piece)
+
+
+def intersect(a: SliceSpec, b: SliceSpec) -> SliceSpec | None:
+    """The overlap of two slices, or None when they are disjoint (empty slices never overlap)."""
+    out = []
+    for (a0, a1), (b0, b1) in zip(a, b):
+        lo, hi = max(a0, b0), min(a1, b1)
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def overlapping(leaf: LeafEntry, want: SliceSpec) -> list[PieceEntry]:
+    """The pieces of ``leaf`` that hold any element of ``want``."""
+    if not want:  # a scalar: its single piece
+        return list(leaf.pieces[:1])
+    return [p for p in leaf.pieces if intersect(p.slice, want) is not None]
+
+
+def coalesce(needed: Iterable[tuple[str, PieceEntry]]) -> list[Read]:
+    """Merges pieces adjacent in one file into ranged reads; each piece appears once."""
+    unique = {(p.file, p.offset): (key, p) for key, p in needed if p.length > 0}
+    by_file: dict[str, list[tuple[str, PieceEntry]]] = {}
+    for key, piece in sorted(unique.values(), key=lambda kp: (kp[1].file, kp[1].offset)):
+        by_file.setdefault(piece.file, []).append((key, piece))
+    reads: list[Read] = []
+    for file, pieces in by_file.items():
+        group: list[tuple[str, PieceEntry]] = []
+        for key, piece in pieces:
+            if group and not _joinable(group, piece):
+                reads.append(_read(file, group))
+                group = []
+            group.append((key, piece))
+        if group:
+            reads.append(_read(file, group))
+    return reads
+
+
+def _joinable(group: Sequence[tuple[str, PieceEntry]], piece: PieceEntry) -> bool:
+    start = group[0][1].offset
+    end = group[-1][1].offset + group[-1][1].length
+    return piece.offset - end <= MAX_GAP_BYTES and piece.offset + piece.length - start <= MAX_READ_BYTES
+
+
+def _read(file: str, group: Sequence[tuple[str, PieceEntry]]) -> Read:
+    start = group[0][1].offset
+    stop = max(p.offset + p.length for _, p in group)
+    return Read(file, start, stop, tuple(group))

@@ -1,0 +1,238 @@
+"""save(): tree -> pieces -> shards -> host bytes -> writes -> index -> commit -> callbacks.
+
+Every process of a job calls ``save`` (SPMD). Each writes only the pieces of its own
+addressable devices into the staging location; process 0 then merges the per-process
+indexes into the manifest, writes it and commits. Host memory stays bounded: a data file's
+bytes are built (one copy, which is also the host snapshot) only when a write slot is free,
+and at most ``MAX_WRITES_IN_FLIGHT`` files are held at a time.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from tpu_ckpt import distributed, keys, storage
+from tpu_ckpt.errors import CheckpointError, CheckpointExistsError
+from tpu_ckpt.format import (
+    MANIFEST_FILE, LeafEntry, Manifest, PieceEntry, crc32c, dtype_name, safetensors_layout, tensor_name,
+)
+from tpu_ckpt.options import CheckpointOptions, wants_path
+from tpu_ckpt.pieces import Shard, ShardableTensor, array_pieces, describe_sharding
+from tpu_ckpt.validation import validate_shards
+
+logger = logging.getLogger(__name__)
+
+MAX_WRITES_IN_FLIGHT = 4
+_PYTHON_VALUES = (bool, int, float, str, type(None))
+
+
+class SaveResult:
+    """The outcome of :func:`save`: ``path``, ``done()``, ``wait(timeout)``.
+
+    ``wait()`` returns the path once the checkpoint is committed and visible to every
+    process, and re-raises any error of the write. A synchronous save is complete when
+    ``save`` returns, so ``wait()`` returns at once.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> str:
+        return self.path
+
+
+def save(path: str | os.PathLike[str], tree: Any, *, options: CheckpointOptions | None = None) -> SaveResult:
+    """Saves a pytree of arrays and small Python values as a checkpoint at ``path``.
+
+    Called by every process of a multi-process job. Raises :class:`CheckpointExistsError`
+    if ``path`` already holds anything (checkpoints are never overwritten).
+    """
+    options = options or CheckpointOptions()
+    _refuse_pending_features(options)
+    started = time.perf_counter()
+    final = storage.location(path)
+    coord = distributed.Coordinator(f"save {final.url}", options.coordination_timeout)
+    leaves, _ = keys.flatten(tree, keep_none=True)
+    entries, pieces = _describe(leaves, coord.me)
+    staging: storage.Location | None = None
+    try:
+        shards = [s for s in options.sharding_callback(pieces) if s]
+        validate_shards(shards, pieces, options.sharding_callback.description)
+        staging = final.staging(_agree_on_token(final, coord))
+        store = storage.Store(staging)
+        index, files = _write_shards(store, shards, coord.me)
+        written = sum(files.values())
+        if coord.me == 0:
+            _commit(store, staging, final, coord, entries, index, files, options)
+        else:
+            store.write(_index_file(coord.me), _index_to_json(index, files)).result()
+            coord.gather("written")
+            coord.receive("committed", 0)
+    except BaseException as error:
+        coord.report_failure(error)
+        if staging is not None and coord.me == 0:
+            storage.remove(staging)
+        raise
+    logger.info(
+        "tpu_ckpt: saved %s (%d leaves, %d pieces, %d files, %.1f MB from this process) in %.2fs",
+        final.url, len(entries), len(pieces), len(files), written / 1e6, time.perf_counter() - started,
+    )
+    _run_callbacks(options.write_callbacks, final.url)
+    return SaveResult(final.url)
+
+
+def _refuse_pending_features(options: CheckpointOptions) -> None:
+    if options.io_device is not None:
+        raise NotImplementedError("io_device is not implemented yet (tracked by the multi-host issue); leave it None.")
+    if options.enable_async:
+        raise NotImplementedError("enable_async is not implemented yet (tracked by the async issue); save synchronously.")
+
+
+def _describe(leaves: list[tuple[str, list, Any]], me: int) -> tuple[list[LeafEntry], list[ShardableTensor]]:
+    """Manifest entries (without piece locations) for every leaf, and this process's pieces."""
+    entries, pieces = [], []
+    for key, path, leaf in leaves:
+        if isinstance(leaf, _PYTHON_VALUES):
+            entries.append(LeafEntry(key, path, "value", value=leaf))
+            continue
+        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+            raise TypeError(
+                f"Leaf {key!r} is a {type(leaf).__name__}; a checkpoint holds arrays and Python "
+                "bool/int/float/str/None only."
+            )
+        try:
+            name = dtype_name(leaf.dtype)
+        except TypeError as e:
+            raise TypeError(f"Leaf {key!r}: {e}") from None
+        shape = tuple(int(d) for d in leaf.shape)
+        entries.append(LeafEntry(key, path, "array", shape, name, False, describe_sharding(leaf)))
+        pieces.extend(array_pieces(key, leaf, process_index=me))
+    return entries, pieces
+
+
+def _agree_on_token(final: storage.Location, coord: distributed.Coordinator) -> str:
+    """Process 0 checks the destination and names the staging area; the others learn it."""
+    if coord.me != 0:
+        return coord.receive("start", 0)
+    if not storage.is_empty(final):
+        raise CheckpointExistsError(
+            f"{final.url} already exists and is not empty; tpu_ckpt never overwrites a checkpoint. "
+            "Save to a new path, or delete the old one first.",
+            file=final.url,
+        )
+    token = uuid.uuid4().hex[:12]
+    coord.publish("start", token)
+    return token
+
+
+def _host_bytes(array: Any) -> np.ndarray:
+    """The array's bytes as a flat uint8 view (a device-to-host copy off-CPU)."""
+    host = np.ascontiguousarray(np.asarray(array))
+    return host.reshape(-1).view(np.uint8)
+
+
+def _write_shards(store: storage.Store, shards: Sequence[Shard], me: int) -> tuple[dict[str, list[PieceEntry]], dict[str, int]]:
+    index: dict[str, list[PieceEntry]] = collections.defaultdict(list)
+    files: dict[str, int] = {}
+    in_flight: collections.deque = collections.deque()
+    for number, shard in enumerate(shards):
+        name = f"d{me:05d}-{number:05d}.safetensors"
+        items = [(key, spec, array) for key, by_slice in shard.items() for spec, array in by_slice.items()]
+        buffers = [_host_bytes(array) for _, _, array in items]
+        layout = safetensors_layout(
+            [(tensor_name(key, spec), dtype_name(array.dtype), tuple(array.shape), buf.nbytes)
+             for (key, spec, array), buf in zip(items, buffers)]
+        )
+        for (key, spec, _), buf, offset in zip(items, buffers, layout.offsets):
+            index[key].append(PieceEntry(spec, name, offset, buf.nbytes, crc32c(buf)))
+        while len(in_flight) >= MAX_WRITES_IN_FLIGHT:
+            _finish(in_flight.popleft(), store)
+        in_flight.append((name, store.write(name, b"".join([layout.header, *buffers]))))
+        files[name] = layout.size
+        del buffers
+    while in_flight:
+        _finish(in_flight.popleft(), store)
+    return index, files
+
+
+def _finish(pending: tuple[str, Any], store: storage.Store) -> None:
+    name, future = pending
+    try:
+        future.result()
+    except Exception as e:
+        raise CheckpointError(f"Writing {store.location.child(name)} failed: {e}", file=name) from e
+
+
+def _index_file(process: int) -> str:
+    return f"index-{process:05d}.json"
+
+
+def _index_to_json(index: dict[str, list[PieceEntry]], files: dict[str, int]) -> bytes:
+    """A process's piece locations, in manifest form so one parser reads both."""
+    entries = tuple(LeafEntry(key, [], "array", pieces=tuple(p)) for key, p in index.items())
+    return Manifest(entries, files, 0, "").to_json()
+
+
+def _commit(
+    store: storage.Store,
+    staging: storage.Location,
+    final: storage.Location,
+    coord: distributed.Coordinator,
+    entries: list[LeafEntry],
+    index: dict[str, list[PieceEntry]],
+    files: dict[str, int],
+    options: CheckpointOptions,
+) -> None:
+    coord.gather("written")
+    for process in range(1, coord.count):
+        name = _index_file(process)
+        theirs = Manifest.from_json(store.read_file(name) or b"", where=staging.child(name))
+        files.update(theirs.files)
+        for leaf in theirs.leaves:
+            index.setdefault(leaf.key, []).extend(leaf.pieces)
+        store.delete(name)
+    leaves = tuple(
+        LeafEntry(e.key, e.path, e.kind, e.shape, e.dtype, e.is_slot, e.sharding,
+                  tuple(sorted(index.get(e.key, ()), key=lambda p: p.slice)), e.value)
+        for e in entries
+    )
+    for leaf in leaves:
+        _check_covered(leaf)
+    manifest = Manifest(leaves, dict(sorted(files.items())), coord.count, options.sharding_callback.description)
+    store.write(MANIFEST_FILE, manifest.to_json()).result()
+    storage.commit(staging, final)
+    coord.publish("committed")
+
+
+def _check_covered(leaf: LeafEntry) -> None:
+    """Guards against committing a leaf some process failed to write a piece of."""
+    if leaf.kind != "array":
+        return
+    covered = sum(math.prod(b - a for a, b in p.slice) for p in leaf.pieces)
+    if covered != math.prod(leaf.shape) or (not leaf.pieces and math.prod(leaf.shape)):
+        raise CheckpointError(
+            f"Leaf {leaf.key!r}: the processes wrote pieces covering {covered} of "
+            f"{math.prod(leaf.shape)} elements; refusing to commit an incomplete checkpoint. "
+            "Are all processes saving the same tree?",
+            key=leaf.key,
+        )
+
+
+def _run_callbacks(callbacks: Sequence[Any], path: str) -> None:
+    for callback in callbacks:
+        if wants_path(callback):
+            callback(path)
+        else:
+            callback()

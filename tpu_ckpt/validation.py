@@ -1,0 +1,223 @@
+"""Checks a sharding callback's result before a single byte is written.
+
+TensorFlow 2.21 defines ``validate_shards`` but never calls it, so a callback that drops or
+reshapes a tensor writes a "successful" checkpoint that cannot be restored. We run the same
+checks on every save, plus the ones TF cannot express with slice-spec strings: slices must lie
+inside one piece, must not overlap, and must cover every piece exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from tpu_ckpt.errors import InvalidShardsError
+from tpu_ckpt.pieces import ShardableTensor, SliceSpec
+
+_MAX_GRID_CELLS = 1 << 20
+"""Above this many cells the exact-cover check sweeps slices instead of counting on a grid."""
+
+_MAX_LISTED = 5
+"""How many uncovered pieces an error lists by name."""
+
+_Coverage = tuple[tuple[SliceSpec, SliceSpec] | None, bool]
+"""``(two overlapping slices or None, whether part of the piece is left uncovered)``."""
+
+
+@dataclasses.dataclass
+class _Leaf:
+    """What the input pieces say about one checkpoint key."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    pieces: dict[SliceSpec, list[SliceSpec]]  # piece slice -> output slices placed inside it
+
+
+def validate_shards(shards: Any, shardable_tensors: Sequence[ShardableTensor], description: str) -> None:
+    """Raises ``InvalidShardsError`` unless ``shards`` covers every piece exactly once, unaltered.
+
+    Empty shards are allowed (the caller drops them).
+    """
+    _Validator(description, shardable_tensors).run(shards)
+
+
+class _Validator:
+    def __init__(self, description: str, shardable_tensors: Sequence[ShardableTensor]):
+        self.description = description
+        self.leaves: dict[str, _Leaf] = {}
+        for piece in shardable_tensors:
+            leaf = self.leaves.setdefault(
+                piece.checkpoint_key, _Leaf(tuple(piece.shape), np.dtype(piece.dtype), {})
+            )
+            leaf.pieces.setdefault(tuple(piece.slice_spec), [])
+
+    def error(self, problem: str, key: str | None = None) -> InvalidShardsError:
+        return InvalidShardsError(
+            f"Sharding callback '{self.description}' returned an invalid result: {problem}", key=key
+        )
+
+    def run(self, shards: Any) -> None:
+        if not isinstance(shards, (list, tuple)):
+            raise self.error(f"expected a list of shards, got {type(shards).__name__}")
+        seen: dict[tuple[str, SliceSpec], int] = {}
+        for index, shard in enumerate(shards):
+            if not isinstance(shard, Mapping):
+                raise self.error(f"shard {index} is a {type(shard).__name__}, expected a dict of dicts")
+            for key, entries in shard.items():
+                if not isinstance(entries, Mapping):
+                    raise self.error(
+                        f"shard {index}, checkpoint key {key!r}: expected a dict {{slice_spec: array}}, "
+                        f"got {type(entries).__name__}",
+                        key=_key_or_none(key),
+                    )
+                for raw_spec, array in entries.items():
+                    spec = self.check_entry(key, raw_spec, array)
+                    if (key, spec) in seen:
+                        raise self.error(
+                            f"checkpoint key {key!r} slice {spec} appears in shards {seen[key, spec]} and {index}",
+                            key=key,
+                        )
+                    seen[key, spec] = index
+        self.check_coverage()
+
+    def check_entry(self, key: Any, raw_spec: Any, array: Any) -> SliceSpec:
+        """Checks one ``{key: {slice_spec: array}}`` entry; files it under its piece; returns the slice."""
+        leaf = self.leaves.get(key)
+        if leaf is None:
+            raise self.error(
+                f"checkpoint key {key!r} (slice {raw_spec!r}) is not among the pieces given to the callback",
+                key=_key_or_none(key),
+            )
+        spec = _as_slice_spec(raw_spec, len(leaf.shape))
+        where = f"checkpoint key {key!r} slice {spec if spec is not None else repr(raw_spec)}"
+        if spec is None:
+            raise self.error(
+                f"{where}: a slice spec must be a tuple of {len(leaf.shape)} (start, stop) int pairs", key=key
+            )
+        if not all(0 <= a <= b <= n for (a, b), n in zip(spec, leaf.shape)):
+            raise self.error(f"{where} lies outside the leaf of shape {leaf.shape}", key=key)
+        piece = _containing_piece(spec, leaf.pieces)
+        if piece is None:
+            raise self.error(
+                f"{where} is not within any one input piece of that key (pieces: {list(leaf.pieces)})", key=key
+            )
+        self.check_array(where, key, spec, array, leaf)
+        leaf.pieces[piece].append(spec)
+        return spec
+
+    def check_array(self, where: str, key: str, spec: SliceSpec, array: Any, leaf: _Leaf) -> None:
+        """The array must be the block itself: same extent, same dtype, on this process."""
+        if not (hasattr(array, "shape") and hasattr(array, "dtype")):
+            raise self.error(f"{where}: expected an array, got {type(array).__name__}", key=key)
+        extent = tuple(b - a for a, b in spec)
+        if tuple(array.shape) != extent:
+            raise self.error(
+                f"{where}: altered shape: the array has shape {tuple(array.shape)}, the slice spans {extent}",
+                key=key,
+            )
+        if np.dtype(array.dtype) != leaf.dtype:
+            raise self.error(f"{where}: altered dtype: {np.dtype(array.dtype)} instead of {leaf.dtype}", key=key)
+        if isinstance(array, jax.Array) and not array.is_fully_addressable:
+            raise self.error(f"{where}: altered task: the array is not fully addressable by this process", key=key)
+
+    def check_coverage(self) -> None:
+        """Every piece must be covered by the slices filed under it, with no overlap."""
+        uncovered: list[tuple[str, SliceSpec]] = []
+        for key, leaf in self.leaves.items():
+            for piece, slices in leaf.pieces.items():
+                overlap, missing = _cover(piece, slices)
+                if overlap is not None:
+                    raise self.error(f"checkpoint key {key!r}: slices {overlap[0]} and {overlap[1]} overlap", key=key)
+                if missing:
+                    uncovered.append((key, piece))
+        if uncovered:
+            listed = ", ".join(f"checkpoint key {key!r} slice {piece}" for key, piece in uncovered[:_MAX_LISTED])
+            more = f" and {len(uncovered) - _MAX_LISTED} more" if len(uncovered) > _MAX_LISTED else ""
+            raise self.error(f"pieces not fully covered by the shards: {listed}{more}", key=uncovered[0][0])
+
+
+def _key_or_none(key: Any) -> str | None:
+    return key if isinstance(key, str) else None
+
+
+def _as_slice_spec(spec: Any, rank: int) -> SliceSpec | None:
+    """``spec`` with plain-int bounds, or ``None`` unless it is ``rank`` (start, stop) int pairs."""
+    if not isinstance(spec, tuple) or len(spec) != rank:
+        return None
+    out = []
+    for pair in spec:
+        if not (isinstance(pair, tuple) and len(pair) == 2 and all(map(_is_int, pair))):
+            return None
+        out.append((int(pair[0]), int(pair[1])))
+    return tuple(out)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _contains(outer: SliceSpec, inner: SliceSpec) -> bool:
+    return all(a <= c and d <= b for (a, b), (c, d) in zip(outer, inner))
+
+
+def _containing_piece(spec: SliceSpec, pieces: Mapping[SliceSpec, Any]) -> SliceSpec | None:
+    """The input piece that holds ``spec`` (pieces of one leaf are disjoint, as array_pieces makes them)."""
+    if spec in pieces:
+        return spec
+    return next((piece for piece in pieces if _contains(piece, spec)), None)
+
+
+def _volume(spec: SliceSpec) -> int:
+    return math.prod(b - a for a, b in spec)
+
+
+def _cover(piece: SliceSpec, slices: list[SliceSpec]) -> _Coverage:
+    """Whether the slices filed under ``piece`` overlap or leave part of it uncovered.
+
+    All ``slices`` lie inside ``piece``. An empty piece counts as covered when any slice was
+    filed under it, so a policy cannot drop zero-size arrays the way TF's does.
+    """
+    if _volume(piece) == 0:
+        return None, not slices
+    bounds = [np.unique([piece[d][0], piece[d][1]] + [v for s in slices for v in s[d]]) for d in range(len(piece))]
+    if math.prod(len(b) - 1 for b in bounds) <= _MAX_GRID_CELLS:
+        return _cover_on_grid(bounds, slices)
+    overlap = _first_overlap(slices)
+    return overlap, overlap is None and sum(map(_volume, slices)) != _volume(piece)
+
+
+def _cover_on_grid(bounds: list[np.ndarray], slices: list[SliceSpec]) -> _Coverage:
+    """Counts how often each cell between consecutive slice boundaries is covered (coordinate compression)."""
+    grid = np.zeros([len(b) - 1 for b in bounds], dtype=np.int32)
+    for s in slices:
+        grid[tuple(slice(*np.searchsorted(b, s[d])) for d, b in enumerate(bounds))] += 1
+    doubled = np.argwhere(grid > 1)
+    if len(doubled):
+        point = tuple(int(b[i]) for b, i in zip(bounds, doubled[0]))
+        first, second = [s for s in slices if all(a <= p < z for (a, z), p in zip(s, point))][:2]
+        return (first, second), False
+    return None, bool((grid == 0).any())
+
+
+def _first_overlap(slices: list[SliceSpec]) -> tuple[SliceSpec, SliceSpec] | None:
+    """Two overlapping non-empty slices, by a sweep along the axis with the most distinct starts."""
+    boxes = [s for s in slices if _volume(s) > 0]
+    axis = max(range(len(boxes[0])), key=lambda d: len({s[d][0] for s in boxes})) if boxes else 0
+    active: list[SliceSpec] = []
+    for box in sorted(boxes, key=lambda s: s[axis][0]):
+        active = [other for other in active if other[axis][1] > box[axis][0]]
+        hit = next((other for other in active if _intersects(other, box)), None)
+        if hit is not None:
+            return hit, box
+        active.append(box)
+    return None
+
+
+def _intersects(x: SliceSpec, y: SliceSpec) -> bool:
+    return all(max(a, c) < min(b, d) for (a, b), (c, d) in zip(x, y))
