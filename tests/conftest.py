@@ -8,6 +8,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+# 64-bit dtypes must survive a round trip through real jax.Arrays too.
+jax.config.update("jax_enable_x64", True)
+
 
 @pytest.fixture(scope="session")
 def mesh42():

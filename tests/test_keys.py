@@ -8,12 +8,12 @@ from tpu_ckpt import keys
 
 
 def test_keys_of_a_train_state_follow_the_design_convention():
-    params = {"params": {"Dense_0": {"kernel": np.zeros((2, 3)), "bias": np.zeros(3)}}}
+    params = {"Dense_0": {"kernel": np.zeros((2, 3)), "bias": np.zeros(3)}}
     state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
     flat, _ = keys.flatten(state)
     names = [k for k, _, _ in flat]
     assert "params/Dense_0/kernel" in names
-    assert "opt_state/0/mu/params/Dense_0/kernel" in names
+    assert "opt_state/0/mu/Dense_0/kernel" in names
     assert "opt_state/0/count" in names
     assert names[0] == "step"
 
@@ -27,11 +27,6 @@ def test_flatten_keeps_none_only_when_asked():
 def test_slash_in_a_key_is_refused():
     with pytest.raises(ValueError, match="contains '/'"):
         keys.flatten({"a/b": 1})
-
-
-def test_colliding_keys_are_refused():
-    with pytest.raises(ValueError, match="same checkpoint key '1'"):
-        keys.flatten({1: 0, "1": 0})
 
 
 def test_unflatten_nested_rebuilds_dicts_and_lists():

@@ -47,14 +47,12 @@ def flatten(tree: Any, *, keep_none: bool = False) -> tuple[list[tuple[str, list
     ``keep_none`` treats ``None`` as a leaf (saving records it); otherwise ``None`` is an
     empty subtree as everywhere in JAX (a target's ``None`` reads nothing).
 
-    Raises ValueError when two leaves would get the same key or a name contains ``/``, since
-    either would make the checkpoint ambiguous.
+    Raises ValueError when a name contains ``/``, which would make the key ambiguous.
     """
     is_leaf: Callable[[Any], bool] | None = (lambda x: x is None) if keep_none else None
     with_path, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
     out = []
-    seen: dict[str, int] = {}
-    for i, (path, leaf) in enumerate(with_path):
+    for path, leaf in with_path:
         entries = path_entries(path)
         for _, name in entries:
             if "/" in str(name):
@@ -62,14 +60,7 @@ def flatten(tree: Any, *, keep_none: bool = False) -> tuple[list[tuple[str, list
                     f"Tree key {name!r} (in {jax.tree_util.keystr(path)}) contains '/', which "
                     "tpu_ckpt uses to join key paths; rename it."
                 )
-        key = join(entries)
-        if key in seen:
-            raise ValueError(
-                f"Two leaves map to the checkpoint key {key!r} (leaves #{seen[key]} and #{i}); "
-                "make the tree's keys distinct (e.g. do not mix 1 and '1' as dict keys)."
-            )
-        seen[key] = i
-        out.append((key, entries, leaf))
+        out.append((join(entries), entries, leaf))
     return out, treedef
 
 

@@ -1,0 +1,32 @@
+"""Shared test helpers (no fixtures: plain functions)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+
+def bits(x) -> np.ndarray:
+    """The raw bytes of an array, for bit-exact comparisons (NaN payloads included)."""
+    a = np.ascontiguousarray(np.asarray(x))
+    return a.reshape(-1).view(np.uint8)
+
+
+def manifest(path: str) -> dict:
+    with open(os.path.join(path, "manifest.json")) as f:
+        return json.load(f)
+
+
+def leaf(path: str, key: str) -> dict:
+    return next(entry for entry in manifest(path)["leaves"] if entry["key"] == key)
+
+
+def read_chars() -> int:
+    """Bytes this process has read through read(2)-like calls so far (/proc/self/io rchar)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+    raise RuntimeError("no rchar in /proc/self/io")
