@@ -94,6 +94,7 @@ def lm_state(scale):
         params = jax.tree.map(jnp.zeros, shapes, is_leaf=lambda s: isinstance(s, tuple))
         state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
         leaves, treedef = jax.tree.flatten(state)
+        leaves = [jnp.asarray(x) for x in leaves]  # the step count is a Python int here
         keys = jax.random.split(key, len(leaves))
         return treedef.unflatten([
             jax.random.normal(k, x.shape, x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x

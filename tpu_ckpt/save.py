@@ -75,14 +75,19 @@ def save(path: str | os.PathLike[str], tree: Any, *, options: CheckpointOptions 
         index, files = _write_shards(store, shards, coord.me)
         written = sum(files.values())
         if coord.me == 0:
-            _commit(store, staging, final, coord, entries, index, files, options)
+            coord.gather("written")
+            _commit(store, staging, final, coord.count, entries, index, files, options)
+            staging = None  # committed: from here on nothing may delete it
+            coord.publish("committed")
         else:
             store.write(_index_file(coord.me), _index_to_json(index, files)).result()
             coord.gather("written")
             coord.receive("committed", 0)
     except BaseException as error:
         coord.report_failure(error)
-        if staging is not None and coord.me == 0:
+        if staging is not None:
+            # Every process removes the staging area after its own last write, so whichever
+            # removal comes last leaves nothing behind.
             storage.remove(staging)
         raise
     logger.info(
@@ -189,14 +194,14 @@ def _commit(
     store: storage.Store,
     staging: storage.Location,
     final: storage.Location,
-    coord: distributed.Coordinator,
+    process_count: int,
     entries: list[LeafEntry],
     index: dict[str, list[PieceEntry]],
     files: dict[str, int],
     options: CheckpointOptions,
 ) -> None:
-    coord.gather("written")
-    for process in range(1, coord.count):
+    """Process 0: merges every process's index into the manifest, writes it, commits."""
+    for process in range(1, process_count):
         name = _index_file(process)
         theirs = Manifest.from_json(store.read_file(name) or b"", where=staging.child(name))
         files.update(theirs.files)
@@ -210,10 +215,9 @@ def _commit(
     )
     for leaf in leaves:
         _check_covered(leaf)
-    manifest = Manifest(leaves, dict(sorted(files.items())), coord.count, options.sharding_callback.description)
+    manifest = Manifest(leaves, dict(sorted(files.items())), process_count, options.sharding_callback.description)
     store.write(MANIFEST_FILE, manifest.to_json()).result()
     storage.commit(staging, final)
-    coord.publish("committed")
 
 
 def _check_covered(leaf: LeafEntry) -> None:
@@ -221,7 +225,7 @@ def _check_covered(leaf: LeafEntry) -> None:
     if leaf.kind != "array":
         return
     covered = sum(math.prod(b - a for a, b in p.slice) for p in leaf.pieces)
-    if covered != math.prod(leaf.shape) or (not leaf.pieces and math.prod(leaf.shape)):
+    if covered != math.prod(leaf.shape):
         raise CheckpointError(
             f"Leaf {leaf.key!r}: the processes wrote pieces covering {covered} of "
             f"{math.prod(leaf.shape)} elements; refusing to commit an incomplete checkpoint. "

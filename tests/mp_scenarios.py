@@ -1,0 +1,109 @@
+"""Scenarios run by every process of a multi-process test (see tests/multiprocess.py)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import tpu_ckpt as tc
+
+GLOBAL = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+
+
+def _global_array(mesh: jax.sharding.Mesh, spec: P, value: np.ndarray = GLOBAL) -> jax.Array:
+    sharding = NamedSharding(mesh, spec)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def _local_shards_match(array: jax.Array, value: np.ndarray) -> bool:
+    return all(np.array_equal(np.asarray(s.data), value[s.index]) for s in array.addressable_shards)
+
+
+def save_and_restore_across_meshes(directory: str) -> dict:
+    """Save on a (4,2) mesh; restore on a mesh whose devices are reversed, so each process
+    needs pieces the other one wrote."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    tree = {
+        "w": _global_array(mesh, P("data", "model")),
+        "replicated": _global_array(mesh, P(), np.arange(6, dtype=np.int32)),
+        "step": 42,
+    }
+    path = os.path.join(directory, "ckpt")
+    result = tc.save(path, tree)
+    assert result.wait() == path
+    assert os.path.exists(os.path.join(path, "manifest.json"))  # visible right after wait()
+    files = sorted(os.listdir(path))
+    reversed_mesh = jax.sharding.Mesh(np.array(jax.devices()[::-1]).reshape(2, 4), ("data", "model"))
+    target = {
+        "w": jax.ShapeDtypeStruct(GLOBAL.shape, GLOBAL.dtype, sharding=NamedSharding(reversed_mesh, P("model", "data"))),
+        "replicated": jax.ShapeDtypeStruct((6,), np.int32, sharding=NamedSharding(reversed_mesh, P())),
+        "step": 0,
+    }
+    before = {s.device.id for s in tree["w"].addressable_shards}
+    restored = tc.restore(path, target)
+    everything = tc.restore(path)
+    return {
+        "process": jax.process_index(),
+        "files": files,
+        "w_ok": _local_shards_match(restored["w"], GLOBAL),
+        "replicated_ok": _local_shards_match(restored["replicated"], np.arange(6, dtype=np.int32)),
+        "step": restored["step"],
+        "numpy_ok": bool(np.array_equal(everything["w"], GLOBAL)),
+        "needs_other_process_pieces": _needs_pieces_of_other_processes(tree["w"], restored["w"]),
+        "saved_device_ids": sorted(before),
+    }
+
+
+def _region(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple(s.indices(d)[:2] for s, d in zip(index, shape))
+
+
+def _needs_pieces_of_other_processes(saved: jax.Array, restored: jax.Array) -> bool:
+    """Whether some local shard of ``restored`` overlaps a region another process saved."""
+    others = [
+        _region(index, saved.shape)
+        for device, index in saved.sharding.devices_indices_map(saved.shape).items()
+        if device.process_index != jax.process_index()
+    ]
+    mine = [_region(s.index, saved.shape) for s in restored.addressable_shards]
+    overlap = lambda a, b: all(max(a0, b0) < min(a1, b1) for (a0, a1), (b0, b1) in zip(a, b))  # noqa: E731
+    return any(overlap(a, b) for a in mine for b in others)
+
+
+class _FailsOnProcessOne(tc.ShardingCallback):
+    description = "fails on process 1"
+
+    def __call__(self, pieces):
+        if jax.process_index() == 1:
+            raise RuntimeError("callback failed on process 1")
+        return [{p.checkpoint_key: {p.slice_spec: p.tensor}} for p in pieces]
+
+
+def one_process_fails(directory: str) -> dict:
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    tree = {"w": _global_array(mesh, P("data", "model"))}
+    options = tc.CheckpointOptions(sharding_callback=_FailsOnProcessOne(), coordination_timeout=60)
+    started = time.monotonic()
+    try:
+        tc.save(os.path.join(directory, "ckpt"), tree, options=options)
+    except Exception as e:  # noqa: BLE001 - the scenario reports what was raised
+        return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - started}
+    return {"error": None}
+
+
+def straggler(directory: str) -> dict:
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    tree = {"w": _global_array(mesh, P("data", "model"))}
+    if jax.process_index() == 1:
+        time.sleep(8)
+    options = tc.CheckpointOptions(coordination_timeout=3)
+    try:
+        tc.save(os.path.join(directory, "ckpt"), tree, options=options)
+    except Exception as e:  # noqa: BLE001
+        return {"error": type(e).__name__, "message": str(e), "missing": getattr(e, "missing", None)}
+    return {"error": None}

@@ -1,0 +1,17 @@
+"""One process of a multi-process test: initialize JAX's distributed runtime, run a scenario."""
+
+import json
+import sys
+
+import jax
+
+port, num_processes, process_id, scenario, *args = sys.argv[1:]
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.config.update("jax_enable_x64", True)
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=int(num_processes), process_id=int(process_id))
+
+from tests import mp_scenarios  # noqa: E402  (after initialize, like a real training script)
+
+result = getattr(mp_scenarios, scenario)(*args)
+print("RESULT " + json.dumps(result), flush=True)
+jax.distributed.shutdown()

@@ -1,0 +1,63 @@
+"""Runs a scenario in N real JAX processes (CPU, 4 devices each, gloo collectives).
+
+Each process runs ``tests/mp_worker.py``, which calls ``jax.distributed.initialize`` against
+a coordinator on a free loopback port and then the named function of
+``tests/mp_scenarios.py``. Processes are always killed at the end, whatever happens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+WORKER = os.path.join(os.path.dirname(__file__), "mp_worker.py")
+
+
+@dataclasses.dataclass
+class ProcessResult:
+    returncode: int
+    output: str
+    result: dict | None  # the scenario's JSON result, when it returned normally
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(scenario: str, num_processes: int, *args: str, timeout: float = 240) -> list[ProcessResult]:
+    port = free_port()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKER, str(port), str(num_processes), str(i), scenario, *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )
+        for i in range(num_processes)
+    ]
+    deadline = time.monotonic() + timeout
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outputs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [ProcessResult(p.returncode, out, _result(out)) for p, out in zip(procs, outputs)]
+
+
+def _result(output: str) -> dict | None:
+    for line in reversed(output.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    return None
