@@ -1,0 +1,100 @@
+"""The on-disk format: golden safetensors bytes, dtype names, manifest round trip, versions."""
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import tpu_ckpt as tc
+from tpu_ckpt import format as fmt
+
+
+def test_golden_safetensors_header_of_a_two_tensor_shard():
+    layout = fmt.safetensors_layout([("w[0:2,0:2]", "float32", (2, 2), 16), ("i[0:3]", "int4", (3,), 3)])
+    header = (
+        b'{"__metadata__":{"format":"tpu_ckpt","format_version":"1.0","i[0:3]":"int4"},'
+        b'"w[0:2,0:2]":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},'
+        b'"i[0:3]":{"dtype":"U8","shape":[3],"data_offsets":[16,19]}}'
+    )
+    padded = header + b" " * (-len(header) % 8)
+    assert layout.header == len(padded).to_bytes(8, "little") + padded
+    assert layout.offsets == [8 + len(padded), 8 + len(padded) + 16]
+    assert layout.size == 8 + len(padded) + 19
+    assert len(layout.header) % 8 == 0
+
+
+def test_a_layout_is_readable_by_the_safetensors_package(tmp_path):
+    from safetensors.numpy import load_file
+
+    a = np.arange(4, dtype=np.float32).reshape(2, 2)
+    b = np.array([1, 2, 3], dtype=ml_dtypes.bfloat16)
+    layout = fmt.safetensors_layout([("a", "float32", (2, 2), a.nbytes), ("b", "bfloat16", (3,), b.nbytes)])
+    (tmp_path / "f.safetensors").write_bytes(layout.header + a.tobytes() + b.tobytes())
+    loaded = load_file(str(tmp_path / "f.safetensors"))
+    np.testing.assert_array_equal(loaded["a"], a)
+    np.testing.assert_array_equal(loaded["b"].astype(np.float32), b.astype(np.float32))
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [np.float32, np.int4 if hasattr(np, "int4") else ml_dtypes.int4, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, np.bool_, np.uint64],
+)
+def test_dtype_names_round_trip(dtype):
+    assert fmt.dtype_from_name(fmt.dtype_name(dtype)) == np.dtype(dtype)
+
+
+def test_unsupported_dtypes():
+    with pytest.raises(TypeError, match="cannot be checkpointed"):
+        fmt.dtype_name(np.dtype(object))
+    with pytest.raises(TypeError, match="cannot be checkpointed"):
+        fmt.dtype_name(np.dtype("U3"))
+    with pytest.raises(tc.FormatVersionError, match="unknown"):
+        fmt.dtype_from_name("float128x")
+
+
+def _manifest():
+    leaves = (
+        fmt.LeafEntry("params/w", [("dict", "params"), ("dict", "w")], "array", (4, 2), "bfloat16", True,
+                      {"type": "NamedSharding", "mesh": {"x": 2}, "spec": ["x"]},
+                      (fmt.PieceEntry(((0, 2), (0, 2)), "d00000-00000.safetensors", 80, 8, 12345),)),
+        fmt.LeafEntry("step", [("dict", "step")], "value", value=3),
+        fmt.LeafEntry("name", [("dict", "name")], "value", value="x"),
+        fmt.LeafEntry("lr", [("dict", "lr")], "value", value=float("nan")),
+    )
+    return fmt.Manifest(leaves, {"d00000-00000.safetensors": 96}, 2, "desc")
+
+
+def test_manifest_round_trips():
+    m = _manifest()
+    back = fmt.Manifest.from_json(m.to_json(), where="m")
+    assert back.leaves[:3] == m.leaves[:3]
+    assert np.isnan(back.leaves[3].value)
+    assert back.files == m.files and back.process_count == 2 and back.sharding_callback == "desc"
+    doc = json.loads(m.to_json())
+    assert doc["format"] == "tpu_ckpt" and doc["format_version"] == fmt.FORMAT_VERSION
+
+
+def test_minor_versions_are_read_major_versions_refused():
+    doc = json.loads(_manifest().to_json())
+    doc["format_version"] = "1.7"
+    assert fmt.Manifest.from_json(json.dumps(doc).encode(), where="m").version == "1.7"
+    doc["format_version"] = "2.0"
+    with pytest.raises(tc.FormatVersionError, match="m has format version 2.0"):
+        fmt.Manifest.from_json(json.dumps(doc).encode(), where="m")
+
+
+@pytest.mark.parametrize("data", [b"not json", b"[]", b'{"format": "orbax"}', b'{"format":"tpu_ckpt","format_version":"1.0"}'])
+def test_bad_manifests_are_corrupt_checkpoint_errors(data):
+    with pytest.raises(tc.CorruptCheckpointError, match="where"):
+        fmt.Manifest.from_json(data, where="where")
+
+
+def test_crc32c_known_value():
+    assert fmt.crc32c(b"123456789") == 0xE3069283  # the standard check value
+    assert fmt.crc32c(np.frombuffer(b"123456789", np.uint8)) == 0xE3069283
+
+
+def test_tensor_names():
+    assert fmt.tensor_name("a/b", ((0, 2), (4, 8))) == "a/b[0:2,4:8]"
+    assert fmt.tensor_name("s", ()) == "s[]"
