@@ -2,9 +2,11 @@
 
 import os
 
+import numpy as np
 import pytest
 
 from tpu_ckpt import storage
+from tpu_ckpt.errors import CorruptCheckpointError
 
 
 def test_locations_map_to_kvstore_specs(monkeypatch, tmp_path):
@@ -19,14 +21,25 @@ def test_locations_map_to_kvstore_specs(monkeypatch, tmp_path):
         storage.location("")
 
 
+def test_writev_handles_many_and_partial_buffers(tmp_path):
+    buffers = [np.full(i % 7, i % 256, np.uint8) for i in range(3000)]  # more than IOV_MAX, some empty
+    with storage.Store(storage.location(tmp_path)) as store:
+        store.write("f", buffers).result()
+    assert (tmp_path / "f").read_bytes() == b"".join(b.tobytes() for b in buffers)
+
+
 def test_local_staging_is_a_sibling_and_commit_renames(tmp_path):
     final = storage.location(tmp_path / "c")
     staging = final.staging("abc")
     assert staging.local_path == str(tmp_path / "c") + ".tmp-abc"
-    store = storage.Store(staging)
-    store.write("x", b"123").result()
-    assert store.read_file("x") == b"123" and store.read("x", 1, 2).result().value == b"2"
-    assert store.list() == ["x"] and store.exists("x") and not store.exists("y")
+    with storage.Store(staging) as store:
+        store.write("x", [b"12", np.frombuffer(b"3", np.uint8)]).result()
+        assert store.read_file("x") == b"123" and store.read("x", 1, 2).result().tobytes() == b"2"
+        assert store.list() == ["x"] and store.read_file("y") is None
+        with pytest.raises(CorruptCheckpointError, match="truncated"):
+            store.read("x", 1, 5).result()
+        with pytest.raises(CorruptCheckpointError, match="missing"):
+            store.read("y", 0, 1).result()
     assert not storage.is_empty(staging) and storage.is_empty(final)
     storage.commit(staging, final)
     assert os.listdir(tmp_path) == ["c"] and (tmp_path / "c" / "x").read_bytes() == b"123"
@@ -35,10 +48,12 @@ def test_local_staging_is_a_sibling_and_commit_renames(tmp_path):
 def test_object_stores_write_in_place_and_remove_clears_the_prefix():
     final = storage.location("memory://storage_test/c")
     assert final.staging("abc") == final
-    store = storage.Store(final)
-    store.write("a", b"1").result()
-    store.write("b/c", b"2").result()
-    storage.commit(final, final)  # nothing to rename
-    assert store.list() == ["a", "b/c"]
+    with storage.Store(final) as store:
+        store.write("a", [b"1"]).result()
+        store.write("b/c", [b"2", b"3"]).result()
+        storage.commit(final, final)  # nothing to rename
+        assert store.list() == ["a", "b/c"] and store.read("b/c", 1, 2).result().tobytes() == b"3"
+        with pytest.raises(CorruptCheckpointError, match="truncated"):
+            store.read("a", 0, 3).result()
     storage.remove(final)
     assert storage.is_empty(final)

@@ -25,7 +25,11 @@ import numpy as np
 
 from tpu_ckpt import keys, read_plan, storage
 from tpu_ckpt.errors import (
-    CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, TargetMismatchError, UncommittedCheckpointError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    TargetMismatchError,
+    UncommittedCheckpointError,
 )
 from tpu_ckpt.format import MANIFEST_FILE, LeafEntry, Manifest, PieceEntry, crc32c, dtype_from_name
 from tpu_ckpt.options import CheckpointOptions
@@ -56,17 +60,34 @@ class _Want:
     sharding: jax.sharding.Sharding | None  # None: a numpy array
     python_type: type | None = None  # a Python scalar target: return .item() of this type
 
-    def slices(self) -> list[SliceSpec]:
+    def regions(self) -> dict[SliceSpec, list[jax.Device]]:
+        """Each distinct global slice this process needs, with the devices that hold it."""
         if self.sharding is None:
-            return [full_slice(self.leaf.shape)]
-        indices = self.sharding.addressable_devices_indices_map(self.leaf.shape).values()
-        return list(dict.fromkeys(index_to_slice(i, self.leaf.shape) for i in indices))
+            return {full_slice(self.leaf.shape): []}
+        regions: dict[SliceSpec, list[jax.Device]] = {}
+        for device, index in self.sharding.addressable_devices_indices_map(self.leaf.shape).items():
+            regions.setdefault(index_to_slice(index, self.leaf.shape), []).append(device)
+        return regions
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unit:
+    """One region of one leaf: read its pieces, assemble it, place it on its devices."""
+
+    position: int  # the leaf's index in the flattened target
+    want: _Want
+    region: SliceSpec
+    devices: list[jax.Device]
+    pieces: list[PieceEntry]
 
 
 def read_manifest(loc: storage.Location) -> Manifest:
     """The committed manifest at ``loc``; a typed error if there is none or it is unusable."""
     where = loc.child(MANIFEST_FILE)
-    data = storage.Store(loc).read_file(MANIFEST_FILE) if not storage.is_empty(loc) else None
+    data = None
+    if not storage.is_empty(loc):
+        with storage.Store(loc, threads=1) as store:
+            data = store.read_file(MANIFEST_FILE)
     if data is None:
         if storage.is_empty(loc) and not _has_staging_leftover(loc):
             raise CheckpointNotFoundError(f"No checkpoint at {loc.url}", file=loc.url)
@@ -147,7 +168,8 @@ def restore(
     else:
         flat, treedef = keys.flatten(target)
         wanted = [_want_for(loc, leaves, _join(prefix, key), t) for key, _, t in flat]
-    results, nbytes = _restore_leaves(storage.Store(loc), wanted)
+    with storage.Store(loc) as store:
+        results, nbytes = _restore_leaves(store, wanted)
     logger.info(
         "tpu_ckpt: restored %d leaves (%.1f MB read) from %s in %.2fs",
         len(results), nbytes / 1e6, loc.url, time.perf_counter() - started,
@@ -199,55 +221,68 @@ def _want_for(loc: storage.Location, leaves: dict[str, LeafEntry], key: str, tar
 
 
 def _restore_leaves(store: storage.Store, wanted: Sequence[Any]) -> tuple[list[Any], int]:
-    """Restores every wanted leaf, reading in batches of about ``READ_BATCH_BYTES``."""
+    """Restores every wanted leaf, reading in batches of about ``READ_BATCH_BYTES``.
+
+    Each batch's regions go to their devices before the next batch is read, so the host holds
+    at most one batch of read bytes beyond the restored arrays themselves.
+    """
     results: list[Any] = list(wanted)
-    batch: list[tuple[int, _Want, list[SliceSpec], list[PieceEntry]]] = []
+    placed: dict[int, dict[jax.Device, jax.Array]] = {}
+    batch: list[_Unit] = []
     batch_bytes = total = 0
-    for i, want in enumerate(wanted):
+    for position, want in enumerate(wanted):
         if not isinstance(want, _Want):
             continue
-        slices = want.slices()
-        pieces = list({(p.file, p.offset): p for s in slices for p in read_plan.overlapping(want.leaf, s)}.values())
-        nbytes = sum(p.length for p in pieces)
-        if batch and batch_bytes + nbytes > READ_BATCH_BYTES:
-            total += _run_batch(store, batch, results)
-            batch, batch_bytes = [], 0
-        batch.append((i, want, slices, pieces))
-        batch_bytes += nbytes
+        for region, devices in want.regions().items():
+            unit = _Unit(position, want, region, devices, read_plan.overlapping(want.leaf, region))
+            nbytes = sum(p.length for p in unit.pieces)
+            if batch and batch_bytes + nbytes > READ_BATCH_BYTES:
+                total += _run_batch(store, batch, results, placed)
+                batch, batch_bytes = [], 0
+            batch.append(unit)
+            batch_bytes += nbytes
     if batch:
-        total += _run_batch(store, batch, results)
+        total += _run_batch(store, batch, results, placed)
+    for position, shards in placed.items():
+        want = results[position]
+        results[position] = jax.make_array_from_single_device_arrays(want.leaf.shape, want.sharding, list(shards.values()))
     return results, total
 
 
-def _run_batch(store: storage.Store, batch: Sequence[tuple[int, _Want, list[SliceSpec], list[PieceEntry]]], results: list[Any]) -> int:
-    reads = read_plan.coalesce((want.leaf.key, p) for _, want, _, pieces in batch for p in pieces)
+def _run_batch(
+    store: storage.Store, batch: Sequence[_Unit], results: list[Any], placed: dict[int, dict[jax.Device, jax.Array]]
+) -> int:
+    reads = read_plan.coalesce((unit.want.leaf.key, p) for unit in batch for p in unit.pieces)
     data = _fetch(store, reads)
-    for i, want, slices, _ in batch:
-        results[i] = _build(want, slices, data)
+    on_device = []
+    for unit in batch:
+        host = _assemble(unit.want, unit.region, data)
+        if unit.want.python_type is not None:
+            results[unit.position] = unit.want.python_type(host.item())
+        elif unit.want.sharding is None:
+            results[unit.position] = host
+        else:
+            shards = placed.setdefault(unit.position, {})
+            for device in unit.devices:
+                shards[device] = jax.device_put(host, device)
+                on_device.append(shards[device])
+    jax.block_until_ready(on_device)  # the copies are done: this batch's read bytes can go
     return sum(r.stop - r.start for r in reads)
 
 
-def _fetch(store: storage.Store, reads: Sequence[read_plan.Read]) -> dict[tuple[str, int], memoryview]:
+def _fetch(store: storage.Store, reads: Sequence[read_plan.Read]) -> dict[tuple[str, int], np.ndarray]:
     """Issues all reads at once; returns each piece's verified bytes by (file, offset)."""
     futures = [(r, store.read(r.file, r.start, r.stop)) for r in reads]
-    out: dict[tuple[str, int], memoryview] = {}
+    out: dict[tuple[str, int], np.ndarray] = {}
     for read, future in futures:
         where = store.location.child(read.file)
-        first_key = read.pieces[0][0]
         try:
-            result = future.result()
-        except ValueError as e:
-            raise CorruptCheckpointError(
-                f"{where} is truncated: reading bytes [{read.start}, {read.stop}) for key {first_key!r} failed ({e})",
-                key=first_key, file=where,
-            ) from None
-        if result.state == "missing":
-            raise CorruptCheckpointError(f"Data file {where} (holding key {first_key!r}) is missing", key=first_key, file=where)
-        view = memoryview(result.value)
-        if len(view) != read.stop - read.start:
-            raise CorruptCheckpointError(f"{where} is truncated (key {first_key!r})", key=first_key, file=where)
+            data = future.result()
+        except CorruptCheckpointError as e:
+            key = read.pieces[0][0]
+            raise CorruptCheckpointError(f"{e} (reading key {key!r})", key=key, file=e.file) from None
         for key, piece in read.pieces:
-            chunk = view[piece.offset - read.start : piece.offset - read.start + piece.length]
+            chunk = data[piece.offset - read.start : piece.offset - read.start + piece.length]
             if crc32c(chunk) != piece.crc32c:
                 raise CorruptCheckpointError(
                     f"crc32c mismatch for key {key!r} slice {list(piece.slice)} in {where}: the file is corrupt",
@@ -257,18 +292,7 @@ def _fetch(store: storage.Store, reads: Sequence[read_plan.Read]) -> dict[tuple[
     return out
 
 
-def _build(want: _Want, slices: list[SliceSpec], data: dict[tuple[str, int], memoryview]) -> Any:
-    hosts = {s: _assemble(want, s, data) for s in slices}
-    if want.python_type is not None:
-        return want.python_type(hosts[()].item())
-    if want.sharding is None:
-        host = hosts[full_slice(want.leaf.shape)]
-        return host if host.flags.writeable else host.copy()
-    shape = want.leaf.shape
-    return jax.make_array_from_callback(shape, want.sharding, lambda index: hosts[index_to_slice(index, shape)])
-
-
-def _assemble(want: _Want, region: SliceSpec, data: dict[tuple[str, int], memoryview]) -> np.ndarray:
+def _assemble(want: _Want, region: SliceSpec, data: dict[tuple[str, int], np.ndarray]) -> np.ndarray:
     """The host array for one global slice, copied out of the pieces that overlap it."""
     saved = dtype_from_name(want.leaf.dtype)
     shape = tuple(b - a for a, b in region)
@@ -288,12 +312,12 @@ def _assemble(want: _Want, region: SliceSpec, data: dict[tuple[str, int], memory
     return out
 
 
-def _piece_array(piece: PieceEntry, dtype: np.dtype, data: dict[tuple[str, int], memoryview]) -> np.ndarray:
+def _piece_array(piece: PieceEntry, dtype: np.dtype, data: dict[tuple[str, int], np.ndarray]) -> np.ndarray:
     shape = tuple(b - a for a, b in piece.slice)
     if math.prod(shape) == 0:
         return np.empty(shape, dtype)
     try:
-        return np.frombuffer(data[(piece.file, piece.offset)], dtype=dtype).reshape(shape)
+        return data[(piece.file, piece.offset)].view(dtype).reshape(shape)
     except KeyError:
         raise CheckpointError(f"internal: piece {piece} was not read") from None
 

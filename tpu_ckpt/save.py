@@ -23,7 +23,14 @@ import numpy as np
 from tpu_ckpt import distributed, keys, storage
 from tpu_ckpt.errors import CheckpointError, CheckpointExistsError
 from tpu_ckpt.format import (
-    MANIFEST_FILE, LeafEntry, Manifest, PieceEntry, crc32c, dtype_name, safetensors_layout, tensor_name,
+    MANIFEST_FILE,
+    LeafEntry,
+    Manifest,
+    PieceEntry,
+    crc32c,
+    dtype_name,
+    safetensors_layout,
+    tensor_name,
 )
 from tpu_ckpt.options import CheckpointOptions, wants_path
 from tpu_ckpt.pieces import Shard, ShardableTensor, array_pieces, describe_sharding
@@ -71,18 +78,18 @@ def save(path: str | os.PathLike[str], tree: Any, *, options: CheckpointOptions 
         shards = [s for s in options.sharding_callback(pieces) if s]
         validate_shards(shards, pieces, options.sharding_callback.description)
         staging = final.staging(_agree_on_token(final, coord))
-        store = storage.Store(staging)
-        index, files = _write_shards(store, shards, coord.me)
-        written = sum(files.values())
-        if coord.me == 0:
-            coord.gather("written")
-            _commit(store, staging, final, coord.count, entries, index, files, options)
-            staging = None  # committed: from here on nothing may delete it
-            coord.publish("committed")
-        else:
-            store.write(_index_file(coord.me), _index_to_json(index, files)).result()
-            coord.gather("written")
-            coord.receive("committed", 0)
+        with storage.Store(staging) as store:
+            index, files = _write_shards(store, shards, coord.me)
+            written = sum(files.values())
+            if coord.me == 0:
+                coord.gather("written")
+                _commit(store, staging, final, coord.count, entries, index, files, options)
+                staging = None  # committed: from here on nothing may delete it
+                coord.publish("committed")
+            else:
+                store.write(_index_file(coord.me), [_index_to_json(index, files)]).result()
+                coord.gather("written")
+                coord.receive("committed", 0)
     except BaseException as error:
         coord.report_failure(error)
         if staging is not None:
@@ -164,7 +171,7 @@ def _write_shards(store: storage.Store, shards: Sequence[Shard], me: int) -> tup
             index[key].append(PieceEntry(spec, name, offset, buf.nbytes, crc32c(buf)))
         while len(in_flight) >= MAX_WRITES_IN_FLIGHT:
             _finish(in_flight.popleft(), store)
-        in_flight.append((name, store.write(name, b"".join([layout.header, *buffers]))))
+        in_flight.append((name, store.write(name, [layout.header, *buffers])))
         files[name] = layout.size
         del buffers
     while in_flight:
@@ -216,7 +223,7 @@ def _commit(
     for leaf in leaves:
         _check_covered(leaf)
     manifest = Manifest(leaves, dict(sorted(files.items())), process_count, options.sharding_callback.description)
-    store.write(MANIFEST_FILE, manifest.to_json()).result()
+    store.write(MANIFEST_FILE, [manifest.to_json()]).result()
     storage.commit(staging, final)
 
 

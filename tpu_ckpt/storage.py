@@ -1,4 +1,4 @@
-"""Storage: the only module that talks to tensorstore (and to the local filesystem).
+"""Storage: the only module that touches files and object stores.
 
 A checkpoint lives in one directory (or object-store prefix). Writers put everything into a
 staging location and commit it atomically: on a local disk the staging directory is a
@@ -6,23 +6,31 @@ sibling ``<name>.tmp-<token>`` renamed onto the final name; on ``memory://``, ``
 ``s3://``, where there is no rename, files are written in place and the manifest, written
 last, is the commit marker. Either way a reader sees a checkpoint only once its manifest
 exists at the final location.
+
+Object stores go through tensorstore kvstores. Local files do not: measured here,
+tensorstore's kvstore holds two extra copies of every value it writes (a 512 MB write peaks
+at +1 GB of RSS) and three while reading one, and it only accepts ``bytes``. Writing local
+files with ``os.writev`` straight from the arrays' buffers, and reading with ``preadv`` into
+preallocated arrays, costs no copy at all and keeps host memory at what the caller holds.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import shutil
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlparse
 
+import numpy as np
 import tensorstore as ts
 
-from tpu_ckpt.errors import CheckpointError
+from tpu_ckpt.errors import CheckpointError, CorruptCheckpointError
 
 # memory:// stores live as long as the process, shared by every open of the same path.
 _MEMORY_CONTEXT = ts.Context()
-_FILE_IO_CONCURRENCY = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,47 +90,138 @@ def location(path: str | os.PathLike[str]) -> Location:
 
 
 class Store:
-    """Reads and writes the files of one checkpoint directory through a tensorstore kvstore."""
+    """Reads and writes the files of one checkpoint directory.
 
-    def __init__(self, loc: Location):
+    ``write`` and ``read`` return ``concurrent.futures.Future``s so callers keep many
+    transfers in flight. Call :meth:`close` (or use ``with``) when done.
+    """
+
+    def __init__(self, loc: Location, *, threads: int = 8):
         self.location = loc
-        spec = loc.kvstore_spec()
-        context = (
-            _MEMORY_CONTEXT
-            if spec["driver"] == "memory"
-            else ts.Context({"file_io_concurrency": {"limit": _FILE_IO_CONCURRENCY}})
-        )
-        self._kv = ts.KvStore.open(spec, context=context).result()
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tpu_ckpt_io")
+        self._kv = None if loc.is_local else _open_kvstore(loc)
+        self._root = os.path.abspath(loc.local_path) if loc.is_local else ""
 
-    def write(self, name: str, data: bytes) -> ts.Future:
-        """Starts writing one whole file; the future resolves once it is durable."""
-        return self._kv.write(name, data)
+    def __enter__(self) -> Store:
+        return self
 
-    def read(self, name: str, start: int | None = None, stop: int | None = None) -> ts.Future:
-        """Starts reading ``[start, stop)`` of a file (the whole file by default).
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
-        The future's ``ReadResult`` has ``state == "missing"`` when the file does not exist;
-        a range past the end of the file fails with a ``ValueError`` (OUT_OF_RANGE).
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def write(self, name: str, buffers: Sequence[Any]) -> concurrent.futures.Future:
+        """Starts writing one whole file from ``buffers`` (bytes-like); resolves once durable."""
+        if self._kv is None:
+            return self._pool.submit(self._write_local, name, buffers)
+        data = b"".join(buffers)  # the kvstore API takes bytes only
+        return self._pool.submit(lambda: self._kv.write(name, data).result())
+
+    def read(self, name: str, start: int, stop: int) -> concurrent.futures.Future:
+        """Starts reading bytes ``[start, stop)`` of a file; resolves to a writable uint8 array.
+
+        Fails with :class:`CorruptCheckpointError` when the file is missing or too short.
         """
-        if start is None and stop is None:
-            return self._kv.read(name)
-        return self._kv.read(name, byte_range=slice(start, stop))
+        if self._kv is None:
+            return self._pool.submit(self._read_local, name, start, stop)
+        return self._pool.submit(self._read_kv, name, start, stop)
 
     def read_file(self, name: str) -> bytes | None:
-        result = self.read(name).result()
+        """A whole small file (the manifest), or None when it does not exist."""
+        if self._kv is None:
+            try:
+                with open(os.path.join(self._root, name), "rb") as f:
+                    return f.read()
+            except FileNotFoundError:
+                return None
+        result = self._kv.read(name).result()
         return None if result.state == "missing" else result.value
 
-    def exists(self, name: str) -> bool:
-        return self.read(name, 0, 0).result().state != "missing"
-
     def list(self) -> list[str]:
+        if self._kv is None:
+            if not os.path.isdir(self._root):
+                return []
+            return sorted(
+                os.path.relpath(os.path.join(d, f), self._root) for d, _, files in os.walk(self._root) for f in files
+            )
         return sorted(k.decode() for k in self._kv.list().result())
 
     def delete(self, name: str) -> None:
-        self._kv.write(name, None).result()
+        if self._kv is None:
+            os.unlink(os.path.join(self._root, name))
+        else:
+            self._kv.write(name, None).result()
 
     def delete_all(self) -> None:
-        self._kv.delete_range(ts.KvStore.KeyRange()).result()
+        if self._kv is None:
+            shutil.rmtree(self._root, ignore_errors=True)
+        else:
+            self._kv.delete_range(ts.KvStore.KeyRange()).result()
+
+    def _write_local(self, name: str, buffers: Sequence[Any]) -> None:
+        path = os.path.join(self._root, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
+            while views:
+                written = os.writev(fd, views[:_IOV_MAX])
+                views = _advance(views, written)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _read_local(self, name: str, start: int, stop: int) -> np.ndarray:
+        path = os.path.join(self._root, name)
+        out = np.empty(stop - start, np.uint8)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"data file {path} is missing", file=path) from None
+        try:
+            view, offset = memoryview(out), start
+            while view:
+                n = os.preadv(fd, [view], offset)
+                if n == 0:
+                    raise CorruptCheckpointError(
+                        f"{path} is truncated: it ends at byte {offset}, before {stop}", file=path
+                    )
+                view, offset = view[n:], offset + n
+        finally:
+            os.close(fd)
+        return out
+
+    def _read_kv(self, name: str, start: int, stop: int) -> np.ndarray:
+        where = self.location.child(name)
+        try:
+            result = self._kv.read(name, byte_range=slice(start, stop)).result()
+        except ValueError as e:  # OUT_OF_RANGE: the object is shorter than the manifest says
+            raise CorruptCheckpointError(f"{where} is truncated ({e})", file=where) from None
+        if result.state == "missing":
+            raise CorruptCheckpointError(f"data file {where} is missing", file=where)
+        if len(result.value) != stop - start:
+            raise CorruptCheckpointError(f"{where} is truncated", file=where)
+        return np.frombuffer(result.value, np.uint8).copy()
+
+
+_IOV_MAX = 1024
+
+
+def _advance(views: list[memoryview], written: int) -> list[memoryview]:
+    """Drops the first ``written`` bytes from a list of buffers (writev may write partially)."""
+    while views and written >= len(views[0]):
+        written -= len(views[0])
+        views = views[1:]
+    if views and written:
+        views = [views[0][written:], *views[1:]]
+    return views
+
+
+def _open_kvstore(loc: Location) -> Any:
+    spec = loc.kvstore_spec()
+    context = _MEMORY_CONTEXT if spec["driver"] == "memory" else ts.Context()
+    return ts.KvStore.open(spec, context=context).result()
 
 
 def is_empty(loc: Location) -> bool:
@@ -130,15 +229,14 @@ def is_empty(loc: Location) -> bool:
     if loc.is_local:
         path = loc.local_path
         return not os.path.exists(path) or (os.path.isdir(path) and not os.listdir(path))
-    return not Store(loc).list()
+    with Store(loc, threads=1) as store:
+        return not store.list()
 
 
 def remove(loc: Location) -> None:
     """Deletes everything at ``loc`` (a failed save's staging area)."""
-    if loc.is_local:
-        shutil.rmtree(loc.local_path, ignore_errors=True)
-        return
-    Store(loc).delete_all()
+    with Store(loc) as store:
+        store.delete_all()
 
 
 def commit(staging: Location, final: Location) -> None:
