@@ -9,6 +9,7 @@ inside one piece, must not overlap, and must cover every piece exactly.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import numbers
 from collections.abc import Mapping, Sequence
@@ -180,29 +181,45 @@ def _volume(spec: SliceSpec) -> int:
 def _cover(piece: SliceSpec, slices: list[SliceSpec]) -> _Coverage:
     """Whether the slices filed under ``piece`` overlap or leave part of it uncovered.
 
-    All ``slices`` lie inside ``piece``. An empty piece counts as covered when any slice was
-    filed under it, so a policy cannot drop zero-size arrays the way TF's does.
+    All ``slices`` lie inside ``piece`` and are distinct (duplicates were rejected earlier), so a
+    scalar piece is covered exactly when any slice was filed under it. So is an empty piece, which
+    stops a policy from dropping zero-size arrays the way TF's does.
     """
-    if _volume(piece) == 0:
-        return None, not slices
-    bounds = [np.unique([piece[d][0], piece[d][1]] + [v for s in slices for v in s[d]]) for d in range(len(piece))]
+    if not slices:
+        return None, True
+    if not piece or _volume(piece) == 0:
+        return None, False
+    boxes = np.array(slices, dtype=np.int64).reshape(len(slices), len(piece), 2)
+    bounds = [np.unique(np.concatenate([piece[d], boxes[:, d].ravel()])) for d in range(len(piece))]
     if math.prod(len(b) - 1 for b in bounds) <= _MAX_GRID_CELLS:
-        return _cover_on_grid(bounds, slices)
+        return _cover_on_grid(bounds, boxes, slices)
     overlap = _first_overlap(slices)
     return overlap, overlap is None and sum(map(_volume, slices)) != _volume(piece)
 
 
-def _cover_on_grid(bounds: list[np.ndarray], slices: list[SliceSpec]) -> _Coverage:
-    """Counts how often each cell between consecutive slice boundaries is covered (coordinate compression)."""
-    grid = np.zeros([len(b) - 1 for b in bounds], dtype=np.int32)
-    for s in slices:
-        grid[tuple(slice(*np.searchsorted(b, s[d])) for d, b in enumerate(bounds))] += 1
-    doubled = np.argwhere(grid > 1)
+def _cover_on_grid(bounds: list[np.ndarray], boxes: np.ndarray, slices: list[SliceSpec]) -> _Coverage:
+    """Counts how often each cell between consecutive slice boundaries is covered (coordinate compression).
+
+    Each box adds +-1 at its 2**rank corners of a difference array, whose running sums along
+    every axis are the counts, so the work is vectorised over all boxes at once.
+    """
+    rank = len(bounds)
+    lo = np.stack([np.searchsorted(b, boxes[:, d, 0]) for d, b in enumerate(bounds)], axis=1)
+    hi = np.stack([np.searchsorted(b, boxes[:, d, 1]) for d, b in enumerate(bounds)], axis=1)
+    counts = np.zeros([len(b) for b in bounds], dtype=np.int64)
+    for corner in itertools.product((0, 1), repeat=rank):
+        index = tuple(hi[:, d] if upper else lo[:, d] for d, upper in enumerate(corner))
+        np.add.at(counts, index, (-1) ** sum(corner))
+    for d in range(rank):
+        counts = np.cumsum(counts, axis=d)
+    counts = counts[(slice(0, -1),) * rank]
+    doubled = np.argwhere(counts > 1)
     if len(doubled):
-        point = tuple(int(b[i]) for b, i in zip(bounds, doubled[0]))
-        first, second = [s for s in slices if all(a <= p < z for (a, z), p in zip(s, point))][:2]
-        return (first, second), False
-    return None, bool((grid == 0).any())
+        point = np.array([b[i] for b, i in zip(bounds, doubled[0])])
+        inside = np.all((boxes[:, :, 0] <= point) & (point < boxes[:, :, 1]), axis=1)
+        first, second = np.flatnonzero(inside)[:2]
+        return (slices[first], slices[second]), False
+    return None, bool((counts == 0).any())
 
 
 def _first_overlap(slices: list[SliceSpec]) -> tuple[SliceSpec, SliceSpec] | None:
