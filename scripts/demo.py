@@ -45,6 +45,7 @@ def shard_like_params(tree, mesh):
     """Shards 2-D kernels over both mesh axes and replicates everything else."""
 
     def place(x):
+        x = jnp.asarray(x)
         spec = P("data", "model") if x.ndim == 2 and x.shape[0] % 4 == 0 and x.shape[1] % 2 == 0 else P()
         return jax.device_put(x, NamedSharding(mesh, spec))
 
@@ -60,7 +61,8 @@ def main() -> None:
     root = args.dir or tempfile.mkdtemp(prefix="tpu_ckpt_demo_")
     os.makedirs(root, exist_ok=True)
 
-    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    auto = (jax.sharding.AxisType.Auto,) * 2  # let jit propagate shardings through the model
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=auto)
     model = MLP()
     params = model.init(jax.random.key(0), jnp.ones((1, 64)))
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(1e-3))
@@ -91,7 +93,7 @@ def main() -> None:
             print(f"step {step:4d}  loss {float(loss):.4f}  saved {size / 1e6:6.2f} MB in {len(files)} files, {took * 1e3:6.1f} ms")
             latest = path
 
-    other_mesh = jax.make_mesh((2, 4), ("data", "model"))
+    other_mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=auto)
     abstract = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(other_mesh, x.sharding.spec)), state
     )

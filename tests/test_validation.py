@@ -235,3 +235,20 @@ def test_many_uncovered_pieces_are_summarised():
     many = [ShardableTensor(np.float32(i), f"k{i}", (), (), np.dtype(np.float32)) for i in range(8)]
     with pytest.raises(InvalidShardsError, match="and 3 more"):
         validate_shards([], many, DESCRIPTION)
+
+
+@pytest.mark.parametrize(
+    ("shape", "slices", "fragment"),
+    [
+        ((5,), [((0, 3),), ((2, 5),)], "slices ((0, 3),) and ((2, 5),) overlap"),
+        ((5,), [((0, 2),), ((3, 5),)], "not fully covered"),
+        ((2, 3, 4), [((0, 2), (0, 3), (0, 2)), ((1, 2), (2, 3), (1, 4))], "overlap"),
+        ((2, 3, 4), [((0, 2), (0, 3), (0, 2)), ((0, 2), (0, 3), (2, 3))], "not fully covered"),
+    ],
+)
+def test_exact_cover_in_rank_1_and_3(shape, slices, fragment):
+    leaf = np.zeros(shape, np.int8)
+    spec = tuple((0, n) for n in shape)
+    shard = {"t": {s: block(s, leaf) for s in slices}}
+    with pytest.raises(InvalidShardsError, match=re.escape(fragment)):
+        validate_shards([shard], [ShardableTensor(leaf, "t", spec, shape, leaf.dtype)], DESCRIPTION)

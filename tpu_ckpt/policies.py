@@ -166,7 +166,8 @@ def _next_partition(shape: tuple[int, ...], esize: int, remaining: int) -> tuple
     best_axis, best = 0, num_slabs(0)
     for axis in range(1, len(shape)):
         slabs = num_slabs(axis)
-        # TF's float test count*esize/slabs <= remaining, in exact integer arithmetic.
+        # TF's test count*esize/slabs <= remaining, in exact integers. It always holds for a
+        # finite slab count; kept so the choice reads exactly as TF's.
         if slabs < best and count * esize <= remaining * slabs:
             best_axis, best = axis, slabs
     if best == math.inf:

@@ -49,13 +49,13 @@ def validate_shards(shards: Any, shardable_tensors: Sequence[ShardableTensor], d
 
 
 class _Validator:
+    """One validation: the leaves the pieces describe, and the output slices filed under each piece."""
+
     def __init__(self, description: str, shardable_tensors: Sequence[ShardableTensor]):
         self.description = description
         self.leaves: dict[str, _Leaf] = {}
         for piece in shardable_tensors:
-            leaf = self.leaves.setdefault(
-                piece.checkpoint_key, _Leaf(tuple(piece.shape), np.dtype(piece.dtype), {})
-            )
+            leaf = self.leaves.setdefault(piece.checkpoint_key, _Leaf(tuple(piece.shape), np.dtype(piece.dtype), {}))
             leaf.pieces.setdefault(tuple(piece.slice_spec), [])
 
     def error(self, problem: str, key: str | None = None) -> InvalidShardsError:
