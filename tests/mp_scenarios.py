@@ -45,6 +45,11 @@ def save_and_restore_across_meshes(directory: str) -> dict:
         "step": 0,
     }
     before = {s.device.id for s in tree["w"].addressable_shards}
+    try:
+        tc.save(os.path.join(directory, "bad"), tree, options=tc.CheckpointOptions(sharding_callback=_ReturnsGlobalArrays()))
+        altered_task_error = ""
+    except tc.InvalidShardsError as e:
+        altered_task_error = str(e)
     restored = tc.restore(path, target)
     everything = tc.restore(path)
     return {
@@ -56,6 +61,7 @@ def save_and_restore_across_meshes(directory: str) -> dict:
         "numpy_ok": bool(np.array_equal(everything["w"], GLOBAL)),
         "needs_other_process_pieces": _needs_pieces_of_other_processes(tree["w"], restored["w"]),
         "saved_device_ids": sorted(before),
+        "altered_task_error": altered_task_error,
     }
 
 
@@ -73,6 +79,19 @@ def _needs_pieces_of_other_processes(saved: jax.Array, restored: jax.Array) -> b
     mine = [_region(s.index, saved.shape) for s in restored.addressable_shards]
     overlap = lambda a, b: all(max(a0, b0) < min(a1, b1) for (a0, a1), (b0, b1) in zip(a, b))  # noqa: E731
     return any(overlap(a, b) for a in mine for b in others)
+
+
+class _ReturnsGlobalArrays(tc.ShardingCallback):
+    """Invalid: hands back the whole (multi-process) array instead of this process's piece."""
+
+    description = "returns global arrays"
+
+    def __init__(self):
+        mesh = jax.make_mesh((4, 2), ("data", "model"))
+        self.replicated = _global_array(mesh, P(), np.arange(6, dtype=np.int32))
+
+    def __call__(self, pieces):
+        return [{p.checkpoint_key: {p.slice_spec: self.replicated}} for p in pieces if p.checkpoint_key == "replicated"]
 
 
 class _FailsOnProcessOne(tc.ShardingCallback):

@@ -14,6 +14,8 @@ def test_two_processes_save_and_restore_across_meshes(tmp_path):
         assert res["w_ok"] and res["replicated_ok"] and res["numpy_ok"], res
         assert res["step"] == 42
         assert res["needs_other_process_pieces"], res
+    assert "altered task" in results[0].result["altered_task_error"]
+    assert "'replicated'" in results[0].result["altered_task_error"]
     files = results[0].result["files"]
     assert any(f.startswith("d00000-") for f in files) and any(f.startswith("d00001-") for f in files)
     with open(tmp_path / "ckpt" / "manifest.json") as f:

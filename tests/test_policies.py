@@ -355,11 +355,6 @@ def test_random_shapes_and_limits_always_valid_bounded_and_lossless():
 # --- Device and task policies on real sharded arrays ---------------------------------------------
 
 
-needs_8_devices = pytest.mark.skipif(
-    jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8"
-)
-
-
 def mesh_pieces() -> list[ShardableTensor]:
     """A 2D-sharded leaf, a leaf replicated over mesh axis y (4 distinct pieces), and a host value."""
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("x", "y"))
@@ -376,7 +371,6 @@ def entries(shard: Shard) -> set[tuple[str, SliceSpec]]:
     return {(key, spec) for key, e in shard.items() for spec in e}
 
 
-@needs_8_devices
 def test_shard_by_device_one_shard_per_device_in_first_seen_order():
     pieces = mesh_pieces()
     assert len(pieces) == 8 + 4 + 1
@@ -389,7 +383,6 @@ def test_shard_by_device_one_shard_per_device_in_first_seen_order():
     assert shards[-1] == {"h": {((0, 3),): pieces[-1].tensor}}
 
 
-@needs_8_devices
 def test_shard_by_task_one_shard_with_every_piece():
     pieces = mesh_pieces()
     (shard,) = run(ShardByTaskPolicy(), pieces)
@@ -397,7 +390,6 @@ def test_shard_by_task_one_shard_with_every_piece():
     assert all(shard[p.checkpoint_key][p.slice_spec] is p.tensor for p in pieces)
 
 
-@needs_8_devices
 def test_max_shard_size_on_sharded_pieces_splits_each_piece():
     pieces = mesh_pieces()
     shards = run(MaxShardSizePolicy(8), pieces)
