@@ -72,13 +72,18 @@ class _Want:
 
 @dataclasses.dataclass(frozen=True)
 class _Unit:
-    """One region of one leaf: read its pieces, assemble it, place it on its devices."""
+    """Regions of one leaf read and placed together: the whole leaf, or (for a leaf larger
+    than a read batch) a single region."""
 
     position: int  # the leaf's index in the flattened target
     want: _Want
-    region: SliceSpec
-    devices: list[jax.Device]
-    pieces: list[PieceEntry]
+    regions: dict[SliceSpec, list[jax.Device]]
+    whole: bool  # whether ``regions`` is every region of the leaf this process needs
+
+    @property
+    def pieces(self) -> list[PieceEntry]:
+        found = {(p.file, p.offset): p for r in self.regions for p in read_plan.overlapping(self.want.leaf, r)}
+        return list(found.values())
 
 
 def read_manifest(loc: storage.Location) -> Manifest:
@@ -223,24 +228,21 @@ def _want_for(loc: storage.Location, leaves: dict[str, LeafEntry], key: str, tar
 def _restore_leaves(store: storage.Store, wanted: Sequence[Any]) -> tuple[list[Any], int]:
     """Restores every wanted leaf, reading in batches of about ``READ_BATCH_BYTES``.
 
-    Each batch's regions go to their devices before the next batch is read, so the host holds
-    at most one batch of read bytes beyond the restored arrays themselves.
+    Each batch goes to its devices before the next batch is read, so the host holds at most
+    one batch of read bytes beyond the restored arrays themselves. A leaf larger than a batch
+    is read region by region and assembled from its per-device arrays at the end.
     """
     results: list[Any] = list(wanted)
     placed: dict[int, dict[jax.Device, jax.Array]] = {}
     batch: list[_Unit] = []
     batch_bytes = total = 0
-    for position, want in enumerate(wanted):
-        if not isinstance(want, _Want):
-            continue
-        for region, devices in want.regions().items():
-            unit = _Unit(position, want, region, devices, read_plan.overlapping(want.leaf, region))
-            nbytes = sum(p.length for p in unit.pieces)
-            if batch and batch_bytes + nbytes > READ_BATCH_BYTES:
-                total += _run_batch(store, batch, results, placed)
-                batch, batch_bytes = [], 0
-            batch.append(unit)
-            batch_bytes += nbytes
+    for unit in _units(wanted):
+        nbytes = sum(p.length for p in unit.pieces)
+        if batch and batch_bytes + nbytes > READ_BATCH_BYTES:
+            total += _run_batch(store, batch, results, placed)
+            batch, batch_bytes = [], 0
+        batch.append(unit)
+        batch_bytes += nbytes
     if batch:
         total += _run_batch(store, batch, results, placed)
     for position, shards in placed.items():
@@ -249,24 +251,47 @@ def _restore_leaves(store: storage.Store, wanted: Sequence[Any]) -> tuple[list[A
     return results, total
 
 
+def _units(wanted: Sequence[Any]) -> list[_Unit]:
+    units = []
+    for position, want in enumerate(wanted):
+        if not isinstance(want, _Want):
+            continue
+        regions = want.regions()
+        if want.leaf.nbytes <= READ_BATCH_BYTES or len(regions) == 1:
+            units.append(_Unit(position, want, regions, True))
+        else:
+            units.extend(_Unit(position, want, {r: d}, False) for r, d in regions.items())
+    return units
+
+
 def _run_batch(
     store: storage.Store, batch: Sequence[_Unit], results: list[Any], placed: dict[int, dict[jax.Device, jax.Array]]
 ) -> int:
     reads = read_plan.coalesce((unit.want.leaf.key, p) for unit in batch for p in unit.pieces)
     data = _fetch(store, reads)
-    on_device = []
+    built, hosts, targets = [], [], []
     for unit in batch:
-        host = _assemble(unit.want, unit.region, data)
-        if unit.want.python_type is not None:
-            results[unit.position] = unit.want.python_type(host.item())
-        elif unit.want.sharding is None:
-            results[unit.position] = host
+        want = unit.want
+        assembled = {region: _assemble(want, region, data) for region in unit.regions}
+        if want.python_type is not None:
+            results[unit.position] = want.python_type(assembled[()].item())
+        elif want.sharding is None:
+            (results[unit.position],) = assembled.values()
+        elif unit.whole:
+            shape = want.leaf.shape
+            results[unit.position] = jax.make_array_from_callback(
+                shape, want.sharding, lambda index, a=assembled, s=shape: a[index_to_slice(index, s)]
+            )
+            built.append(results[unit.position])
         else:
-            shards = placed.setdefault(unit.position, {})
-            for device in unit.devices:
-                shards[device] = jax.device_put(host, device)
-                on_device.append(shards[device])
-    jax.block_until_ready(on_device)  # the copies are done: this batch's read bytes can go
+            for region, devices in unit.regions.items():
+                hosts.extend([assembled[region]] * len(devices))
+                targets.extend((unit.position, device) for device in devices)
+    transferred = jax.device_put(hosts, [d for _, d in targets])
+    for (position, device), array in zip(targets, transferred):
+        placed.setdefault(position, {})[device] = array
+    # Wait for the transfers so that this batch's read bytes can go before the next is read.
+    jax.block_until_ready([built, transferred])
     return sum(r.stop - r.start for r in reads)
 
 

@@ -187,7 +187,7 @@ def _cover(piece: SliceSpec, slices: list[SliceSpec]) -> _Coverage:
     """
     if not slices:
         return None, True
-    if not piece or _volume(piece) == 0:
+    if not piece or _volume(piece) == 0 or slices == [piece]:  # the common case: the piece, whole
         return None, False
     boxes = np.array(slices, dtype=np.int64).reshape(len(slices), len(piece), 2)
     bounds = [np.unique(np.concatenate([piece[d], boxes[:, d].ravel()])) for d in range(len(piece))]
