@@ -32,6 +32,7 @@ from tpu_ckpt.errors import (
     UncommittedCheckpointError,
 )
 from tpu_ckpt.format import MANIFEST_FILE, LeafEntry, Manifest, PieceEntry, crc32c, dtype_from_name
+from tpu_ckpt.gc_pause import gc_paused
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.pieces import SliceSpec, full_slice, index_to_slice
 
@@ -173,7 +174,7 @@ def restore(
     else:
         flat, treedef = keys.flatten(target)
         wanted = [_want_for(loc, leaves, _join(prefix, key), t) for key, _, t in flat]
-    with storage.Store(loc) as store:
+    with storage.Store(loc) as store, gc_paused():
         results, nbytes = _restore_leaves(store, wanted)
     logger.info(
         "tpu_ckpt: restored %d leaves (%.1f MB read) from %s in %.2fs",

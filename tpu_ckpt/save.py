@@ -32,6 +32,7 @@ from tpu_ckpt.format import (
     safetensors_layout,
     tensor_name,
 )
+from tpu_ckpt.gc_pause import gc_paused
 from tpu_ckpt.options import CheckpointOptions, wants_path
 from tpu_ckpt.pieces import Shard, ShardableTensor, array_pieces, describe_sharding
 from tpu_ckpt.validation import validate_shards
@@ -67,6 +68,13 @@ def save(path: str | os.PathLike[str], tree: Any, *, options: CheckpointOptions 
     if ``path`` already holds anything (checkpoints are never overwritten).
     """
     options = options or CheckpointOptions()
+    with gc_paused():
+        result = _save(path, tree, options)
+    _run_callbacks(options.write_callbacks, result.path)
+    return result
+
+
+def _save(path: str | os.PathLike[str], tree: Any, options: CheckpointOptions) -> SaveResult:
     _refuse_pending_features(options)
     started = time.perf_counter()
     final = storage.location(path)
@@ -101,7 +109,6 @@ def save(path: str | os.PathLike[str], tree: Any, *, options: CheckpointOptions 
         "tpu_ckpt: saved %s (%d leaves, %d pieces, %d files, %.1f MB from this process) in %.2fs",
         final.url, len(entries), len(pieces), len(files), written / 1e6, time.perf_counter() - started,
     )
-    _run_callbacks(options.write_callbacks, final.url)
     return SaveResult(final.url)
 
 
