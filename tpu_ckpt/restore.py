@@ -89,28 +89,17 @@ class _Unit:
 
 def read_manifest(loc: storage.Location) -> Manifest:
     """The committed manifest at ``loc``; a typed error if there is none or it is unusable."""
-    where = loc.child(MANIFEST_FILE)
-    data = None
-    if not storage.is_empty(loc):
-        with storage.Store(loc, threads=1) as store:
-            data = store.read_file(MANIFEST_FILE)
+    with storage.Store(loc, threads=1) as store:
+        data = store.read_file(MANIFEST_FILE)
     if data is None:
-        if storage.is_empty(loc) and not _has_staging_leftover(loc):
+        if storage.is_empty(loc) and not storage.has_staging_leftover(loc):
             raise CheckpointNotFoundError(f"No checkpoint at {loc.url}", file=loc.url)
         raise UncommittedCheckpointError(
             f"{loc.url} holds an uncommitted checkpoint (no {MANIFEST_FILE}): its save was "
             "interrupted or failed, so it is not restorable. Restore an earlier checkpoint.",
             file=loc.url,
         )
-    return Manifest.from_json(data, where=where)
-
-
-def _has_staging_leftover(loc: storage.Location) -> bool:
-    if not loc.is_local:
-        return False
-    path = os.path.abspath(loc.local_path.rstrip("/"))
-    parent, name = os.path.split(path)
-    return os.path.isdir(parent) and any(n.startswith(name + ".tmp-") for n in os.listdir(parent))
+    return Manifest.from_json(data, where=loc.child(MANIFEST_FILE))
 
 
 def metadata(path: str | os.PathLike[str]) -> Any:

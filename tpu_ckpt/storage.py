@@ -233,6 +233,14 @@ def is_empty(loc: Location) -> bool:
         return not store.list()
 
 
+def has_staging_leftover(loc: Location) -> bool:
+    """Whether an interrupted save left its local staging directory next to ``loc``."""
+    if not loc.is_local:
+        return False
+    parent, name = os.path.split(os.path.abspath(loc.local_path.rstrip("/")))
+    return os.path.isdir(parent) and any(n.startswith(name + ".tmp-") for n in os.listdir(parent))
+
+
 def remove(loc: Location) -> None:
     """Deletes everything at ``loc`` (a failed save's staging area)."""
     with Store(loc) as store:
