@@ -271,9 +271,9 @@ METRICS = (  # (key, label, format)
     ("save_mbps", "save throughput (MB/s)", "{:.0f}"),
     ("bytes_mb", "bytes written (MB)", "{:.1f}"),
     ("files", "files written", "{:.0f}"),
-    ("save_rss_mb", "peak RSS save (MB)", "{:.0f}"),
-    ("restore_same_rss_mb", f"peak RSS restore {SAVE_MESH} (MB)", "{:.0f}"),
-    ("restore_resharded_rss_mb", f"peak RSS restore {RESTORE_MESH} (MB)", "{:.0f}"),
+    ("save_rss_mb", "peak RSS save (MB)", "{:.1f}"),
+    ("restore_same_rss_mb", f"peak RSS restore {SAVE_MESH} (MB)", "{:.1f}"),
+    ("restore_resharded_rss_mb", f"peak RSS restore {RESTORE_MESH} (MB)", "{:.1f}"),
 )
 
 

@@ -19,8 +19,21 @@ def manifest(path: str) -> dict:
         return json.load(f)
 
 
+def files(path: str) -> dict[str, int]:
+    """The manifest's data files, name -> size."""
+    return dict(manifest(path)["files"])
+
+
 def leaf(path: str, key: str) -> dict:
-    return next(entry for entry in manifest(path)["leaves"] if entry["key"] == key)
+    """One leaf's manifest entry, its pieces decoded into dicts (see FORMAT.md)."""
+    doc = manifest(path)
+    names = [name for name, _ in doc["files"]]
+    entry = next(e for e in doc["leaves"] if e["key"] == key)
+    entry["pieces"] = [
+        {"slice": spec, "file": names[f], "offset": offset, "length": length, "crc32c": crc}
+        for spec, f, offset, length, crc in entry.get("pieces", [])
+    ]
+    return entry
 
 
 def read_chars() -> int:

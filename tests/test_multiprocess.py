@@ -1,9 +1,8 @@
 """Multi-process save/restore with real JAX processes (2 x 4 CPU devices, gloo)."""
 
-import json
 import os
 
-from tests import multiprocess
+from tests import helpers, multiprocess
 
 
 def test_two_processes_save_and_restore_across_meshes(tmp_path):
@@ -18,13 +17,10 @@ def test_two_processes_save_and_restore_across_meshes(tmp_path):
     assert "'replicated'" in results[0].result["altered_task_error"]
     files = results[0].result["files"]
     assert any(f.startswith("d00000-") for f in files) and any(f.startswith("d00001-") for f in files)
-    with open(tmp_path / "ckpt" / "manifest.json") as f:
-        manifest = json.load(f)
-    assert manifest["process_count"] == 2
-    w = next(leaf for leaf in manifest["leaves"] if leaf["key"] == "w")
+    assert helpers.manifest(tmp_path / "ckpt")["process_count"] == 2
+    w = helpers.leaf(tmp_path / "ckpt", "w")
     assert len(w["pieces"]) == 8 and {p["file"][:6] for p in w["pieces"]} == {"d00000", "d00001"}
-    replicated = next(leaf for leaf in manifest["leaves"] if leaf["key"] == "replicated")
-    assert len(replicated["pieces"]) == 1  # written once across the job
+    assert len(helpers.leaf(tmp_path / "ckpt", "replicated")["pieces"]) == 1  # written once across the job
     assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]
     assert not [f for f in os.listdir(tmp_path / "ckpt") if f.startswith("index-")]
 

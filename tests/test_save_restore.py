@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-from tests.helpers import bits, leaf, manifest, read_chars
+from tests.helpers import bits, files, leaf, manifest, read_chars
 
 DTYPES = [
     np.float32, np.float16, np.float64, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2,
@@ -229,7 +229,7 @@ def test_replicas_are_written_once(tmp_path, mesh42):
     tc.save(tmp_path / "c", {"r": replicated, "h": half})
     assert [p["slice"] for p in leaf(tmp_path / "c", "r")["pieces"]] == [[[0, 8]]]
     assert sorted(p["slice"] for p in leaf(tmp_path / "c", "h")["pieces"]) == [[[0, 2], [0, 4]], [[2, 4], [0, 4]]]
-    sizes = sum(os.path.getsize(tmp_path / "c" / f) for f in manifest(tmp_path / "c")["files"])
+    sizes = sum(os.path.getsize(tmp_path / "c" / f) for f in files(tmp_path / "c"))
     assert sizes < (8 + 16) * 8 + 4096
 
 
@@ -239,7 +239,7 @@ def test_data_files_are_valid_safetensors(tmp_path, mesh42):
     x = jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4), NamedSharding(mesh42, P("data", "model")))
     tc.save(tmp_path / "c", {"w": x, "i4": np.arange(6).astype(ml_dtypes.int4)})
     seen = {}
-    for name in manifest(tmp_path / "c")["files"]:
+    for name in files(tmp_path / "c"):
         seen.update(load_file(str(tmp_path / "c" / name)))
     np.testing.assert_array_equal(seen["w[0:2,0:2]"], np.asarray(x)[0:2, 0:2])
     assert seen["i4[0:6]"].dtype == np.uint8  # no safetensors code: raw bytes, real dtype in the manifest
@@ -249,11 +249,12 @@ def test_max_shard_size_policy_end_to_end(tmp_path):
     w = np.arange(1000, dtype=np.float32).reshape(100, 10)
     options = tc.CheckpointOptions(sharding_callback=tc.MaxShardSizePolicy(1000))
     tc.save(tmp_path / "c", {"w": w, "b": np.ones(300, np.float32)}, options=options)
-    files = manifest(tmp_path / "c")["files"]
-    assert len(files) == 6  # 4000 + 1200 bytes in 1000-byte shards
-    for name, size in files.items():
+    written = files(tmp_path / "c")
+    assert len(written) == 6  # 4000 + 1200 bytes in 1000-byte shards
+    for name, size in written.items():
         assert size == os.path.getsize(tmp_path / "c" / name)
-    payload = [sum(p["length"] for e in manifest(tmp_path / "c")["leaves"] for p in e["pieces"] if p["file"] == f) for f in files]
+    pieces = leaf(tmp_path / "c", "w")["pieces"] + leaf(tmp_path / "c", "b")["pieces"]
+    payload = [sum(p["length"] for p in pieces if p["file"] == f) for f in written]
     assert max(payload) <= 1000
     out = tc.restore(tmp_path / "c")
     np.testing.assert_array_equal(out["w"], w)

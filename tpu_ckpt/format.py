@@ -9,6 +9,7 @@ ours ever parses their headers: byte offsets come from the manifest.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Sequence
@@ -55,7 +56,12 @@ _SAFETENSORS_CODES = {
 
 def dtype_name(dtype: Any) -> str:
     """The manifest's name for a dtype; TypeError for dtypes a checkpoint cannot hold."""
-    dt = np.dtype(dtype)
+    return _dtype_name(np.dtype(dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_name(dt: np.dtype) -> str:
+    # Cached: numpy's dtype.name is slow, and a save asks once per piece.
     name = dt.name
     if _DTYPES.get(name) != dt:
         raise TypeError(f"dtype {dt!r} cannot be checkpointed (supported: {', '.join(sorted(_DTYPES))})")
@@ -105,6 +111,11 @@ class LeafEntry:
     def nbytes(self) -> int:
         return math.prod(self.shape) * dtype_from_name(self.dtype).itemsize if self.kind == "array" else 0
 
+    @functools.cached_property
+    def piece_at(self) -> dict[SliceSpec, PieceEntry]:
+        """The pieces by their slice (a restore onto the saved sharding looks them up here)."""
+        return {p.slice: p for p in self.pieces}
+
 
 @dataclasses.dataclass(frozen=True)
 class Manifest:
@@ -115,13 +126,16 @@ class Manifest:
     version: str = FORMAT_VERSION
 
     def to_json(self) -> bytes:
+        # Pieces name their file by its index in "files": a manifest lists tens of thousands
+        # of pieces, and its size is read (and parsed) on every restore.
+        file_index = {name: i for i, name in enumerate(self.files)}
         doc = {
             "format": FORMAT_NAME,
             "format_version": self.version,
             "process_count": self.process_count,
             "sharding_callback": self.sharding_callback,
-            "files": self.files,
-            "leaves": [_leaf_to_json(leaf) for leaf in self.leaves],
+            "files": [[name, size] for name, size in self.files.items()],
+            "leaves": [_leaf_to_json(leaf, file_index) for leaf in self.leaves],
         }
         return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -142,9 +156,11 @@ class Manifest:
                 file=where,
             )
         try:
-            leaves = tuple(_leaf_from_json(d) for d in doc["leaves"])
-            return cls(leaves, dict(doc["files"]), int(doc["process_count"]), str(doc["sharding_callback"]), version)
-        except (KeyError, TypeError, ValueError) as e:
+            files = {str(name): int(size) for name, size in doc["files"]}
+            names = list(files)
+            leaves = tuple(_leaf_from_json(d, names) for d in doc["leaves"])
+            return cls(leaves, files, int(doc["process_count"]), str(doc["sharding_callback"]), version)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
             raise CorruptCheckpointError(f"{where}: malformed manifest ({e!r})", file=where) from None
 
 
@@ -155,7 +171,7 @@ def _major(version: str, where: str) -> int:
         raise CorruptCheckpointError(f"{where}: bad format_version {version!r}", file=where) from None
 
 
-def _leaf_to_json(leaf: LeafEntry) -> dict[str, Any]:
+def _leaf_to_json(leaf: LeafEntry, file_index: dict[str, int]) -> dict[str, Any]:
     doc: dict[str, Any] = {"key": leaf.key, "path": [list(e) for e in leaf.path], "kind": leaf.kind}
     if leaf.kind == "value":
         doc["value"] = leaf.value
@@ -165,21 +181,18 @@ def _leaf_to_json(leaf: LeafEntry) -> dict[str, Any]:
         dtype=leaf.dtype,
         is_slot=leaf.is_slot,
         sharding=leaf.sharding,
-        pieces=[
-            {"slice": [list(s) for s in p.slice], "file": p.file, "offset": p.offset, "length": p.length, "crc32c": p.crc32c}
-            for p in leaf.pieces
-        ],
+        pieces=[[p.slice, file_index[p.file], p.offset, p.length, p.crc32c] for p in leaf.pieces],
     )
     return doc
 
 
-def _leaf_from_json(doc: dict[str, Any]) -> LeafEntry:
+def _leaf_from_json(doc: dict[str, Any], files: list[str]) -> LeafEntry:
     path = [(str(kind), name) for kind, name in doc["path"]]
     if doc["kind"] == "value":
         return LeafEntry(doc["key"], path, "value", value=doc["value"])
     pieces = tuple(
-        PieceEntry(tuple((int(a), int(b)) for a, b in p["slice"]), p["file"], int(p["offset"]), int(p["length"]), int(p["crc32c"]))
-        for p in doc["pieces"]
+        PieceEntry(tuple((int(a), int(b)) for a, b in spec), files[file], int(offset), int(length), int(crc))
+        for spec, file, offset, length, crc in doc["pieces"]
     )
     return LeafEntry(
         doc["key"], path, "array", tuple(int(d) for d in doc["shape"]), doc["dtype"], bool(doc["is_slot"]),

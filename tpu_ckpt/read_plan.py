@@ -42,6 +42,9 @@ def overlapping(leaf: LeafEntry, want: SliceSpec) -> list[PieceEntry]:
     """The pieces of ``leaf`` that hold any element of ``want``."""
     if not want:  # a scalar: its single piece
         return list(leaf.pieces[:1])
+    exact = leaf.piece_at.get(want)
+    if exact is not None:
+        return [exact]
     return [p for p in leaf.pieces if intersect(p.slice, want) is not None]
 
 

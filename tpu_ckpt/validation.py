@@ -95,6 +95,10 @@ class _Validator:
                 f"checkpoint key {key!r} (slice {raw_spec!r}) is not among the pieces given to the callback",
                 key=_key_or_none(key),
             )
+        if isinstance(raw_spec, tuple) and raw_spec in leaf.pieces and _plain_ints(raw_spec):  # a whole piece
+            self.check_array(key, raw_spec, array, leaf)
+            leaf.pieces[raw_spec].append(raw_spec)
+            return raw_spec
         spec = _as_slice_spec(raw_spec, len(leaf.shape))
         where = f"checkpoint key {key!r} slice {spec if spec is not None else repr(raw_spec)}"
         if spec is None:
@@ -108,12 +112,13 @@ class _Validator:
             raise self.error(
                 f"{where} is not within any one input piece of that key (pieces: {list(leaf.pieces)})", key=key
             )
-        self.check_array(where, key, spec, array, leaf)
+        self.check_array(key, spec, array, leaf)
         leaf.pieces[piece].append(spec)
         return spec
 
-    def check_array(self, where: str, key: str, spec: SliceSpec, array: Any, leaf: _Leaf) -> None:
+    def check_array(self, key: str, spec: SliceSpec, array: Any, leaf: _Leaf) -> None:
         """The array must be the block itself: same extent, same dtype, on this process."""
+        where = _Where(key, spec)
         if not (hasattr(array, "shape") and hasattr(array, "dtype")):
             raise self.error(f"{where}: expected an array, got {type(array).__name__}", key=key)
         extent = tuple(b - a for a, b in spec)
@@ -141,6 +146,22 @@ class _Validator:
             listed = ", ".join(f"checkpoint key {key!r} slice {piece}" for key, piece in uncovered[:_MAX_LISTED])
             more = f" and {len(uncovered) - _MAX_LISTED} more" if len(uncovered) > _MAX_LISTED else ""
             raise self.error(f"pieces not fully covered by the shards: {listed}{more}", key=uncovered[0][0])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Where:
+    """Formats "checkpoint key ... slice ..." only when an error message needs it."""
+
+    key: str
+    spec: SliceSpec
+
+    def __str__(self) -> str:
+        return f"checkpoint key {self.key!r} slice {self.spec}"
+
+
+def _plain_ints(spec: tuple) -> bool:
+    """Whether an (already piece-equal) spec is made of ints, not merely of numbers equal to them."""
+    return all(type(a) is int and type(b) is int for a, b in spec)
 
 
 def _key_or_none(key: Any) -> str | None:
