@@ -330,3 +330,11 @@ def test_library_never_uses_pickle():
     source = pathlib.Path(tc.__file__).parent
     for path in source.glob("*.py"):
         assert "pickle" not in path.read_text(), path
+
+
+def test_an_io_error_names_the_file_and_leaves_nothing(tmp_path):
+    (tmp_path / "plain_file").write_text("not a directory")
+    with pytest.raises(tc.CheckpointError, match=r"Writing .*plain_file/c\.tmp-\w+/d00000-00000\.safetensors failed") as e:
+        tc.save(tmp_path / "plain_file" / "c", {"a": np.ones(3)})
+    assert "d00000-00000.safetensors" in e.value.file
+    assert sorted(os.listdir(tmp_path)) == ["plain_file"]

@@ -2,7 +2,8 @@
 
 For each wanted global slice we find the pieces that overlap it; pieces are always read
 whole, so every byte that reaches the user has been checked against its crc32c. Pieces that
-sit next to each other in one data file are fetched with one ranged read.
+sit back to back in one data file are fetched with one ranged read (scattered into one
+buffer per piece, so each piece stays aligned for a zero-copy transfer to its device).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from tpu_ckpt.format import LeafEntry, PieceEntry
 from tpu_ckpt.pieces import SliceSpec
 
 MAX_READ_BYTES = 64 << 20  # bigger single reads cost parallelism and gain nothing
-MAX_GAP_BYTES = 4 << 10  # reading a small gap beats a second request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +70,7 @@ def coalesce(needed: Iterable[tuple[str, PieceEntry]]) -> list[Read]:
 def _joinable(group: Sequence[tuple[str, PieceEntry]], piece: PieceEntry) -> bool:
     start = group[0][1].offset
     end = group[-1][1].offset + group[-1][1].length
-    return piece.offset - end <= MAX_GAP_BYTES and piece.offset + piece.length - start <= MAX_READ_BYTES
+    return piece.offset == end and piece.offset + piece.length - start <= MAX_READ_BYTES
 
 
 def _read(file: str, group: Sequence[tuple[str, PieceEntry]]) -> Read:

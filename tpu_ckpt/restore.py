@@ -287,18 +287,17 @@ def _run_batch(
 
 def _fetch(store: storage.Store, reads: Sequence[read_plan.Read]) -> dict[tuple[str, int], np.ndarray]:
     """Issues all reads at once; returns each piece's verified bytes by (file, offset)."""
-    futures = [(r, store.read(r.file, r.start, r.stop)) for r in reads]
+    futures = [(r, store.read(r.file, r.start, [p.length for _, p in r.pieces])) for r in reads]
     out: dict[tuple[str, int], np.ndarray] = {}
     for read, future in futures:
-        where = store.location.child(read.file)
         try:
-            data = future.result()
+            chunks = future.result()
         except CorruptCheckpointError as e:
             key = read.pieces[0][0]
             raise CorruptCheckpointError(f"{e} (reading key {key!r})", key=key, file=e.file) from None
-        for key, piece in read.pieces:
-            chunk = data[piece.offset - read.start : piece.offset - read.start + piece.length]
+        for (key, piece), chunk in zip(read.pieces, chunks):
             if crc32c(chunk) != piece.crc32c:
+                where = store.location.child(read.file)
                 raise CorruptCheckpointError(
                     f"crc32c mismatch for key {key!r} slice {list(piece.slice)} in {where}: the file is corrupt",
                     key=key, file=where,
@@ -315,7 +314,7 @@ def _assemble(want: _Want, region: SliceSpec, data: dict[tuple[str, int], np.nda
     if len(pieces) == 1 and (pieces[0].slice == region or not region):
         out = _piece_array(pieces[0], saved, data).reshape(shape)
     else:
-        out = np.empty(shape, saved)
+        out = storage.aligned_empty(math.prod(shape) * saved.itemsize).view(saved).reshape(shape)
         for piece in pieces:
             overlap = read_plan.intersect(piece.slice, region)
             if overlap is None:

@@ -167,6 +167,9 @@ def _write_shards(store: storage.Store, shards: Sequence[Shard], me: int) -> tup
     files: dict[str, int] = {}
     in_flight: collections.deque = collections.deque()
     for number, shard in enumerate(shards):
+        # Wait for a free slot *before* bringing this file's pieces to the host.
+        while len(in_flight) >= MAX_WRITES_IN_FLIGHT:
+            _finish(in_flight.popleft(), store)
         name = f"d{me:05d}-{number:05d}.safetensors"
         items = [(key, spec, array) for key, by_slice in shard.items() for spec, array in by_slice.items()]
         buffers = [_host_bytes(array) for _, _, array in items]
@@ -176,8 +179,6 @@ def _write_shards(store: storage.Store, shards: Sequence[Shard], me: int) -> tup
         )
         for (key, spec, _), buf, offset in zip(items, buffers, layout.offsets):
             index[key].append(PieceEntry(spec, name, offset, buf.nbytes, crc32c(buf)))
-        while len(in_flight) >= MAX_WRITES_IN_FLIGHT:
-            _finish(in_flight.popleft(), store)
         in_flight.append((name, store.write(name, [layout.header, *buffers])))
         files[name] = layout.size
         del buffers
@@ -191,7 +192,8 @@ def _finish(pending: tuple[str, Any], store: storage.Store) -> None:
     try:
         future.result()
     except Exception as e:
-        raise CheckpointError(f"Writing {store.location.child(name)} failed: {e}", file=name) from e
+        where = store.location.child(name)
+        raise CheckpointError(f"Writing {where} failed: {e}", file=where) from e
 
 
 def _index_file(process: int) -> str:

@@ -118,14 +118,16 @@ class Store:
         data = b"".join(buffers)  # the kvstore API takes bytes only
         return self._pool.submit(lambda: self._kv.write(name, data).result())
 
-    def read(self, name: str, start: int, stop: int) -> concurrent.futures.Future:
-        """Starts reading bytes ``[start, stop)`` of a file; resolves to a writable uint8 array.
+    def read(self, name: str, start: int, lengths: Sequence[int]) -> concurrent.futures.Future:
+        """Starts reading consecutive byte ranges of a file, beginning at ``start``.
 
-        Fails with :class:`CorruptCheckpointError` when the file is missing or too short.
+        Resolves to one writable, 64-byte-aligned uint8 array per length (one read request
+        for all of them). Fails with :class:`CorruptCheckpointError` when the file is
+        missing or too short.
         """
         if self._kv is None:
-            return self._pool.submit(self._read_local, name, start, stop)
-        return self._pool.submit(self._read_kv, name, start, stop)
+            return self._pool.submit(self._read_local, name, start, lengths)
+        return self._pool.submit(self._read_kv, name, start, lengths)
 
     def read_file(self, name: str) -> bytes | None:
         """A whole small file (the manifest), or None when it does not exist."""
@@ -172,28 +174,29 @@ class Store:
         finally:
             os.close(fd)
 
-    def _read_local(self, name: str, start: int, stop: int) -> np.ndarray:
+    def _read_local(self, name: str, start: int, lengths: Sequence[int]) -> list[np.ndarray]:
         path = os.path.join(self._root, name)
-        out = np.empty(stop - start, np.uint8)
+        out = [aligned_empty(n) for n in lengths]
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"data file {path} is missing", file=path) from None
         try:
-            view, offset = memoryview(out), start
-            while view:
-                n = os.preadv(fd, [view], offset)
+            views, offset, stop = [memoryview(a) for a in out if a.size], start, start + sum(lengths)
+            while views:
+                n = os.preadv(fd, views[:_IOV_MAX], offset)
                 if n == 0:
                     raise CorruptCheckpointError(
                         f"{path} is truncated: it ends at byte {offset}, before {stop}", file=path
                     )
-                view, offset = view[n:], offset + n
+                views, offset = _advance(views, n), offset + n
         finally:
             os.close(fd)
         return out
 
-    def _read_kv(self, name: str, start: int, stop: int) -> np.ndarray:
+    def _read_kv(self, name: str, start: int, lengths: Sequence[int]) -> list[np.ndarray]:
         where = self.location.child(name)
+        stop = start + sum(lengths)
         try:
             result = self._kv.read(name, byte_range=slice(start, stop)).result()
         except ValueError as e:  # OUT_OF_RANGE: the object is shorter than the manifest says
@@ -202,7 +205,26 @@ class Store:
             raise CorruptCheckpointError(f"data file {where} is missing", file=where)
         if len(result.value) != stop - start:
             raise CorruptCheckpointError(f"{where} is truncated", file=where)
-        return np.frombuffer(result.value, np.uint8).copy()
+        data, out, offset = np.frombuffer(result.value, np.uint8), [], 0
+        for n in lengths:
+            out.append(aligned_empty(n))
+            out[-1][:] = data[offset : offset + n]
+            offset += n
+        return out
+
+
+ALIGNMENT = 64
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """An uninitialised uint8 array whose data starts on a 64-byte boundary.
+
+    JAX's CPU backend adopts such host buffers without copying (``device_put`` aliases them),
+    so a restore onto CPU devices costs no copy beyond the read itself.
+    """
+    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+    skip = -raw.ctypes.data % ALIGNMENT
+    return raw[skip : skip + nbytes]
 
 
 _IOV_MAX = 1024
