@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import logging
 import math
 import os
@@ -286,24 +287,33 @@ def _run_batch(
 
 
 def _fetch(store: storage.Store, reads: Sequence[read_plan.Read]) -> dict[tuple[str, int], np.ndarray]:
-    """Issues all reads at once; returns each piece's verified bytes by (file, offset)."""
-    futures = [(r, store.read(r.file, r.start, [p.length for _, p in r.pieces])) for r in reads]
+    """Issues all reads at once; returns each piece's crc-verified bytes by (file, offset)."""
+    futures = [
+        (r, store.read(r.file, r.start, [p.length for _, p in r.pieces], then=functools.partial(_verify, store, r)))
+        for r in reads
+    ]
     out: dict[tuple[str, int], np.ndarray] = {}
     for read, future in futures:
         try:
             chunks = future.result()
         except CorruptCheckpointError as e:
+            if e.key is not None:
+                raise
             key = read.pieces[0][0]
             raise CorruptCheckpointError(f"{e} (reading key {key!r})", key=key, file=e.file) from None
-        for (key, piece), chunk in zip(read.pieces, chunks):
-            if crc32c(chunk) != piece.crc32c:
-                where = store.location.child(read.file)
-                raise CorruptCheckpointError(
-                    f"crc32c mismatch for key {key!r} slice {list(piece.slice)} in {where}: the file is corrupt",
-                    key=key, file=where,
-                )
+        for (_, piece), chunk in zip(read.pieces, chunks):
             out[(piece.file, piece.offset)] = chunk
     return out
+
+
+def _verify(store: storage.Store, read: read_plan.Read, chunks: list[np.ndarray]) -> None:
+    for (key, piece), chunk in zip(read.pieces, chunks):
+        if crc32c(chunk) != piece.crc32c:
+            where = store.location.child(read.file)
+            raise CorruptCheckpointError(
+                f"crc32c mismatch for key {key!r} slice {list(piece.slice)} in {where}: the file is corrupt",
+                key=key, file=where,
+            )
 
 
 def _assemble(want: _Want, region: SliceSpec, data: dict[tuple[str, int], np.ndarray]) -> np.ndarray:

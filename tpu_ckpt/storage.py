@@ -20,7 +20,7 @@ import concurrent.futures
 import dataclasses
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlparse
 
@@ -118,16 +118,25 @@ class Store:
         data = b"".join(buffers)  # the kvstore API takes bytes only
         return self._pool.submit(lambda: self._kv.write(name, data).result())
 
-    def read(self, name: str, start: int, lengths: Sequence[int]) -> concurrent.futures.Future:
+    def read(
+        self, name: str, start: int, lengths: Sequence[int], then: Callable[[list[np.ndarray]], Any] | None = None
+    ) -> concurrent.futures.Future:
         """Starts reading consecutive byte ranges of a file, beginning at ``start``.
 
         Resolves to one writable, 64-byte-aligned uint8 array per length (one read request
-        for all of them). Fails with :class:`CorruptCheckpointError` when the file is
-        missing or too short.
+        for all of them), after running ``then`` on them in the IO thread (e.g. checksums,
+        which thereby run in parallel). Fails with :class:`CorruptCheckpointError` when the
+        file is missing or too short.
         """
-        if self._kv is None:
-            return self._pool.submit(self._read_local, name, start, lengths)
-        return self._pool.submit(self._read_kv, name, start, lengths)
+        reader = self._read_local if self._kv is None else self._read_kv
+
+        def read_and_then() -> list[np.ndarray]:
+            chunks = reader(name, start, lengths)
+            if then is not None:
+                then(chunks)
+            return chunks
+
+        return self._pool.submit(read_and_then)
 
     def read_file(self, name: str) -> bytes | None:
         """A whole small file (the manifest), or None when it does not exist."""
