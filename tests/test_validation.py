@@ -5,12 +5,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tpu_ckpt import validation
 from tpu_ckpt.errors import InvalidShardsError
 from tpu_ckpt.pieces import ShardableTensor, SliceSpec
 from tpu_ckpt.policies import MaxShardSizePolicy, ShardByTaskPolicy
@@ -42,10 +40,10 @@ def whole() -> dict[str, dict[SliceSpec, Any]]:
     return {"w": {W_TOP: block(W_TOP), W_BOTTOM: block(W_BOTTOM)}, "s": {(): np.int32(7)}}
 
 
-def invalid(shards: Any, *fragments: str, key: str | None = None) -> None:
+def invalid(shards: Any, *fragments: str, key: str | None = None, max_grid_cells: int = 1 << 20) -> None:
     """Asserts validation fails with the common prefix, every fragment in the message, and ``key``."""
     with pytest.raises(InvalidShardsError) as info:
-        validate_shards(shards, pieces(), DESCRIPTION)
+        validate_shards(shards, pieces(), DESCRIPTION, max_grid_cells=max_grid_cells)
     message = str(info.value)
     assert message.startswith(PREFIX), message
     for fragment in fragments:
@@ -187,25 +185,22 @@ def test_overlapping_slices():
     invalid([shard], "checkpoint key 'w'", f"slices {a} and {b} overlap", key="w")
 
 
-def test_overlapping_slices_found_without_the_grid(monkeypatch):
-    monkeypatch.setattr(validation, "_MAX_GRID_CELLS", 1)
+def test_overlapping_slices_found_without_the_grid():
     a, b, c = ((0, 1), (0, 6)), ((1, 2), (0, 3)), ((0, 2), (2, 6))
     shard = whole()
     shard["w"] = {a: block(a), b: block(b), c: block(c), W_BOTTOM: block(W_BOTTOM)}
-    invalid([shard], "checkpoint key 'w'", "overlap", key="w")
+    invalid([shard], "checkpoint key 'w'", "overlap", key="w", max_grid_cells=1)
 
 
-def test_partial_cover_found_without_the_grid(monkeypatch):
-    monkeypatch.setattr(validation, "_MAX_GRID_CELLS", 1)
+def test_partial_cover_found_without_the_grid():
     a, b = ((0, 1), (0, 6)), ((1, 2), (0, 5))
     shard = whole()
     shard["w"] = {a: block(a), b: block(b), W_BOTTOM: block(W_BOTTOM)}
-    invalid([shard], "not fully covered", f"checkpoint key 'w' slice {W_TOP}", key="w")
+    invalid([shard], "not fully covered", f"checkpoint key 'w' slice {W_TOP}", key="w", max_grid_cells=1)
 
 
-def test_exact_cover_passes_without_the_grid(monkeypatch):
-    monkeypatch.setattr(validation, "_MAX_GRID_CELLS", 1)
-    validate_shards(MaxShardSizePolicy(12)(pieces()), pieces(), DESCRIPTION)
+def test_exact_cover_passes_without_the_grid():
+    validate_shards(MaxShardSizePolicy(12)(pieces()), pieces(), DESCRIPTION, max_grid_cells=1)
 
 
 def test_partial_cover_of_a_piece():

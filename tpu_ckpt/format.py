@@ -59,7 +59,7 @@ def dtype_name(dtype: Any) -> str:
     return _dtype_name(np.dtype(dtype))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _dtype_name(dt: np.dtype) -> str:
     # Cached: numpy's dtype.name is slow, and a save asks once per piece.
     name = dt.name

@@ -40,19 +40,26 @@ class _Leaf:
     pieces: dict[SliceSpec, list[SliceSpec]]  # piece slice -> output slices placed inside it
 
 
-def validate_shards(shards: Any, shardable_tensors: Sequence[ShardableTensor], description: str) -> None:
+def validate_shards(
+    shards: Any,
+    shardable_tensors: Sequence[ShardableTensor],
+    description: str,
+    *,
+    max_grid_cells: int = _MAX_GRID_CELLS,
+) -> None:
     """Raises ``InvalidShardsError`` unless ``shards`` covers every piece exactly once, unaltered.
 
     Empty shards are allowed (the caller drops them).
     """
-    _Validator(description, shardable_tensors).run(shards)
+    _Validator(description, shardable_tensors, max_grid_cells).run(shards)
 
 
 class _Validator:
     """One validation: the leaves the pieces describe, and the output slices filed under each piece."""
 
-    def __init__(self, description: str, shardable_tensors: Sequence[ShardableTensor]):
+    def __init__(self, description: str, shardable_tensors: Sequence[ShardableTensor], max_grid_cells: int):
         self.description = description
+        self.max_grid_cells = max_grid_cells
         self.leaves: dict[str, _Leaf] = {}
         for piece in shardable_tensors:
             leaf = self.leaves.setdefault(piece.checkpoint_key, _Leaf(tuple(piece.shape), np.dtype(piece.dtype), {}))
@@ -137,7 +144,7 @@ class _Validator:
         uncovered: list[tuple[str, SliceSpec]] = []
         for key, leaf in self.leaves.items():
             for piece, slices in leaf.pieces.items():
-                overlap, missing = _cover(piece, slices)
+                overlap, missing = _cover(piece, slices, self.max_grid_cells)
                 if overlap is not None:
                     raise self.error(f"checkpoint key {key!r}: slices {overlap[0]} and {overlap[1]} overlap", key=key)
                 if missing:
@@ -199,7 +206,7 @@ def _volume(spec: SliceSpec) -> int:
     return math.prod(b - a for a, b in spec)
 
 
-def _cover(piece: SliceSpec, slices: list[SliceSpec]) -> _Coverage:
+def _cover(piece: SliceSpec, slices: list[SliceSpec], max_grid_cells: int) -> _Coverage:
     """Whether the slices filed under ``piece`` overlap or leave part of it uncovered.
 
     All ``slices`` lie inside ``piece`` and are distinct (duplicates were rejected earlier), so a
@@ -212,7 +219,7 @@ def _cover(piece: SliceSpec, slices: list[SliceSpec]) -> _Coverage:
         return None, False
     boxes = np.array(slices, dtype=np.int64).reshape(len(slices), len(piece), 2)
     bounds = [np.unique(np.concatenate([piece[d], boxes[:, d].ravel()])) for d in range(len(piece))]
-    if math.prod(len(b) - 1 for b in bounds) <= _MAX_GRID_CELLS:
+    if math.prod(len(b) - 1 for b in bounds) <= max_grid_cells:
         return _cover_on_grid(bounds, boxes, slices)
     overlap = _first_overlap(slices)
     return overlap, overlap is None and sum(map(_volume, slices)) != _volume(piece)
