@@ -292,12 +292,10 @@ def test_write_callbacks_run_in_order_after_commit(tmp_path):
 def test_pending_features_refuse_rather_than_ignore(tmp_path):
     with pytest.raises(NotImplementedError, match="io_device"):
         tc.save(tmp_path / "a", {"x": np.ones(1)}, options=tc.CheckpointOptions(io_device=0))
-    with pytest.raises(NotImplementedError, match="enable_async"):
-        tc.save(tmp_path / "b", {"x": np.ones(1)}, options=tc.CheckpointOptions(enable_async=True))
     tc.save(tmp_path / "c", {"x": np.ones(1)})
     with pytest.raises(NotImplementedError, match="skip_slot_variables"):
         tc.restore(tmp_path / "c", options=tc.CheckpointOptions(skip_slot_variables=True))
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert not (tmp_path / "a").exists()
 
 
 def test_memory_store_round_trip():

@@ -5,6 +5,7 @@
     state = tc.restore("/ckpt/step_100", target=abstract_state)
 """
 
+from tpu_ckpt.background import SaveResult
 from tpu_ckpt.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -22,7 +23,7 @@ from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.pieces import ShardableTensor, ShardingCallback
 from tpu_ckpt.policies import MaxShardSizePolicy, ShardByDevicePolicy, ShardByTaskPolicy
 from tpu_ckpt.restore import ArrayMetadata, metadata, restore
-from tpu_ckpt.save import SaveResult, save
+from tpu_ckpt.save import save
 
 __version__ = "0.1.0"
 

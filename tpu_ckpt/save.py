@@ -1,15 +1,21 @@
-"""save(): tree -> pieces -> shards -> host bytes -> writes -> index -> commit -> callbacks.
+"""save(): tree -> pieces -> shards -> host snapshot -> writes -> index -> commit -> callbacks.
 
 Every process of a job calls ``save`` (SPMD). Each writes only the pieces of its own
 addressable devices into the staging location; process 0 then merges the per-process
-indexes into the manifest, writes it and commits. Host memory stays bounded: a data file's
-bytes are built (one copy, which is also the host snapshot) only when a write slot is free,
-and at most ``MAX_WRITES_IN_FLIGHT`` files are held at a time.
+indexes into the manifest, writes it and commits.
+
+Synchronously, pieces are written straight from the arrays' buffers (no copy on CPU; off
+CPU, one data file's pieces come to the host when a write slot is free, at most
+``MAX_WRITES_IN_FLIGHT`` files at a time). With ``enable_async`` every piece is first copied
+to host memory (all device-to-host copies started before waiting for any), ``save``
+returns, and the background writer (see ``background.py``) does the rest, holding no
+reference to a device buffer, so the caller may donate or delete them at once.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
 import os
@@ -18,9 +24,11 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from tpu_ckpt import distributed, keys, storage
+from tpu_ckpt.background import WRITER, SaveResult
 from tpu_ckpt.errors import CheckpointError, CheckpointExistsError
 from tpu_ckpt.format import (
     MANIFEST_FILE,
@@ -43,80 +51,113 @@ MAX_WRITES_IN_FLIGHT = 4
 _PYTHON_VALUES = (bool, int, float, str, type(None))
 
 
-class SaveResult:
-    """The outcome of :func:`save`: ``path``, ``done()``, ``wait(timeout)``.
-
-    ``wait()`` returns the path once the checkpoint is committed and visible to every
-    process, and re-raises any error of the write. A synchronous save is complete when
-    ``save`` returns, so ``wait()`` returns at once.
-    """
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self, timeout: float | None = None) -> str:
-        return self.path
-
-
 def save(path: str | os.PathLike[str], tree: Any, *, options: CheckpointOptions | None = None) -> SaveResult:
     """Saves a pytree of arrays and small Python values as a checkpoint at ``path``.
 
     Called by every process of a multi-process job. Raises :class:`CheckpointExistsError`
-    if ``path`` already holds anything (checkpoints are never overwritten).
+    if ``path`` already holds anything (checkpoints are never overwritten). With
+    ``options.enable_async`` it returns once the data is on the host; ``wait()`` on the
+    result (or the next ``save``) reports how the background write ended.
     """
     options = options or CheckpointOptions()
-    with gc_paused():
-        result = _save(path, tree, options)
-    _run_callbacks(options.write_callbacks, result.path)
-    return result
-
-
-def _save(path: str | os.PathLike[str], tree: Any, options: CheckpointOptions) -> SaveResult:
     _refuse_pending_features(options)
-    started = time.perf_counter()
-    final = storage.location(path)
-    coord = distributed.Coordinator(f"save {final.url}", options.coordination_timeout)
-    leaves, _ = keys.flatten(tree, keep_none=True)
-    entries, pieces = _describe(leaves, coord.me)
-    staging: storage.Location | None = None
-    try:
-        shards = [s for s in options.sharding_callback(pieces) if s]
-        validate_shards(shards, pieces, options.sharding_callback.description)
-        staging = final.staging(_agree_on_token(final, coord))
-        with storage.Store(staging) as store:
-            index, files = _write_shards(store, shards, coord.me)
-            written = sum(files.values())
-            if coord.me == 0:
-                coord.gather("written")
-                _commit(store, staging, final, coord.count, entries, index, files, options)
-                staging = None  # committed: from here on nothing may delete it
-                coord.publish("committed")
-            else:
-                store.write(_index_file(coord.me), [_index_to_json(index, files)]).result()
-                coord.gather("written")
-                coord.receive("committed", 0)
-    except BaseException as error:
-        coord.report_failure(error)
-        if staging is not None:
-            # Every process removes the staging area after its own last write, so whichever
-            # removal comes last leaves nothing behind.
-            storage.remove(staging)
-        raise
-    logger.info(
-        "tpu_ckpt: saved %s (%d leaves, %d pieces, %d files, %.1f MB from this process) in %.2fs",
-        final.url, len(entries), len(pieces), len(files), written / 1e6, time.perf_counter() - started,
-    )
-    return SaveResult(final.url)
+    WRITER.settle()  # one save in flight; an unseen failure of the last one surfaces here
+    if not options.enable_async:
+        with gc_paused():
+            job = _plan(path, tree, options)
+            job.write_and_commit()
+        job.run_callbacks()
+        return SaveResult(job.final.url)
+    with gc_paused():
+        job = _plan(path, tree, options)
+        job.snapshot()
+    return WRITER.start(job.final.url, job.run)
 
 
 def _refuse_pending_features(options: CheckpointOptions) -> None:
     if options.io_device is not None:
         raise NotImplementedError("io_device is not implemented yet (tracked by the multi-host issue); leave it None.")
-    if options.enable_async:
-        raise NotImplementedError("enable_async is not implemented yet (tracked by the async issue); save synchronously.")
+
+
+def _plan(path: str | os.PathLike[str], tree: Any, options: CheckpointOptions) -> _Job:
+    """Everything before the first byte is written: pieces, shards, validation, staging."""
+    final = storage.location(path)
+    coord = distributed.Coordinator(f"save {final.url}", options.coordination_timeout)
+    try:
+        leaves, _ = keys.flatten(tree, keep_none=True)
+        entries, pieces = _describe(leaves, coord.me)
+        shards = [s for s in options.sharding_callback(pieces) if s]
+        validate_shards(shards, pieces, options.sharding_callback.description)
+        staging = final.staging(_agree_on_token(final, coord))
+    except BaseException as error:
+        coord.report_failure(error)
+        raise
+    return _Job(final, staging, coord, entries, shards, options, len(pieces))
+
+
+@dataclasses.dataclass
+class _Job:
+    """One save after planning: what to write where, and how to commit it."""
+
+    final: storage.Location
+    staging: storage.Location
+    coord: distributed.Coordinator
+    entries: list[LeafEntry]
+    shards: list[Shard]
+    options: CheckpointOptions
+    piece_count: int
+
+    def snapshot(self) -> None:
+        """Replaces every piece by a host copy, so no device buffer is referenced any more."""
+        arrays = [a for shard in self.shards for by_slice in shard.values() for a in by_slice.values()]
+        for array in arrays:
+            if isinstance(array, jax.Array):
+                array.copy_to_host_async()  # start them all before waiting on any
+        self.shards = [
+            {key: {spec: np.array(array, copy=True) for spec, array in by_slice.items()} for key, by_slice in shard.items()}
+            for shard in self.shards
+        ]
+
+    def run(self) -> None:
+        self.write_and_commit()
+        self.run_callbacks()
+
+    def write_and_commit(self) -> None:
+        started = time.perf_counter()
+        coord, staging = self.coord, self.staging
+        committed = False
+        try:
+            with storage.Store(staging) as store:
+                index, files = _write_shards(store, self.shards, coord.me)
+                self.shards = []  # the host copies can go now
+                if coord.me == 0:
+                    coord.gather("written")
+                    _commit(store, staging, self.final, coord.count, self.entries, index, files, self.options)
+                    committed = True  # from here on nothing may delete it
+                    coord.publish("committed")
+                else:
+                    store.write(_index_file(coord.me), [_index_to_json(index, files)]).result()
+                    coord.gather("written")
+                    coord.receive("committed", 0)
+        except BaseException as error:
+            coord.report_failure(error)
+            if not committed:
+                # Every process removes the staging area after its own last write, so
+                # whichever removal comes last leaves nothing behind.
+                storage.remove(staging)
+            raise
+        logger.info(
+            "tpu_ckpt: saved %s (%d leaves, %d pieces, %d files, %.1f MB from this process) in %.2fs",
+            self.final.url, len(self.entries), self.piece_count, len(files), sum(files.values()) / 1e6,
+            time.perf_counter() - started,
+        )
+
+    def run_callbacks(self) -> None:
+        for callback in self.options.write_callbacks:
+            if wants_path(callback):
+                callback(self.final.url)
+            else:
+                callback()
 
 
 def _describe(leaves: list[tuple[str, list, Any]], me: int) -> tuple[list[LeafEntry], list[ShardableTensor]]:
@@ -248,11 +289,3 @@ def _check_covered(leaf: LeafEntry) -> None:
             "Are all processes saving the same tree?",
             key=leaf.key,
         )
-
-
-def _run_callbacks(callbacks: Sequence[Any], path: str) -> None:
-    for callback in callbacks:
-        if wants_path(callback):
-            callback(path)
-        else:
-            callback()

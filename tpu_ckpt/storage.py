@@ -19,7 +19,9 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
+import queue
 import shutil
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlparse
@@ -89,6 +91,40 @@ def location(path: str | os.PathLike[str]) -> Location:
     return loc
 
 
+class _Pool:
+    """A few IO threads handing back ``concurrent.futures.Future``s.
+
+    Not a ``ThreadPoolExecutor``: that refuses new work once the interpreter begins to shut
+    down, which is exactly when an in-flight asynchronous save must still be finished.
+    """
+
+    def __init__(self, threads: int):
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name="tpu_ckpt io", daemon=True) for _ in range(threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._tasks.put((future, fn, args))
+        return future
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._tasks.put(None)
+        for thread in self._threads:
+            thread.join()
+
+    def _work(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            future, fn, args = task
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as error:  # noqa: BLE001 - delivered through the future
+                    future.set_exception(error)
+
+
 class Store:
     """Reads and writes the files of one checkpoint directory.
 
@@ -98,7 +134,7 @@ class Store:
 
     def __init__(self, loc: Location, *, threads: int = 8):
         self.location = loc
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tpu_ckpt_io")
+        self._pool = _Pool(threads)
         self._kv = None if loc.is_local else _open_kvstore(loc)
         self._root = os.path.abspath(loc.local_path) if loc.is_local else ""
 
@@ -109,7 +145,7 @@ class Store:
         self.close()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown()
 
     def write(self, name: str, buffers: Sequence[Any]) -> concurrent.futures.Future:
         """Starts writing one whole file from ``buffers`` (bytes-like); resolves once durable."""
