@@ -6,6 +6,7 @@
 """
 
 from tpu_ckpt.background import SaveResult
+from tpu_ckpt.checkpoint import Checkpoint
 from tpu_ckpt.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 
 __all__ = (
     "ArrayMetadata",
+    "Checkpoint",
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
