@@ -126,3 +126,16 @@ def straggler(directory: str) -> dict:
     except Exception as e:  # noqa: BLE001
         return {"error": type(e).__name__, "message": str(e), "missing": getattr(e, "missing", None)}
     return {"error": None}
+
+
+def async_save_with_buffers_deleted(directory: str) -> dict:
+    """An async save whose device buffers are deleted the moment save returns; the
+    background writers of both processes still commit a complete checkpoint."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    w = _global_array(mesh, P("data", "model"))
+    path = os.path.join(directory, "ckpt")
+    result = tc.save(path, {"w": w}, options=tc.CheckpointOptions(enable_async=True))
+    w.delete()
+    result.wait()
+    restored = tc.restore(path, {"w": jax.ShapeDtypeStruct(GLOBAL.shape, GLOBAL.dtype, sharding=NamedSharding(mesh, P("model")))})
+    return {"ok": _local_shards_match(restored["w"], GLOBAL)}

@@ -43,3 +43,11 @@ def test_a_straggler_is_named_when_the_timeout_passes(tmp_path):
     assert "processes [1] did not reach stage 'written'" in zero["message"]
     assert results[1].result["error"] in ("RemoteProcessError", "CoordinationTimeoutError")
     assert os.listdir(tmp_path) == []
+
+
+def test_async_save_across_processes_with_buffers_deleted(tmp_path):
+    results = multiprocess.run("async_save_with_buffers_deleted", 2, str(tmp_path))
+    for r in results:
+        assert r.returncode == 0, r.output
+        assert r.result["ok"]
+    assert os.listdir(tmp_path) == ["ckpt"]
