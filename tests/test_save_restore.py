@@ -292,9 +292,6 @@ def test_write_callbacks_run_in_order_after_commit(tmp_path):
 def test_pending_features_refuse_rather_than_ignore(tmp_path):
     with pytest.raises(NotImplementedError, match="io_device"):
         tc.save(tmp_path / "a", {"x": np.ones(1)}, options=tc.CheckpointOptions(io_device=0))
-    tc.save(tmp_path / "c", {"x": np.ones(1)})
-    with pytest.raises(NotImplementedError, match="skip_slot_variables"):
-        tc.restore(tmp_path / "c", options=tc.CheckpointOptions(skip_slot_variables=True))
     assert not (tmp_path / "a").exists()
 
 

@@ -131,7 +131,9 @@ def restore(
         values) or a pytree whose leaves are ``jax.Array``, ``jax.ShapeDtypeStruct``
         (with any sharding), numpy arrays or Python scalars; each restored leaf takes the
         target leaf's shape check, dtype (float->float casts only) and sharding.
-      options: :class:`CheckpointOptions`.
+      options: :class:`CheckpointOptions`. With ``skip_slot_variables`` the optimizer slot
+        variables (decided at save time, see ``slots.py``) are not read at all: target slot
+        leaves come back unchanged, and without a target they are left out of the result.
       subtree: a key path such as ``"params"``: restore only that part (``target`` then
         describes that part).
 
@@ -140,11 +142,6 @@ def restore(
       CorruptCheckpointError, TargetMismatchError.
     """
     options = options or CheckpointOptions()
-    if options.skip_slot_variables:
-        raise NotImplementedError(
-            "skip_slot_variables is not implemented yet (tracked by the serving issue); "
-            "restore with a target or subtree that leaves the optimizer out instead."
-        )
     started = time.perf_counter()
     loc = storage.location(path)
     manifest = read_manifest(loc)
@@ -156,14 +153,17 @@ def restore(
             f"{sorted({leaf.key.split('/')[0] for leaf in manifest.leaves})}",
             key=prefix, file=loc.url,
         )
+    skip = options.skip_slot_variables
     if target is None:
+        if skip:  # slots are left out of the result altogether
+            leaves = {key: leaf for key, leaf in leaves.items() if not leaf.is_slot}
         wanted: list[Any] = [
             _Want(leaf, dtype_from_name(leaf.dtype), None) if leaf.kind == "array" else leaf.value
             for leaf in leaves.values()
         ]
     else:
         flat, treedef = keys.flatten(target)
-        wanted = [_want_for(loc, leaves, _join(prefix, key), t) for key, _, t in flat]
+        wanted = [_want_for(loc, leaves, _join(prefix, key), t, skip) for key, _, t in flat]
     with storage.Store(loc) as store, gc_paused():
         results, nbytes = _restore_leaves(store, wanted)
     logger.info(
@@ -180,7 +180,8 @@ def _join(prefix: str, key: str) -> str:
     return f"{prefix}/{key}" if prefix and key else prefix or key
 
 
-def _want_for(loc: storage.Location, leaves: dict[str, LeafEntry], key: str, target: Any) -> Any:
+def _want_for(loc: storage.Location, leaves: dict[str, LeafEntry], key: str, target: Any, skip_slots: bool) -> Any:
+    """What to restore for one target leaf: a :class:`_Want`, or the value itself."""
     leaf = leaves.get(key)
     if leaf is None:
         close = difflib.get_close_matches(key, list(leaves), n=3)
@@ -188,6 +189,8 @@ def _want_for(loc: storage.Location, leaves: dict[str, LeafEntry], key: str, tar
         raise TargetMismatchError(f"Target leaf {key!r} is not in checkpoint {loc.url}{hint}", key=key, file=loc.url)
     if leaf.kind == "value":
         return leaf.value
+    if skip_slots and leaf.is_slot:
+        return target  # not read; the target's own value comes back unchanged
     if isinstance(target, (bool, int, float)) and not isinstance(target, np.generic):
         want = _Want(leaf, np.asarray(target).dtype, None, type(target))
         shape = ()

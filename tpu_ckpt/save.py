@@ -43,6 +43,7 @@ from tpu_ckpt.format import (
 from tpu_ckpt.gc_pause import gc_paused
 from tpu_ckpt.options import CheckpointOptions, wants_path
 from tpu_ckpt.pieces import Shard, ShardableTensor, array_pieces, describe_sharding
+from tpu_ckpt.slots import SlotPredicate, slot_keys
 from tpu_ckpt.validation import validate_shards
 
 logger = logging.getLogger(__name__)
@@ -51,25 +52,34 @@ MAX_WRITES_IN_FLIGHT = 4
 _PYTHON_VALUES = (bool, int, float, str, type(None))
 
 
-def save(path: str | os.PathLike[str], tree: Any, *, options: CheckpointOptions | None = None) -> SaveResult:
+def save(
+    path: str | os.PathLike[str],
+    tree: Any,
+    *,
+    options: CheckpointOptions | None = None,
+    is_slot: SlotPredicate | None = None,
+) -> SaveResult:
     """Saves a pytree of arrays and small Python values as a checkpoint at ``path``.
 
     Called by every process of a multi-process job. Raises :class:`CheckpointExistsError`
     if ``path`` already holds anything (checkpoints are never overwritten). With
     ``options.enable_async`` it returns once the data is on the host; ``wait()`` on the
     result (or the next ``save``) reports how the background write ended.
+
+    ``is_slot(key, leaf) -> bool`` replaces the rule deciding which leaves are optimizer
+    slot variables (see ``slots.py``), for optimizers the rule does not recognise.
     """
     options = options or CheckpointOptions()
     _refuse_pending_features(options)
     WRITER.settle()  # one save in flight; an unseen failure of the last one surfaces here
     if not options.enable_async:
         with gc_paused():
-            job = _plan(path, tree, options)
+            job = _plan(path, tree, options, is_slot)
             job.write_and_commit()
         job.run_callbacks()
         return SaveResult(job.final.url)
     with gc_paused():
-        job = _plan(path, tree, options)
+        job = _plan(path, tree, options, is_slot)
         job.snapshot()
     return WRITER.start(job.final.url, job.run)
 
@@ -79,13 +89,13 @@ def _refuse_pending_features(options: CheckpointOptions) -> None:
         raise NotImplementedError("io_device is not implemented yet (tracked by the multi-host issue); leave it None.")
 
 
-def _plan(path: str | os.PathLike[str], tree: Any, options: CheckpointOptions) -> _Job:
+def _plan(path: str | os.PathLike[str], tree: Any, options: CheckpointOptions, is_slot: SlotPredicate | None) -> _Job:
     """Everything before the first byte is written: pieces, shards, validation, staging."""
     final = storage.location(path)
     coord = distributed.Coordinator(f"save {final.url}", options.coordination_timeout)
     try:
         leaves, _ = keys.flatten(tree, keep_none=True)
-        entries, pieces = _describe(leaves, coord.me)
+        entries, pieces = _describe(leaves, coord.me, slot_keys(tree, leaves, is_slot))
         shards = [s for s in options.sharding_callback(pieces) if s]
         validate_shards(shards, pieces, options.sharding_callback.description)
         staging = final.staging(_agree_on_token(final, coord))
@@ -160,7 +170,9 @@ class _Job:
                 callback()
 
 
-def _describe(leaves: list[tuple[str, list, Any]], me: int) -> tuple[list[LeafEntry], list[ShardableTensor]]:
+def _describe(
+    leaves: list[tuple[str, list, Any]], me: int, slots: set[str]
+) -> tuple[list[LeafEntry], list[ShardableTensor]]:
     """Manifest entries (without piece locations) for every leaf, and this process's pieces."""
     entries, pieces = [], []
     for key, path, leaf in leaves:
@@ -177,8 +189,9 @@ def _describe(leaves: list[tuple[str, list, Any]], me: int) -> tuple[list[LeafEn
         except TypeError as e:
             raise TypeError(f"Leaf {key!r}: {e}") from None
         shape = tuple(int(d) for d in leaf.shape)
-        entries.append(LeafEntry(key, path, "array", shape, name, False, describe_sharding(leaf)))
-        pieces.extend(array_pieces(key, leaf, process_index=me))
+        slot = key in slots
+        entries.append(LeafEntry(key, path, "array", shape, name, slot, describe_sharding(leaf)))
+        pieces.extend(array_pieces(key, leaf, process_index=me, is_slot=slot))
     return entries, pieces
 
 
