@@ -19,6 +19,7 @@ from tpu_ckpt.errors import (
     TargetMismatchError,
     UncommittedCheckpointError,
 )
+from tpu_ckpt.export import export_for_serving
 from tpu_ckpt.format import FORMAT_VERSION
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.pieces import ShardableTensor, ShardingCallback
@@ -49,6 +50,7 @@ __all__ = (
     "ShardingCallback",
     "TargetMismatchError",
     "UncommittedCheckpointError",
+    "export_for_serving",
     "metadata",
     "restore",
     "save",

@@ -124,6 +124,7 @@ class Manifest:
     process_count: int
     sharding_callback: str
     version: str = FORMAT_VERSION
+    source: dict[str, Any] | None = None  # a linked checkpoint: {"path", "manifest_crc32c"}
 
     def to_json(self) -> bytes:
         # Pieces name their file by its index in "files": a manifest lists tens of thousands
@@ -137,6 +138,8 @@ class Manifest:
             "files": [[name, size] for name, size in self.files.items()],
             "leaves": [_leaf_to_json(leaf, file_index) for leaf in self.leaves],
         }
+        if self.source is not None:
+            doc["source"] = self.source
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
@@ -159,7 +162,8 @@ class Manifest:
             files = {str(name): int(size) for name, size in doc["files"]}
             names = list(files)
             leaves = tuple(_leaf_from_json(d, names) for d in doc["leaves"])
-            return cls(leaves, files, int(doc["process_count"]), str(doc["sharding_callback"]), version)
+            source = doc.get("source")
+            return cls(leaves, files, int(doc["process_count"]), str(doc["sharding_callback"]), version, source)
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise CorruptCheckpointError(f"{where}: malformed manifest ({e!r})", file=where) from None
 

@@ -100,7 +100,29 @@ def read_manifest(loc: storage.Location) -> Manifest:
             "interrupted or failed, so it is not restorable. Restore an earlier checkpoint.",
             file=loc.url,
         )
-    return Manifest.from_json(data, where=loc.child(MANIFEST_FILE))
+    manifest = Manifest.from_json(data, where=loc.child(MANIFEST_FILE))
+    if manifest.source is not None:
+        _check_link(loc, manifest.source)
+    return manifest
+
+
+def _check_link(loc: storage.Location, source: dict[str, Any]) -> None:
+    """A linked checkpoint is valid only while the checkpoint holding its data is unchanged."""
+    src = storage.location(os.path.normpath(os.path.join(loc.local_path, source["path"])))
+    with storage.Store(src, threads=1) as store:
+        data = store.read_file(MANIFEST_FILE)
+    if data is None:
+        raise CheckpointNotFoundError(
+            f"{loc.url} is a linked checkpoint whose data lives in {src.url}, which no longer exists. "
+            "Export it again without --link, or restore the source checkpoint.",
+            file=src.url,
+        )
+    if crc32c(data) != source["manifest_crc32c"]:
+        raise CorruptCheckpointError(
+            f"{loc.url} is a linked checkpoint, but its source {src.url} has changed since the link "
+            "was made. Export it again.",
+            file=src.url,
+        )
 
 
 def metadata(path: str | os.PathLike[str]) -> Any:
