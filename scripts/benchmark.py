@@ -5,6 +5,12 @@ orbax, tpu_ckpt, orbax, ...), every save into a fresh directory, and the table r
 medians and tpu_ckpt/orbax ratios against the project's targets. Ratios measured in the
 same run cancel out most of what a shared 2-core machine does to absolute numbers.
 
+The lm workload also measures asynchronous saves the way a training loop uses them
+(tpu_ckpt's enable_async against Orbax's StandardCheckpointer, an AsyncCheckpointer): how
+long save() blocks, how long until the checkpoint is durable, the peak RSS meanwhile, and
+how long a donated train step takes when started right after save() returned compared with
+one with no save in flight (--no-async skips this).
+
     python scripts/benchmark.py --scale 0.1 --reps 2
     python scripts/benchmark.py --workload many --reps 1 --json /tmp/bench.json
 """
@@ -17,6 +23,9 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 
 import argparse  # noqa: E402
+import ctypes  # noqa: E402
+import ctypes.util  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
@@ -46,7 +55,15 @@ MANY_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int32, jnp.float16, jnp.int8)
 RATIO_TARGETS = {
     ("lm", "save_s"): 0.25, ("lm", "restore_same_s"): 0.4, ("lm", "restore_resharded_s"): 0.4,
     ("many", "save_s"): 0.05, ("many", "restore_same_s"): 0.4, ("many", "restore_resharded_s"): 0.4,
+    ("lm", "async_block_s"): 0.5, ("lm", "async_durable_s"): 0.4,
 }
+# (workload, metric) -> largest passing tpu_ckpt value, for metrics that are ratios already.
+VALUE_TARGETS = {
+    ("lm", "step_slowdown"): 1.1,  # donated step right after save() returned / with no save in flight
+    ("lm", "async_rss_x"): 2.2,  # (live state + one host copy) + 10%, over the live state
+}
+NO_RATIO = {"step_donated"}  # reported side by side, neither compared nor judged
+BASELINE_STEPS = 3  # steps with no save in flight per rep, their median the baseline (one is noisy)
 MIN_BANDWIDTH_SHARE = 0.8  # lm sync save throughput / fsync'd sequential write bandwidth
 
 
@@ -127,11 +144,19 @@ def many_state():
 
 class TpuCkpt:
     """tpu_ckpt with its defaults; save(...).wait() is the full synchronous cost. Both
-    adapters block on restored arrays, so a restore's time includes all its device copies."""
+    adapters block on restored arrays, so a restore's time includes all its device copies.
+    save_async returns once the data is on the host; wait(handle) once it is committed."""
     name = "tpu_ckpt"
+    ASYNC = tc.CheckpointOptions(enable_async=True)
 
     def save(self, path, tree):
         tc.save(path, tree).wait()
+
+    def save_async(self, path, tree):
+        return tc.save(path, tree, options=self.ASYNC)
+
+    def wait(self, handle):
+        handle.wait()
 
     def restore(self, path, target):
         return jax.block_until_ready(tc.restore(path, target))
@@ -148,6 +173,14 @@ class Orbax:
 
     def save(self, path, tree):
         self.ckptr.save(path, tree)
+        self.ckptr.wait_until_finished()
+
+    def save_async(self, path, tree):
+        # StandardCheckpointer is an AsyncCheckpointer(StandardCheckpointHandler()); this is
+        # its save(path, args=StandardSave(tree)), which returns once the data is on the host.
+        self.ckptr.save(path, tree)
+
+    def wait(self, handle):
         self.ckptr.wait_until_finished()
 
     def restore(self, path, target):
@@ -176,6 +209,15 @@ class PeakRss:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, self._proc.memory_info().rss)
+
+
+def release_free_memory():
+    """Hands the allocator's free pages back to the OS (glibc malloc_trim), so that a host
+    copy made of many small pieces shows up in RSS instead of reusing pages an earlier rep
+    freed; a no-op where the C library has no malloc_trim."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def measure(fn, *args):
@@ -264,6 +306,96 @@ def run_workload(name, tree, libs, workdir, reps):
     return samples
 
 
+@functools.partial(jax.jit, donate_argnums=0)
+def train_step(state):
+    """A stand-in for a train step: one cheap elementwise update of every leaf of the whole
+    state, its input donated, as a real step donates the TrainState it replaces."""
+    return jax.tree.map(lambda x: x * 0.999 if jnp.issubdtype(x.dtype, jnp.floating) else x + 1, state)
+
+
+def timed_step(state):
+    """Runs train_step on `state` (which it donates); returns (new state, seconds)."""
+    start = time.perf_counter()
+    state = jax.block_until_ready(train_step(state))
+    return state, time.perf_counter() - start
+
+
+def largest_leaf(state):
+    leaves = jax.tree.leaves(state)
+    return max(range(len(leaves)), key=lambda i: leaves[i].nbytes)
+
+
+def async_rep(name, state, libs, workdir, rep, reps):
+    """One interleaved rep of asynchronous saves, two passes per library. First: save_async,
+    then wait, nothing else running, timing both and sampling RSS throughout (after
+    returning free heap pages to the OS, so the host copy cannot hide in them). Second: donated
+    steps with no save in flight (their median is the baseline), save_async, and a donated step
+    started right after it returned, before waiting; with it, the share of the leaves that
+    step could really donate (JAX silently copies a buffer that something else still
+    references instead of donating it). The warm-up also checks that the checkpoint holds
+    the state as it was at save(), so no library wrote buffers the step had overwritten.
+    Returns (the state after the steps, {lib: {metric: value}})."""
+    label = f"rep {rep}/{reps}" if rep else "warm-up"
+    live_mb = sum(x.nbytes for x in jax.tree.leaves(state)) / MB
+    out = {lib.name: {} for lib in libs}
+    for lib in libs:
+        path = os.path.join(workdir, f"{name}-{lib.name}-async-rep{rep}")
+        release_free_memory()
+        with PeakRss() as rss:
+            start = time.perf_counter()
+            handle = lib.save_async(path, state)
+            returned = time.perf_counter()
+            lib.wait(handle)
+            durable = time.perf_counter()
+        grown = (rss.peak - rss.start) / MB
+        out[lib.name].update(async_block_s=returned - start, async_durable_s=durable - start,
+                             async_rss_mb=grown, async_rss_x=(live_mb + grown) / live_mb)
+        shutil.rmtree(path)
+    for lib in libs:
+        path = os.path.join(workdir, f"{name}-{lib.name}-step-rep{rep}")
+        alone = []
+        for _ in range(BASELINE_STEPS):
+            state, seconds = timed_step(state)
+            alone.append(seconds)
+        alone = statistics.median(alone)
+        inputs = jax.tree.leaves(state)
+        if not rep:
+            expected = np.array(inputs[largest_leaf(state)])
+        handle = lib.save_async(path, state)
+        state, after = timed_step(state)
+        lib.wait(handle)
+        donated = sum(x.is_deleted() for x in inputs) / len(inputs)
+        del inputs
+        if not rep:
+            restored = lib.restore(path, abstract(state, mesh(SAVE_MESH)))
+            if not np.array_equal(np.asarray(jax.tree.leaves(restored)[largest_leaf(state)]), expected):
+                raise RuntimeError(f"{lib.name}: the checkpoint does not hold the state as it was at save(); "
+                                   "the donated step overwrote it before it was written")
+            free(restored)
+            del restored, expected
+        shutil.rmtree(path)
+        out[lib.name].update(step_s=alone, step_after_save_s=after, step_slowdown=after / alone,
+                             step_donated=donated)
+    for lib in libs:
+        r = out[lib.name]
+        print(f"[{name} async {label}] {lib.name:8s} blocking {r['async_block_s']:.3f}s durable "
+              f"{r['async_durable_s']:.3f}s step {r['step_s']:.3f}s after save {r['step_after_save_s']:.3f}s "
+              f"({r['step_donated']:.0%} donated) RSS +{r['async_rss_mb']:.0f} MB", file=sys.stderr, flush=True)
+    return state, out
+
+
+def run_async(name, state, libs, workdir, reps, samples):
+    """An untimed warm-up rep (it also compiles the step), then `reps` measured ones, their
+    samples added to `samples`. The state is donated along the way: returns the last one."""
+    state, _ = async_rep(name, state, libs, workdir, 0, reps)
+    for rep in range(1, reps + 1):
+        state, values = async_rep(name, state, libs, workdir, rep, reps)
+        for lib, metrics in values.items():
+            for metric, value in metrics.items():
+                samples[lib].setdefault(metric, []).append(value)
+    return state
+
+
 METRICS = (  # (key, label, format)
     ("save_s", "sync save (s)", "{:.3f}"),
     ("restore_same_s", f"restore mesh {SAVE_MESH} (s)", "{:.3f}"),
@@ -274,6 +406,14 @@ METRICS = (  # (key, label, format)
     ("save_rss_mb", "peak RSS save (MB)", "{:.1f}"),
     ("restore_same_rss_mb", f"peak RSS restore {SAVE_MESH} (MB)", "{:.1f}"),
     ("restore_resharded_rss_mb", f"peak RSS restore {RESTORE_MESH} (MB)", "{:.1f}"),
+    ("async_block_s", "async save blocking (s)", "{:.3f}"),
+    ("async_durable_s", "async save until durable (s)", "{:.3f}"),
+    ("step_s", "donated step, no save (s)", "{:.3f}"),
+    ("step_after_save_s", "donated step after save (s)", "{:.3f}"),
+    ("step_slowdown", "step after save / no save", "{:.2f}x"),
+    ("step_donated", "leaves that step donated", "{:.0%}"),
+    ("async_rss_mb", "peak RSS async save (MB)", "{:.1f}"),
+    ("async_rss_x", "async peak RSS / live state", "{:.2f}x"),
 )
 
 
@@ -282,7 +422,18 @@ def report(name, samples, bandwidth):
     med = {lib: {k: statistics.median(v) for k, v in s.items()} for lib, s in samples.items()}
     rows = []
     for key, label, fmt in METRICS:
+        if key not in med["tpu_ckpt"]:
+            continue  # a metric group this workload does not measure
         ours, theirs = med["tpu_ckpt"][key], med["orbax"][key]
+        if key in NO_RATIO:
+            rows.append({"metric": label, "tpu_ckpt": fmt.format(ours), "orbax": fmt.format(theirs), "ratio": "",
+                         "target": "", "result": ""})
+            continue
+        if (name, key) in VALUE_TARGETS:  # already a ratio (to a baseline, or to the state)
+            limit = VALUE_TARGETS[(name, key)]
+            rows.append({"metric": label, "tpu_ckpt": fmt.format(ours), "orbax": fmt.format(theirs), "ratio": "",
+                         "target": f"<= {limit}x", "result": "PASS" if ours <= limit else "FAIL"})
+            continue
         # Sub-MB RSS growth is allocator noise (freed pages get reused); its ratio means nothing.
         noise = key.endswith("rss_mb") and theirs < 1
         ratio = float("nan") if noise or not theirs else ours / theirs
@@ -313,6 +464,8 @@ def main():
     parser.add_argument("--dir", help="existing directory (on the disk to test) to hold the scratch directory; "
                         "default: the system temp dir")
     parser.add_argument("--json", help="also write all samples and rows to this file")
+    parser.add_argument("--no-async", dest="run_async", action="store_false",
+                        help="skip the lm workload's asynchronous-save metrics")
     args = parser.parse_args()
 
     if args.dir and not os.path.isdir(args.dir):
@@ -329,6 +482,8 @@ def main():
             print(f"\n{name}: {len(leaves)} leaves, {sum(x.nbytes for x in leaves) / MB:.1f} MB",
                   file=sys.stderr, flush=True)
             samples = run_workload(name, tree, libs, workdir, args.reps)
+            if name == "lm" and args.run_async:
+                tree = run_async(name, tree, libs, workdir, args.reps, samples)  # donates `tree`
             free(tree)
             rows = report(name, samples, bandwidth)
             results["workloads"][name] = {"samples": samples, "rows": rows}

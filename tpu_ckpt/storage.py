@@ -317,19 +317,24 @@ def remove(loc: Location) -> None:
 def commit(staging: Location, final: Location) -> None:
     """Makes a fully written staging location visible as ``final``.
 
-    Local: rename the staging directory onto the final name (atomic on POSIX), then fsync
-    the parent so the rename survives a power loss. Elsewhere the manifest, written last
-    into the final prefix, already was the commit.
+    Local: fsync the staging directory (its entries), rename it onto the final name (atomic
+    on POSIX), then fsync the parent so the rename survives a power loss. Elsewhere the
+    manifest, written last into the final prefix, already was the commit.
     """
     if not final.is_local:
         return
     src, dst = staging.local_path.rstrip("/"), final.local_path.rstrip("/")
+    _fsync_dir(src)
     try:
         os.rename(src, dst)
     except OSError as e:
         raise CheckpointError(f"Could not commit checkpoint {dst}: rename from {src} failed: {e}", file=dst) from e
-    parent = os.open(os.path.dirname(os.path.abspath(dst)) or ".", os.O_RDONLY)
+    _fsync_dir(os.path.dirname(os.path.abspath(dst)) or ".")
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(parent)
+        os.fsync(fd)
     finally:
-        os.close(parent)
+        os.close(fd)
