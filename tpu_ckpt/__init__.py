@@ -21,6 +21,7 @@ from tpu_ckpt.errors import (
 )
 from tpu_ckpt.export import export_for_serving
 from tpu_ckpt.format import FORMAT_VERSION
+from tpu_ckpt.manager import CheckpointManager
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.pieces import ShardableTensor, ShardingCallback
 from tpu_ckpt.policies import MaxShardSizePolicy, ShardByDevicePolicy, ShardByTaskPolicy
@@ -34,6 +35,7 @@ __all__ = (
     "Checkpoint",
     "CheckpointError",
     "CheckpointExistsError",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointOptions",
     "CoordinationTimeoutError",

@@ -33,6 +33,21 @@ def process_count() -> int:
     return jax.process_count()
 
 
+def preemption_sync_available() -> bool:
+    """Whether JAX's preemption sync manager runs (jax.distributed.initialize() sets it up
+    when the preemption service is enabled)."""
+    from jax._src.distributed import global_state
+
+    return global_state.preemption_sync_manager is not None
+
+
+def reached_preemption_sync_point(step: int) -> bool:
+    """JAX's agreement, across processes, on the step at which a preempted job stops."""
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.reached_preemption_sync_point(step))
+
+
 def _client() -> Any:
     from jax._src.distributed import global_state
 

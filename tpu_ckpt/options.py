@@ -116,6 +116,14 @@ class CheckpointOptions:
             return self.enable_async
         raise AttributeError(f"CheckpointOptions has no attribute {name!r}")
 
+    def replace(self, **changes: Any) -> CheckpointOptions:
+        """A copy with some fields changed (options are immutable)."""
+        fields = {name: getattr(self, name) for name in self.__slots__}
+        unknown = set(changes) - set(fields)
+        if unknown:
+            raise TypeError(f"CheckpointOptions has no field(s) {sorted(unknown)}")
+        return CheckpointOptions(**{**fields, **changes})
+
     def __repr__(self) -> str:
         fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__)
         return f"CheckpointOptions({fields})"
