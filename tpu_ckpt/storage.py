@@ -99,12 +99,15 @@ class _Pool:
     """
 
     def __init__(self, threads: int):
+        self._size = threads
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, name="tpu_ckpt io", daemon=True) for _ in range(threads)]
-        for thread in self._threads:
-            thread.start()
+        self._threads: list[threading.Thread] = []
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        if not self._threads:  # started on first use: listing and manifest reads need none
+            self._threads = [threading.Thread(target=self._work, name="tpu_ckpt io", daemon=True) for _ in range(self._size)]
+            for thread in self._threads:
+                thread.start()
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._tasks.put((future, fn, args))
         return future
