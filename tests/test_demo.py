@@ -4,6 +4,10 @@ import os
 import subprocess
 import sys
 
+import jax
+
+import tpu_ckpt as tc
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -16,8 +20,6 @@ def test_demo_script_runs(tmp_path):
     assert "-- resumed from step 16 onto mesh (2, 4)" in out.stdout
     assert "predicts like the live model: True" in out.stdout
     assert sorted(os.listdir(tmp_path / "ckpts")) == ["step_21", "step_26", "step_30"]  # max_to_keep=3
-    assert sorted(os.listdir(tmp_path / "serving")) == ["d00000-00000.safetensors", "d00000-00001.safetensors",
-                                                         "d00000-00002.safetensors", "d00000-00003.safetensors",
-                                                         "d00000-00004.safetensors", "d00000-00005.safetensors",
-                                                         "d00000-00006.safetensors", "d00000-00007.safetensors",
-                                                         "d00000-00008.safetensors", "manifest.json"]
+    serving = tc.metadata(tmp_path / "serving")
+    assert set(serving) == {"params"}  # params only, no optimizer state
+    assert {m.dtype.name for m in jax.tree_util.tree_leaves(serving)} == {"bfloat16"}
