@@ -333,3 +333,11 @@ def test_an_io_error_names_the_file_and_leaves_nothing(tmp_path):
         tc.save(tmp_path / "plain_file" / "c", {"a": np.ones(3)})
     assert "d00000-00000.safetensors" in e.value.file
     assert sorted(os.listdir(tmp_path)) == ["plain_file"]
+
+
+def test_python_scalar_targets_take_any_width_of_their_kind(tmp_path):
+    tc.save(tmp_path / "c", {"step": jnp.int32(7), "lr": jnp.bfloat16(0.5), "flag": np.bool_(True)})
+    out = tc.restore(tmp_path / "c", {"step": 0, "lr": 0.0, "flag": False})
+    assert out == {"step": 7, "lr": 0.5, "flag": True} and type(out["step"]) is int
+    with pytest.raises(tc.TargetMismatchError, match="'step'"):
+        tc.restore(tmp_path / "c", {"step": 0.0})
