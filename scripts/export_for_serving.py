@@ -35,13 +35,23 @@ def main(argv: list[str] | None = None) -> int:
         path = tc.export_for_serving(
             args.src, args.dst, subtree=args.subtree, dtype=args.dtype,
             max_shard_size=args.max_shard_size, link=args.link,
+            progress=_progress_bar if sys.stderr.isatty() else None,
         )
     except (tc.CheckpointError, ValueError, TypeError) as e:
         print(f"export_for_serving: {e}", file=sys.stderr)
         return 1
+    if sys.stderr.isatty():
+        sys.stderr.write("\n")
     size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) if os.path.isdir(path) else 0
     print(f"wrote {path}: {size / 1e6:.1f} MB in {time.perf_counter() - started:.2f}s")
     return 0
+
+
+def _progress_bar(done: int, total: int, width: int = 40) -> None:
+    """A one-line bar on a terminal (the caller passes it only when stderr is a TTY)."""
+    filled = width * done // max(total, 1)
+    sys.stderr.write(f"\rcopying [{'#' * filled}{'.' * (width - filled)}] {done / 1e6:8.1f} / {total / 1e6:.1f} MB")
+    sys.stderr.flush()
 
 
 if __name__ == "__main__":

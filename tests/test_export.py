@@ -82,3 +82,35 @@ def test_script(training, tmp_path):
     assert "wrote" in ok.stdout
     bad = subprocess.run([sys.executable, script, str(training), str(tmp_path / "s2"), "--subtree", "nope"], capture_output=True, text=True)
     assert bad.returncode == 1 and "subtree 'nope'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_copy_reports_progress_in_batches(training, tmp_path):
+    import tpu_ckpt.export as export
+
+    calls = []
+    tc.export_for_serving(training, tmp_path / "serve", progress=lambda done, total: calls.append((done, total)))
+    total = PARAMS["dense"]["kernel"].nbytes + PARAMS["dense"]["bias"].nbytes + PARAMS["ids"].nbytes
+    assert calls[-1] == (total, total) and all(d <= t for d, t in calls)
+    assert export._COPY_BATCH_BYTES >= total  # one batch here: a single report
+
+
+def test_script_draws_a_progress_bar_on_a_terminal(training, tmp_path):
+    import pty
+
+    script = os.path.join(ROOT, "scripts", "export_for_serving.py")
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, script, str(training), str(tmp_path / "s")], stdout=subprocess.PIPE, stderr=follower)
+    os.close(follower)
+    out, _ = proc.communicate(timeout=120)
+    chunks = b""
+    while True:
+        try:
+            data = os.read(leader, 4096)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks += data
+    os.close(leader)
+    assert proc.returncode == 0
+    assert b"copying [########################################]" in chunks

@@ -12,21 +12,23 @@ import dataclasses
 import logging
 import os
 import uuid
+from collections.abc import Callable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from tpu_ckpt import keys, storage
 from tpu_ckpt.errors import CheckpointExistsError, TargetMismatchError
-from tpu_ckpt.format import MANIFEST_FILE, Manifest, crc32c
+from tpu_ckpt.format import MANIFEST_FILE, LeafEntry, Manifest, crc32c, dtype_from_name
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.policies import MaxShardSizePolicy
 from tpu_ckpt.restore import read_manifest, restore
 from tpu_ckpt.save import save
 
 logger = logging.getLogger(__name__)
+
+_COPY_BATCH_BYTES = 256 << 20
 
 
 def export_for_serving(
@@ -37,13 +39,15 @@ def export_for_serving(
     dtype: Any = None,
     max_shard_size: int | None = None,
     link: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> str:
     """Writes the ``subtree`` of checkpoint ``src`` (its params) as checkpoint ``dst``.
 
     ``tc.restore(dst)`` then returns that subtree as the whole tree. ``dtype`` casts float
     leaves; ``max_shard_size`` re-cuts the data files (``MaxShardSizePolicy``); ``link``
     writes only a manifest referring to ``src``'s data files (local paths only, and not
-    combinable with ``dtype`` or ``max_shard_size``, which need a rewrite). Returns ``dst``.
+    combinable with ``dtype`` or ``max_shard_size``, which need a rewrite). ``progress(done,
+    total)`` is called with byte counts as the copy proceeds. Returns ``dst``.
     """
     if link:
         if dtype is not None or max_shard_size is not None:
@@ -52,20 +56,60 @@ def export_for_serving(
                 "the dtype or the shard size; drop --link, or drop --dtype/--max-shard-size."
             )
         return _link(storage.location(src), storage.location(dst), subtree)
-    params = restore(src, subtree=subtree, options=CheckpointOptions(skip_slot_variables=True))
-    if dtype is not None:
-        target = np.dtype(dtype)
-        if not jnp.issubdtype(target, jnp.floating):
-            raise ValueError(f"dtype must be a float type (e.g. bfloat16), got {target}")
-        params = jax.tree_util.tree_map(lambda x: _cast_float(x, target), params)
+    cast = np.dtype(dtype) if dtype is not None else None
+    if cast is not None and not jnp.issubdtype(cast, jnp.floating):
+        raise ValueError(f"dtype must be a float type (e.g. bfloat16), got {cast}")
+    params = _read_params(src, subtree.strip("/"), cast, progress)
     policy = MaxShardSizePolicy(max_shard_size) if max_shard_size is not None else None
     return save(dst, params, options=CheckpointOptions(sharding_callback=policy)).wait()
 
 
-def _cast_float(leaf: Any, dtype: np.dtype) -> Any:
-    if isinstance(leaf, np.ndarray) and jnp.issubdtype(leaf.dtype, jnp.floating):
-        return leaf.astype(dtype)
-    return leaf
+def _read_params(
+    src: str | os.PathLike[str], prefix: str, cast: np.dtype | None, progress: Callable[[int, int], None] | None
+) -> Any:
+    """The subtree as nested dicts of numpy arrays, read (and cast) a batch of leaves at a
+    time so that a progress report is possible and casts never hold two full copies."""
+    leaves = _subtree_leaves(read_manifest(storage.location(src)), prefix, src)
+    depth = len(prefix.split("/")) if prefix else 0
+    total, done = sum(leaf.nbytes for leaf in leaves), 0
+    values: dict[str, Any] = {keys.join(leaf.path[depth:]): leaf.value for leaf in leaves if leaf.kind == "value"}
+    for batch in _batches([leaf for leaf in leaves if leaf.kind == "array"]):
+        target = keys.unflatten_nested((leaf.path[depth:], _placeholder(leaf)) for leaf in batch)
+        restored, _ = keys.flatten(restore(src, target, subtree=prefix), keep_none=True)
+        for key, _, value in restored:
+            values[key] = value.astype(cast) if cast is not None and _is_float_array(value) else value
+        done += sum(leaf.nbytes for leaf in batch)
+        if progress is not None:
+            progress(done, total)
+    return keys.unflatten_nested((leaf.path[depth:], values[keys.join(leaf.path[depth:])]) for leaf in leaves)
+
+
+def _subtree_leaves(manifest: Manifest, prefix: str, src: Any) -> list[LeafEntry]:
+    leaves = [leaf for leaf in manifest.leaves if keys.under(leaf.key, prefix)]
+    if not leaves:
+        raise TargetMismatchError(f"subtree {prefix!r} is not in checkpoint {src}", key=prefix, file=str(src))
+    return leaves
+
+
+def _batches(leaves: list[LeafEntry]) -> list[list[LeafEntry]]:
+    batches: list[list[LeafEntry]] = [[]] if leaves else []
+    size = 0
+    for leaf in leaves:
+        if batches[-1] and size + leaf.nbytes > _COPY_BATCH_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(leaf)
+        size += leaf.nbytes
+    return batches
+
+
+def _placeholder(leaf: LeafEntry) -> np.ndarray:
+    """A restore target standing for an array leaf: an unfilled array of its shape and dtype."""
+    return np.empty(leaf.shape, dtype_from_name(leaf.dtype))
+
+
+def _is_float_array(value: Any) -> bool:
+    return isinstance(value, np.ndarray) and jnp.issubdtype(value.dtype, jnp.floating)
 
 
 def _link(src: storage.Location, dst: storage.Location, subtree: str) -> str:
@@ -74,9 +118,7 @@ def _link(src: storage.Location, dst: storage.Location, subtree: str) -> str:
     manifest = read_manifest(src)
     prefix = subtree.strip("/")
     depth = len(prefix.split("/")) if prefix else 0
-    leaves = [leaf for leaf in manifest.leaves if keys.under(leaf.key, prefix)]
-    if not leaves:
-        raise TargetMismatchError(f"subtree {prefix!r} is not in checkpoint {src.url}", key=prefix, file=src.url)
+    leaves = _subtree_leaves(manifest, prefix, src.url)
     if not storage.is_empty(dst):
         raise CheckpointExistsError(f"{dst.url} already exists and is not empty; choose a new path", file=dst.url)
     relative = os.path.relpath(os.path.abspath(src.local_path), os.path.dirname(os.path.abspath(dst.local_path)))
