@@ -10,6 +10,7 @@ device count or to numpy is the same code path. Reads go in batches of about
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import difflib
 import functools
@@ -40,6 +41,8 @@ from tpu_ckpt.pieces import SliceSpec, full_slice, index_to_slice
 logger = logging.getLogger(__name__)
 
 READ_BATCH_BYTES = 512 << 20
+ASSEMBLY_THREADS = 4
+_PARALLEL_ASSEMBLY_BYTES = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,10 +291,10 @@ def _run_batch(
 ) -> int:
     reads = read_plan.coalesce((unit.want.leaf.key, p) for unit in batch for p in unit.pieces)
     data = _fetch(store, reads)
+    all_assembled = _assemble_all(batch, data)
     built, hosts, targets = [], [], []
-    for unit in batch:
+    for unit, assembled in zip(batch, all_assembled):
         want = unit.want
-        assembled = {region: _assemble(want, region, data) for region in unit.regions}
         if want.python_type is not None:
             results[unit.position] = want.python_type(assembled[()].item())
         elif want.sharding is None:
@@ -342,6 +345,19 @@ def _verify(store: storage.Store, read: read_plan.Read, chunks: list[np.ndarray]
                 f"crc32c mismatch for key {key!r} slice {list(piece.slice)} in {where}: the file is corrupt",
                 key=key, file=where,
             )
+
+
+def _assemble_all(batch: Sequence[_Unit], data: dict[tuple[str, int], np.ndarray]) -> list[dict[SliceSpec, np.ndarray]]:
+    """Every unit's regions as host arrays. Big regions are assembled on a few threads (numpy
+    releases the GIL while copying); small ones inline, where a thread costs more than it saves."""
+    jobs = [(unit.want, region) for unit in batch for region in unit.regions]
+    with concurrent.futures.ThreadPoolExecutor(ASSEMBLY_THREADS) as pool:
+        futures = [
+            pool.submit(_assemble, want, region, data) if want.leaf.nbytes >= _PARALLEL_ASSEMBLY_BYTES else None
+            for want, region in jobs
+        ]
+        arrays = iter([f.result() if f is not None else _assemble(w, r, data) for f, (w, r) in zip(futures, jobs)])
+    return [{region: next(arrays) for region in unit.regions} for unit in batch]
 
 
 def _assemble(want: _Want, region: SliceSpec, data: dict[tuple[str, int], np.ndarray]) -> np.ndarray:
