@@ -293,6 +293,9 @@ def test_pending_features_refuse_rather_than_ignore(tmp_path):
     with pytest.raises(NotImplementedError, match="io_device"):
         tc.save(tmp_path / "a", {"x": np.ones(1)}, options=tc.CheckpointOptions(io_device=0))
     assert not (tmp_path / "a").exists()
+    tc.save(tmp_path / "b", {"x": np.ones(1)})
+    with pytest.raises(NotImplementedError, match="io_device"):
+        tc.restore(tmp_path / "b", options=tc.CheckpointOptions(io_device="/job:localhost"))
 
 
 def test_memory_store_round_trip():

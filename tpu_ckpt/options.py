@@ -130,6 +130,12 @@ class CheckpointOptions:
 
 
 
+def refuse_io_device(options: CheckpointOptions) -> None:
+    """io_device is parsed and validated, but not implemented yet: refuse rather than ignore it."""
+    if options.io_device is not None:
+        raise NotImplementedError("io_device is not implemented yet (tracked by the multi-host issue); leave it None.")
+
+
 def wants_path(callback: WriteCallback) -> bool:
     """Whether a write callback takes the saved path as its positional argument."""
     return _positional_capacity(callback)[1] >= 1

@@ -35,7 +35,7 @@ from tpu_ckpt.errors import (
 )
 from tpu_ckpt.format import MANIFEST_FILE, LeafEntry, Manifest, PieceEntry, crc32c, dtype_from_name
 from tpu_ckpt.gc_pause import gc_paused
-from tpu_ckpt.options import CheckpointOptions
+from tpu_ckpt.options import CheckpointOptions, refuse_io_device
 from tpu_ckpt.pieces import SliceSpec, full_slice, index_to_slice
 
 logger = logging.getLogger(__name__)
@@ -167,6 +167,7 @@ def restore(
       CorruptCheckpointError, TargetMismatchError.
     """
     options = options or CheckpointOptions()
+    refuse_io_device(options)
     started = time.perf_counter()
     loc = storage.location(path)
     manifest = read_manifest(loc)

@@ -42,7 +42,7 @@ from tpu_ckpt.format import (
     tensor_name,
 )
 from tpu_ckpt.gc_pause import gc_paused
-from tpu_ckpt.options import CheckpointOptions, wants_path
+from tpu_ckpt.options import CheckpointOptions, refuse_io_device, wants_path
 from tpu_ckpt.pieces import Shard, ShardableTensor, array_pieces, describe_sharding
 from tpu_ckpt.slots import SlotPredicate, slot_keys
 from tpu_ckpt.validation import validate_shards
@@ -72,7 +72,7 @@ def save(
     slot variables (see ``slots.py``), for optimizers the rule does not recognise.
     """
     options = options or CheckpointOptions()
-    _refuse_pending_features(options)
+    refuse_io_device(options)
     WRITER.settle()  # one save in flight; an unseen failure of the last one surfaces here
     if not options.enable_async:
         with gc_paused():
@@ -84,11 +84,6 @@ def save(
         job = _plan(path, tree, options, is_slot)
         job.snapshot()
     return WRITER.start(job.final.url, job.run)
-
-
-def _refuse_pending_features(options: CheckpointOptions) -> None:
-    if options.io_device is not None:
-        raise NotImplementedError("io_device is not implemented yet (tracked by the multi-host issue); leave it None.")
 
 
 def _plan(path: str | os.PathLike[str], tree: Any, options: CheckpointOptions, is_slot: SlotPredicate | None) -> _Job:
