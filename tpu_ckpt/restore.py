@@ -40,7 +40,7 @@ from tpu_ckpt.pieces import SliceSpec, full_slice, index_to_slice
 
 logger = logging.getLogger(__name__)
 
-READ_BATCH_BYTES = 512 << 20
+READ_BATCH_BYTES = 256 << 20  # two are in memory at a time: one read, one placed
 ASSEMBLY_THREADS = 4
 _PARALLEL_ASSEMBLY_BYTES = 1 << 20
 
@@ -251,27 +251,37 @@ def _want_for(loc: storage.Location, leaves: dict[str, LeafEntry], key: str, tar
 def _restore_leaves(store: storage.Store, wanted: Sequence[Any]) -> tuple[list[Any], int]:
     """Restores every wanted leaf, reading in batches of about ``READ_BATCH_BYTES``.
 
-    Each batch goes to its devices before the next batch is read, so the host holds at most
-    one batch of read bytes beyond the restored arrays themselves. A leaf larger than a batch
-    is read region by region and assembled from its per-device arrays at the end.
+    The next batch is being read while the current one is assembled and placed on its
+    devices, so the host holds at most two batches of read bytes beyond the restored arrays
+    themselves. A leaf larger than a batch is read region by region and assembled from its
+    per-device arrays at the end.
     """
     results: list[Any] = list(wanted)
     placed: dict[int, dict[jax.Device, jax.Array]] = {}
-    batch: list[_Unit] = []
-    batch_bytes = total = 0
-    for unit in _units(wanted):
-        nbytes = sum(p.length for p in unit.pieces)
-        if batch and batch_bytes + nbytes > READ_BATCH_BYTES:
-            total += _run_batch(store, batch, results, placed)
-            batch, batch_bytes = [], 0
-        batch.append(unit)
-        batch_bytes += nbytes
-    if batch:
-        total += _run_batch(store, batch, results, placed)
+    batches = _batches(_units(wanted))
+    total = 0
+    pending = _start_reads(store, batches[0]) if batches else None
+    for i, batch in enumerate(batches):
+        reads = pending
+        pending = _start_reads(store, batches[i + 1]) if i + 1 < len(batches) else None
+        total += _place(batch, _collect(reads), results, placed)
     for position, shards in placed.items():
         want = results[position]
         results[position] = jax.make_array_from_single_device_arrays(want.leaf.shape, want.sharding, list(shards.values()))
     return results, total
+
+
+def _batches(units: list[_Unit]) -> list[list[_Unit]]:
+    batches: list[list[_Unit]] = []
+    size = 0
+    for unit in units:
+        nbytes = sum(p.length for p in unit.pieces)
+        if not batches or (batches[-1] and size + nbytes > READ_BATCH_BYTES):
+            batches.append([])
+            size = 0
+        batches[-1].append(unit)
+        size += nbytes
+    return batches
 
 
 def _units(wanted: Sequence[Any]) -> list[_Unit]:
@@ -287,11 +297,13 @@ def _units(wanted: Sequence[Any]) -> list[_Unit]:
     return units
 
 
-def _run_batch(
-    store: storage.Store, batch: Sequence[_Unit], results: list[Any], placed: dict[int, dict[jax.Device, jax.Array]]
+def _place(
+    batch: Sequence[_Unit],
+    data: dict[tuple[str, int], np.ndarray],
+    results: list[Any],
+    placed: dict[int, dict[jax.Device, jax.Array]],
 ) -> int:
-    reads = read_plan.coalesce((unit.want.leaf.key, p) for unit in batch for p in unit.pieces)
-    data = _fetch(store, reads)
+    """Assembles a batch's regions and puts them on their devices; returns the bytes read."""
     all_assembled = _assemble_all(batch, data)
     built, hosts, targets = [], [], []
     for unit, assembled in zip(batch, all_assembled):
@@ -315,17 +327,25 @@ def _run_batch(
         placed.setdefault(position, {})[device] = array
     # Wait for the transfers so that this batch's read bytes can go before the next is read.
     jax.block_until_ready([built, transferred])
-    return sum(r.stop - r.start for r in reads)
+    return sum(chunk.nbytes for chunk in data.values())
 
 
-def _fetch(store: storage.Store, reads: Sequence[read_plan.Read]) -> dict[tuple[str, int], np.ndarray]:
-    """Issues all reads at once; returns each piece's crc-verified bytes by (file, offset)."""
-    futures = [
+_Reads = list[tuple[read_plan.Read, concurrent.futures.Future]]
+
+
+def _start_reads(store: storage.Store, batch: Sequence[_Unit]) -> _Reads:
+    """Issues every read of a batch at once (checksums are verified in the IO threads)."""
+    reads = read_plan.coalesce((unit.want.leaf.key, p) for unit in batch for p in unit.pieces)
+    return [
         (r, store.read(r.file, r.start, [p.length for _, p in r.pieces], then=functools.partial(_verify, store, r)))
         for r in reads
     ]
+
+
+def _collect(reads: _Reads) -> dict[tuple[str, int], np.ndarray]:
+    """Waits for a batch's reads; returns each piece's verified bytes by (file, offset)."""
     out: dict[tuple[str, int], np.ndarray] = {}
-    for read, future in futures:
+    for read, future in reads:
         try:
             chunks = future.result()
         except CorruptCheckpointError as e:
