@@ -68,12 +68,7 @@ class _Writer:
 
     def settle(self) -> None:
         """Waits for the in-flight save; raises its failure if nobody has seen it yet."""
-        current, self._current = self._current, None
-        if current is None:
-            return
-        if current._thread is not None:
-            current._thread.join()
-        error = current._unseen_error()
+        _, error = self._finish_current()
         if error is not None:
             raise error
 
@@ -93,14 +88,18 @@ class _Writer:
         return result
 
     def _at_exit(self) -> None:
-        current = self._current
+        path, error = self._finish_current()
+        if error is not None:
+            logger.error("tpu_ckpt: the asynchronous save of %s failed and was never waited on: %s", path, error)
+
+    def _finish_current(self) -> tuple[str, BaseException | None]:
+        """Waits for the in-flight save, if any; returns its path and a failure nobody saw yet."""
+        current, self._current = self._current, None
         if current is None:
-            return
+            return "", None
         if current._thread is not None:
             current._thread.join()
-        error = current._unseen_error()
-        if error is not None:
-            logger.error("tpu_ckpt: the asynchronous save of %s failed and was never waited on: %s", current.path, error)
+        return current.path, current._unseen_error()
 
 
 WRITER = _Writer()
