@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 import tpu_ckpt as tc
 
 GLOBAL = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+BIG = np.arange(2 << 20, dtype=np.float32).reshape(1024, 2048)  # 8 MiB: big enough to split between holders
 
 
 def _global_array(mesh: jax.sharding.Mesh, spec: P, value: np.ndarray = GLOBAL) -> jax.Array:
@@ -31,6 +32,7 @@ def save_and_restore_across_meshes(directory: str) -> dict:
     tree = {
         "w": _global_array(mesh, P("data", "model")),
         "replicated": _global_array(mesh, P(), np.arange(6, dtype=np.int32)),
+        "big_replicated": _global_array(mesh, P(), BIG),
         "step": 42,
     }
     path = os.path.join(directory, "ckpt")
@@ -42,6 +44,7 @@ def save_and_restore_across_meshes(directory: str) -> dict:
     target = {
         "w": jax.ShapeDtypeStruct(GLOBAL.shape, GLOBAL.dtype, sharding=NamedSharding(reversed_mesh, P("model", "data"))),
         "replicated": jax.ShapeDtypeStruct((6,), np.int32, sharding=NamedSharding(reversed_mesh, P())),
+        "big_replicated": jax.ShapeDtypeStruct(BIG.shape, BIG.dtype, sharding=NamedSharding(reversed_mesh, P("data"))),
         "step": 0,
     }
     before = {s.device.id for s in tree["w"].addressable_shards}
@@ -57,6 +60,7 @@ def save_and_restore_across_meshes(directory: str) -> dict:
         "files": files,
         "w_ok": _local_shards_match(restored["w"], GLOBAL),
         "replicated_ok": _local_shards_match(restored["replicated"], np.arange(6, dtype=np.int32)),
+        "big_ok": _local_shards_match(restored["big_replicated"], BIG),
         "step": restored["step"],
         "numpy_ok": bool(np.array_equal(everything["w"], GLOBAL)),
         "needs_other_process_pieces": _needs_pieces_of_other_processes(tree["w"], restored["w"]),

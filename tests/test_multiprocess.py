@@ -10,7 +10,7 @@ def test_two_processes_save_and_restore_across_meshes(tmp_path):
     for r in results:
         assert r.returncode == 0, r.output
         res = r.result
-        assert res["w_ok"] and res["replicated_ok"] and res["numpy_ok"], res
+        assert res["w_ok"] and res["replicated_ok"] and res["numpy_ok"] and res["big_ok"], res
         assert res["step"] == 42
         assert res["needs_other_process_pieces"], res
     assert "altered task" in results[0].result["altered_task_error"]
@@ -21,6 +21,11 @@ def test_two_processes_save_and_restore_across_meshes(tmp_path):
     w = helpers.leaf(tmp_path / "ckpt", "w")
     assert len(w["pieces"]) == 8 and {p["file"][:6] for p in w["pieces"]} == {"d00000", "d00001"}
     assert len(helpers.leaf(tmp_path / "ckpt", "replicated")["pieces"]) == 1  # written once across the job
+    # A big block both processes hold is split between them: each writes half of it.
+    big = helpers.leaf(tmp_path / "ckpt", "big_replicated")["pieces"]
+    assert sorted((p["file"][:6], p["slice"]) for p in big) == [
+        ("d00000", [[0, 512], [0, 2048]]), ("d00001", [[512, 1024], [0, 2048]]),
+    ]
     assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]
     assert not [f for f in os.listdir(tmp_path / "ckpt") if f.startswith("index-")]
 

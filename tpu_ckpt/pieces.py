@@ -106,26 +106,70 @@ def index_to_slice(index: tuple[slice, ...], shape: Sequence[int]) -> SliceSpec:
     return tuple(out)
 
 
+SPLIT_REPLICAS_FROM = 4 << 20
+"""A block held by several processes and at least this big is split between them, so that
+replicated state does not all land on one host's write bandwidth."""
+
+
 def array_pieces(key: str, leaf: Any, *, process_index: int, is_slot: bool = False) -> list[ShardableTensor]:
-    """The pieces of one array leaf that the calling process must write."""
-    if isinstance(leaf, jax.Array):
-        shape = tuple(leaf.shape)
-        dtype = np.dtype(leaf.dtype)
-        pieces = []
-        for shard in leaf.addressable_shards:
+    """The pieces of one array leaf that the calling process must write.
+
+    Each distinct block of the array is written once in the whole job: by the device holding
+    replica 0, or, when several processes hold a big block (``SPLIT_REPLICAS_FROM``), split
+    into one part per holding process, each written by that process.
+    """
+    if not isinstance(leaf, jax.Array):
+        array = np.asarray(leaf)
+        if process_index != 0:
+            return []
+        shape = tuple(array.shape)
+        return [ShardableTensor(array, key, full_slice(shape), shape, array.dtype, None, is_slot)]
+    shape = tuple(leaf.shape)
+    dtype = np.dtype(leaf.dtype)
+    holders = {} if leaf.is_fully_addressable else _holding_processes(leaf)
+    pieces, split_done = [], set()
+    for shard in leaf.addressable_shards:
+        region = index_to_slice(shard.index, shape)
+        writers = holders.get(region, [])
+        part = _my_part(region, writers, process_index, dtype.itemsize)
+        if part is None:
             if shard.replica_id != 0:
                 continue
-            data = shard.data
-            tensor = np.asarray(data) if shard.device.platform == "cpu" else data
-            pieces.append(
-                ShardableTensor(tensor, key, index_to_slice(shard.index, shape), shape, dtype, shard.device, is_slot)
-            )
-        return pieces
-    array = np.asarray(leaf)
-    if process_index != 0:
-        return []
-    shape = tuple(array.shape)
-    return [ShardableTensor(array, key, full_slice(shape), shape, array.dtype, None, is_slot)]
+            part = region
+        elif region in split_done:
+            continue
+        else:
+            split_done.add(region)
+        data = shard.data
+        tensor = np.asarray(data) if shard.device.platform == "cpu" else data
+        if part != region:
+            tensor = tensor[tuple(slice(a - r0, b - r0) for (a, b), (r0, _) in zip(part, region))]
+        pieces.append(ShardableTensor(tensor, key, part, shape, dtype, shard.device, is_slot))
+    return pieces
+
+
+def _holding_processes(leaf: jax.Array) -> dict[SliceSpec, list[int]]:
+    """For each block of a multi-process array, the processes holding it, in order."""
+    holders: dict[SliceSpec, list[int]] = {}
+    for device, index in leaf.sharding.devices_indices_map(tuple(leaf.shape)).items():
+        processes = holders.setdefault(index_to_slice(index, leaf.shape), [])
+        if device.process_index not in processes:
+            processes.append(device.process_index)
+    return {region: sorted(processes) for region, processes in holders.items()}
+
+
+def _my_part(region: SliceSpec, writers: list[int], me: int, itemsize: int) -> SliceSpec | None:
+    """This process's share of a block several processes hold, or None when it is not split."""
+    extents = [b - a for a, b in region]
+    if len(writers) < 2 or math.prod(extents) * itemsize < SPLIT_REPLICAS_FROM:
+        return None
+    axis = next((i for i, n in enumerate(extents) if n >= len(writers)), None)
+    if axis is None:
+        return None
+    k, n = writers.index(me), len(writers)
+    start, extent = region[axis][0], extents[axis]
+    cut = (start + extent * k // n, start + extent * (k + 1) // n)
+    return region[:axis] + (cut,) + region[axis + 1 :]
 
 
 def describe_sharding(leaf: Any) -> dict[str, Any] | None:
