@@ -110,7 +110,7 @@ class _FailsOnProcessOne(tc.ShardingCallback):
 def one_process_fails(directory: str) -> dict:
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     tree = {"w": _global_array(mesh, P("data", "model"))}
-    options = tc.CheckpointOptions(sharding_callback=_FailsOnProcessOne(), coordination_timeout=60)
+    options = tc.CheckpointOptions(sharding_callback=_FailsOnProcessOne(), coordination_timeout=180)
     started = time.monotonic()
     try:
         tc.save(os.path.join(directory, "ckpt"), tree, options=options)
