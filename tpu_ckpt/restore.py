@@ -85,8 +85,9 @@ class _Unit:
     regions: dict[SliceSpec, list[jax.Device]]
     whole: bool  # whether ``regions`` is every region of the leaf this process needs
 
-    @property
+    @functools.cached_property
     def pieces(self) -> list[PieceEntry]:
+        """The pieces overlapping this unit's regions (found once: batching and reading both ask)."""
         found = {(p.file, p.offset): p for r in self.regions for p in read_plan.overlapping(self.want.leaf, r)}
         return list(found.values())
 
