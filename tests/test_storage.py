@@ -60,3 +60,13 @@ def test_object_stores_write_in_place_and_remove_clears_the_prefix():
             store.read("a", 0, [3]).result()
     storage.remove(final)
     assert storage.is_empty(final)
+
+
+def test_an_object_store_prefix_lists_its_own_keys_only():
+    with storage.Store(storage.location("memory://prefixes/step_1")) as store:
+        store.write("a", [b"1"]).result()
+    with storage.Store(storage.location("memory://prefixes/step_10")) as store:
+        store.write("b", [b"2"]).result()
+    storage.remove(storage.location("memory://prefixes/step_1"))
+    with storage.Store(storage.location("memory://prefixes")) as store:
+        assert store.list() == ["step_10/b"]

@@ -70,8 +70,9 @@ class CheckpointManager:
       keep_checkpoint_every_n_hours: also keep, forever, each checkpoint that leaves the
         newest ``max_to_keep`` at least this many hours after the last one kept this way
         (TF's rule). The times are the mtimes of the manifests, so this needs a local
-        directory, and copying checkpoints without preserving mtimes (``cp -r`` without
-        ``-p``) changes them. On an empty directory the clock starts when the manager is
+        directory (tensorstore's kvstores do not report when an object was written, so a
+        ``gs://``, ``s3://`` or ``memory://`` directory is refused here), and copying
+        checkpoints without preserving mtimes (``cp -r`` without ``-p``) changes them. On an empty directory the clock starts when the manager is
         created, as in TF. On a directory that already holds steps, the oldest step starts
         the clock. TF reads that time from its state file, and we keep no state file.
       save_interval_steps: ``save`` writes only when ``step`` is at least this many steps
@@ -377,7 +378,8 @@ def _check_hours(value: Any, loc: storage.Location) -> float | None:
     if not loc.is_local:
         raise ValueError(
             f"keep_checkpoint_every_n_hours needs commit times, read from manifest mtimes on a local "
-            f"disk; {loc.url} is not local. Use max_to_keep alone there."
+            f"disk; {loc.url} is not local, and object stores (through tensorstore) report no "
+            "modification times. Use max_to_keep alone there."
         )
     return float(value)
 

@@ -12,6 +12,29 @@ tensorstore's kvstore holds two extra copies of every value it writes (a 512 MB 
 at +1 GB of RSS) and three while reading one, and it only accepts ``bytes``. Writing local
 files with ``os.writev`` straight from the arrays' buffers, and reading with ``preadv`` into
 preallocated arrays, costs no copy at all and keeps host memory at what the caller holds.
+
+All kvstores share one process-wide tensorstore context: AWS credentials and the request
+limits are then set up once per process, not once per Store. Where settings come from:
+
+- ``gs://``: the ``gcs`` driver. ``TENSORSTORE_GCS_HTTP_URL`` (an emulator) is read by
+  tensorstore when it opens a bucket that no Store has open; Google credentials once per
+  process (``GOOGLE_APPLICATION_CREDENTIALS``, gcloud's default credentials, GCE metadata).
+- ``s3://``: the ``s3`` driver. ``AWS_ENDPOINT_URL`` is read here and passed as ``endpoint``
+  (tensorstore ignores that variable); credentials come from tensorstore's default AWS chain
+  (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, profile files, ECS, EC2 metadata); the
+  region from the bucket itself (a HEAD request), never from ``AWS_REGION``.
+
+Transient failures (HTTP 408, 429, 5xx, dropped connections) are retried by tensorstore
+with exponential backoff under the policy in ``RETRIES``, which we set explicitly rather than
+rely on tensorstore's default of 32 retries (a quarter of an hour against an endpoint that is
+down): 8 retries, delays doubling from 1 s to at most 32 s plus up to 1 s of jitter, about two
+minutes in all. Then the operation fails with a ``CheckpointError`` naming the object.
+
+Listing a prefix is filtered here as well as by the server: the ``gcs`` driver asks for a key
+range (``startOffset``/``endOffset``) and trusts the reply, so a GCS-compatible server that
+ignores those parameters (gcp-storage-emulator does) would make a prefix's listing, and its
+``delete_range``, cover the whole bucket. A Store therefore opens the bucket's root, keeps its
+prefix itself, and deletes object by object (which is what ``delete_range`` does anyway).
 """
 
 from __future__ import annotations
@@ -31,8 +54,12 @@ import tensorstore as ts
 
 from tpu_ckpt.errors import CheckpointError, CorruptCheckpointError
 
-# memory:// stores live as long as the process, shared by every open of the same path.
-_MEMORY_CONTEXT = ts.Context()
+# Retries of transient gcs and s3 request failures, by tensorstore (see module docstring).
+RETRIES = {"max_retries": 8, "initial_delay": "1s", "max_delay": "32s"}
+
+# One for the whole process (see module docstring); memory:// stores live in it, shared by
+# every open of the same path.
+_CONTEXT = ts.Context({"gcs_request_retries": RETRIES, "s3_request_retries": RETRIES})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +165,8 @@ class Store:
     def __init__(self, loc: Location, *, threads: int = 8):
         self.location = loc
         self._pool = _Pool(threads)
-        self._kv = None if loc.is_local else _open_kvstore(loc)
+        # Object stores: the bucket's root and this directory's key prefix (see module docstring).
+        self._kv, self._prefix = (None, "") if loc.is_local else _open_kvstore(loc)
         self._root = os.path.abspath(loc.local_path) if loc.is_local else ""
 
     def __enter__(self) -> Store:
@@ -155,7 +183,7 @@ class Store:
         if self._kv is None:
             return self._pool.submit(self._write_local, name, buffers)
         data = b"".join(buffers)  # the kvstore API takes bytes only
-        return self._pool.submit(lambda: self._kv.write(name, data).result())
+        return self._pool.submit(lambda: self._wait(self._kv.write(self._prefix + name, data), "Writing", name))
 
     def read(
         self, name: str, start: int, lengths: Sequence[int], then: Callable[[list[np.ndarray]], Any] | None = None
@@ -185,29 +213,43 @@ class Store:
                     return f.read()
             except FileNotFoundError:
                 return None
-        result = self._kv.read(name).result()
+        result = self._wait(self._kv.read(self._prefix + name), "Reading", name)
         return None if result.state == "missing" else result.value
 
     def list(self) -> list[str]:
+        """Every file under the directory, as paths relative to it."""
         if self._kv is None:
             if not os.path.isdir(self._root):
                 return []
             return sorted(
                 os.path.relpath(os.path.join(d, f), self._root) for d, _, files in os.walk(self._root) for f in files
             )
-        return sorted(k.decode() for k in self._kv.list().result())
+        keys = self._wait(self._kv.list(_prefix_range(self._prefix)), "Listing", "")
+        prefix = self._prefix.encode()
+        return sorted(k[len(prefix) :].decode() for k in keys if k.startswith(prefix))
 
     def delete(self, name: str) -> None:
         if self._kv is None:
             os.unlink(os.path.join(self._root, name))
         else:
-            self._kv.write(name, None).result()
+            self._wait(self._kv.write(self._prefix + name, None), "Deleting", name)
 
     def delete_all(self) -> None:
         if self._kv is None:
             shutil.rmtree(self._root, ignore_errors=True)
-        else:
-            self._kv.delete_range(ts.KvStore.KeyRange()).result()
+            return
+        deletes = [(name, self._kv.write(self._prefix + name, None)) for name in self.list()]
+        for name, done in deletes:
+            self._wait(done, "Deleting", name)
+
+    def _wait(self, future: Any, doing: str, name: str) -> Any:
+        """The result of a kvstore operation; its failure as a CheckpointError naming the object
+        (tensorstore raises ValueError, or NotImplementedError, for whatever went wrong)."""
+        try:
+            return future.result()
+        except (ValueError, NotImplementedError) as e:
+            where = self.location.child(name) if name else self.location.url
+            raise CheckpointError(f"{doing} {where} failed: {e}", file=where) from e
 
     def _write_local(self, name: str, buffers: Sequence[Any]) -> None:
         path = os.path.join(self._root, name)
@@ -246,8 +288,11 @@ class Store:
         where = self.location.child(name)
         stop = start + sum(lengths)
         try:
-            result = self._kv.read(name, byte_range=slice(start, stop)).result()
-        except ValueError as e:  # OUT_OF_RANGE: the object is shorter than the manifest says
+            result = self._kv.read(self._prefix + name, byte_range=slice(start, stop)).result()
+        except ValueError as e:
+            if "OUT_OF_RANGE" not in str(e):
+                raise CheckpointError(f"Reading {where} failed: {e}", file=where) from e
+            # The object is shorter than the manifest says.
             raise CorruptCheckpointError(f"{where} is truncated ({e})", file=where) from None
         if result.state == "missing":
             raise CorruptCheckpointError(f"data file {where} is missing", file=where)
@@ -288,10 +333,21 @@ def _advance(views: list[memoryview], written: int) -> list[memoryview]:
     return views
 
 
-def _open_kvstore(loc: Location) -> Any:
+def _open_kvstore(loc: Location) -> tuple[Any, str]:
+    """The kvstore at the root of ``loc``'s bucket, and ``loc``'s key prefix in it."""
     spec = loc.kvstore_spec()
-    context = _MEMORY_CONTEXT if spec["driver"] == "memory" else ts.Context()
-    return ts.KvStore.open(spec, context=context).result()
+    prefix = spec.pop("path").lstrip("/")
+    try:
+        return ts.KvStore.open(spec, context=_CONTEXT).result(), prefix
+    except ValueError as e:
+        raise CheckpointError(f"Could not open {loc.url}: {e}", file=loc.url) from e
+
+
+def _prefix_range(prefix: str) -> Any:
+    """The keys starting with ``prefix``, which is empty or ends with '/'."""
+    if not prefix:
+        return ts.KvStore.KeyRange()
+    return ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))
 
 
 def is_empty(loc: Location) -> bool:
