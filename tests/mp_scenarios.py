@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import jax
@@ -119,10 +120,11 @@ def one_process_fails(directory: str) -> dict:
     return {"error": None}
 
 
-def straggler(directory: str) -> dict:
-    mesh = jax.make_mesh((4, 2), ("data", "model"))
+def straggler(directory: str, *late: str) -> dict:
+    """The processes named in ``late`` (default: 1) arrive long after the timeout."""
+    mesh = _job_mesh()
     tree = {"w": _global_array(mesh, P("data", "model"))}
-    if jax.process_index() == 1:
+    if jax.process_index() in ({int(p) for p in late} or {1}):
         time.sleep(8)
     options = tc.CheckpointOptions(coordination_timeout=3)
     try:
@@ -143,3 +145,128 @@ def async_save_with_buffers_deleted(directory: str) -> dict:
     result.wait()
     restored = tc.restore(path, {"w": jax.ShapeDtypeStruct(GLOBAL.shape, GLOBAL.dtype, sharding=NamedSharding(mesh, P("model")))})
     return {"ok": _local_shards_match(restored["w"], GLOBAL)}
+
+
+def _job_mesh() -> jax.sharding.Mesh:
+    """A (devices/2, 2) mesh over every device of the job, whatever the process count."""
+    return jax.make_mesh((jax.device_count() // 2, 2), ("data", "model"))
+
+
+def _reversed_mesh() -> jax.sharding.Mesh:
+    """The same shape with the device order reversed: each process needs others' pieces."""
+    return jax.sharding.Mesh(np.array(jax.devices()[::-1]).reshape(2, -1), ("data", "model"))
+
+
+def _bytes_written() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("write_bytes:")).split()[1])
+
+
+def _targets(tree: dict, mesh: jax.sharding.Mesh) -> dict:
+    return {
+        key: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=NamedSharding(mesh, P("model")))
+        if isinstance(value, jax.Array) else 0
+        for key, value in tree.items()
+    }
+
+
+def _all_match(restored: dict, values: dict) -> bool:
+    return all(
+        _local_shards_match(restored[key], value) if isinstance(value, np.ndarray) else restored[key] == value
+        for key, value in values.items()
+    )
+
+
+def io_device_save_and_restore(directory: str, io: str) -> dict:
+    """Each process works in its own directory, standing in for its host's local disk: the
+    relative checkpoint path exists only on the io_device process. Saves (sync, and async
+    with the buffers deleted at once) and restores onto a reversed mesh with io_device;
+    restores with io_device a checkpoint written without it on shared storage."""
+    me, io = jax.process_index(), int(io)
+    local = os.path.join(directory, f"host{me}")
+    os.makedirs(local)
+    os.chdir(local)
+    mesh = _job_mesh()
+    values = {"w": GLOBAL, "big_replicated": BIG, "step": 7}
+    tree = {
+        "w": _global_array(mesh, P("data", "model")),
+        "big_replicated": _global_array(mesh, P(), BIG),
+        "step": 7,
+    }
+    options = tc.CheckpointOptions(io_device=f"/job:worker/task:{io}", coordination_timeout=60)
+    before = _bytes_written()
+    tc.save("ckpt", tree, options=options)
+    written = _bytes_written() - before
+    copy = {key: (value + 0 if isinstance(value, jax.Array) else value) for key, value in tree.items()}
+    result = tc.save("ckpt_async", copy, options=options.replace(enable_async=True))
+    for value in copy.values():
+        if isinstance(value, jax.Array):
+            value.delete()
+    result.wait()
+    targets = _targets(tree, _reversed_mesh())
+    restored = tc.restore("ckpt", targets, options=tc.CheckpointOptions(io_device=io))
+    restored_async = tc.restore("ckpt_async", targets, options=tc.CheckpointOptions(io_device=io))
+    shared = os.path.join(directory, "shared")
+    tc.save(shared, tree)
+    from_shared = tc.restore(shared, targets, options=tc.CheckpointOptions(io_device=io))
+    try:
+        tc.restore("missing", targets, options=tc.CheckpointOptions(io_device=io))
+        missing_error = None
+    except tc.CheckpointError as e:
+        missing_error = type(e).__name__
+    return {
+        "process": me,
+        "bytes_written_by_save": written,
+        "local_files": sorted(os.listdir(local)),
+        "restored_ok": _all_match(restored, values),
+        "async_ok": _all_match(restored_async, values),
+        "from_shared_ok": _all_match(from_shared, values),
+        "needs_other_process_pieces": _needs_pieces_of_other_processes(tree["w"], restored["w"]),
+        "missing_error": missing_error,
+    }
+
+
+def save_restore_many_processes(directory: str) -> dict:
+    """Any number of processes: save on the job mesh, restore onto the reversed one, and
+    report the bytes each process wrote for a tree dominated by replicated arrays."""
+    mesh = _job_mesh()
+    replicated = {f"r{i}": np.full((512, 1024), i, np.float32) for i in range(4)}  # 4 x 2 MiB, on every device
+    values = {"w": GLOBAL, "big_replicated": BIG, **replicated}
+    tree = {key: _global_array(mesh, P("data", "model") if key == "w" else P(), v) for key, v in values.items()}
+    path = os.path.join(directory, "ckpt")
+    before = _bytes_written()
+    tc.save(path, tree, options=tc.CheckpointOptions(sharding_callback=tc.MaxShardSizePolicy(1 << 20)))
+    written = _bytes_written() - before
+    restored = tc.restore(path, _targets(tree, _reversed_mesh()))
+    return {
+        "process": jax.process_index(),
+        "bytes_written": written,
+        "restored_ok": _all_match(restored, values),
+        "needs_other_process_pieces": _needs_pieces_of_other_processes(tree["w"], restored["w"]),
+    }
+
+
+class _KillsProcessOne(tc.ShardingCallback):
+    description = "kills process 1"
+
+    def __call__(self, pieces):
+        if jax.process_index() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return [{p.checkpoint_key: {p.slice_spec: p.tensor}} for p in pieces]
+
+
+def peer_killed_before_commit(directory: str, io: str = "") -> dict:
+    """Process 1 dies (SIGKILL) in the middle of a save; the survivors must raise within
+    the coordination timeout and commit nothing."""
+    mesh = _job_mesh()
+    tree = {"w": _global_array(mesh, P("data", "model"))}
+    options = tc.CheckpointOptions(
+        sharding_callback=_KillsProcessOne(), coordination_timeout=10, io_device=int(io) if io else None
+    )
+    started = time.monotonic()
+    try:
+        tc.save(os.path.join(directory, "ckpt"), tree, options=options)
+    except Exception as e:  # noqa: BLE001 - the scenario reports what was raised
+        return {"error": type(e).__name__, "message": str(e), "missing": getattr(e, "missing", None),
+                "seconds": time.monotonic() - started, "peer_killed": True}
+    return {"error": None, "peer_killed": True}

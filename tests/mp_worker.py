@@ -1,6 +1,7 @@
 """One process of a multi-process test: initialize JAX's distributed runtime, run a scenario."""
 
 import json
+import os
 import sys
 
 import jax
@@ -14,4 +15,6 @@ from tests import mp_scenarios  # noqa: E402  (after initialize, like a real tra
 
 result = getattr(mp_scenarios, scenario)(*args)
 print("RESULT " + json.dumps(result), flush=True)
+if result.get("peer_killed"):
+    os._exit(0)  # shutdown() would wait for the dead peer
 jax.distributed.shutdown()

@@ -33,7 +33,7 @@ def free_port() -> int:
 
 def run(scenario: str, num_processes: int, *args: str, timeout: float = 240) -> list[ProcessResult]:
     port = free_port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     procs = [
         subprocess.Popen(
@@ -46,7 +46,12 @@ def run(scenario: str, num_processes: int, *args: str, timeout: float = 240) -> 
     outputs = []
     try:
         for p in procs:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            try:
+                out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:  # hung: kill it, keep what it printed for the report
+                p.kill()
+                out, _ = p.communicate()
+                out += f"\n[killed after the {timeout:g}s test timeout]"
             outputs.append(out)
     finally:
         for p in procs:

@@ -289,13 +289,16 @@ def test_write_callbacks_run_in_order_after_commit(tmp_path):
     assert calls == [("path", str(tmp_path / "c"), True), ("none",), ("lambda", str(tmp_path / "c"))]
 
 
-def test_pending_features_refuse_rather_than_ignore(tmp_path):
-    with pytest.raises(NotImplementedError, match="io_device"):
-        tc.save(tmp_path / "a", {"x": np.ones(1)}, options=tc.CheckpointOptions(io_device=0))
-    assert not (tmp_path / "a").exists()
-    tc.save(tmp_path / "b", {"x": np.ones(1)})
-    with pytest.raises(NotImplementedError, match="io_device"):
-        tc.restore(tmp_path / "b", options=tc.CheckpointOptions(io_device="/job:localhost"))
+def test_io_device_in_a_single_process_job(tmp_path):
+    tree = {"x": np.arange(4.0)}
+    tc.save(tmp_path / "a", tree, options=tc.CheckpointOptions(io_device="/job:localhost"))
+    restored = tc.restore(tmp_path / "a", options=tc.CheckpointOptions(io_device=jax.devices()[0]))
+    np.testing.assert_array_equal(restored["x"], tree["x"])
+    with pytest.raises(ValueError, match=r"io_device names process 1, but this job has 1 process"):
+        tc.save(tmp_path / "b", tree, options=tc.CheckpointOptions(io_device="/job:worker/task:1"))
+    assert not (tmp_path / "b").exists()
+    with pytest.raises(ValueError, match="io_device names process 3"):
+        tc.restore(tmp_path / "a", options=tc.CheckpointOptions(io_device=3))
 
 
 def test_memory_store_round_trip():

@@ -14,6 +14,8 @@ made by every process in the same order, so the n-th call has the same id everyw
 from __future__ import annotations
 
 import itertools
+import os
+import socket
 import time
 from typing import Any
 
@@ -46,6 +48,23 @@ def reached_preemption_sync_point(step: int) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(multihost_utils.reached_preemption_sync_point(step))
+
+
+def relay_host() -> str:
+    """An address of this host that the job's other processes can reach: the local end of
+    the route to the coordinator, which every process reaches already. ``TPU_CKPT_RELAY_HOST``
+    overrides it for networks where that route is not the one hosts talk to each other on."""
+    if os.environ.get("TPU_CKPT_RELAY_HOST"):
+        return os.environ["TPU_CKPT_RELAY_HOST"]
+    from jax._src.distributed import global_state
+
+    if global_state.coordinator_address is None:
+        return "127.0.0.1"
+    host, port = global_state.coordinator_address.rsplit(":", 1)
+    family, _, _, _, address = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(address)  # UDP: picks the route, sends nothing
+        return probe.getsockname()[0]
 
 
 def _client() -> Any:
@@ -98,20 +117,25 @@ class Coordinator:
             except Exception:  # noqa: BLE001 - the coordinator may itself be gone
                 pass
 
+    def raise_if_another_failed(self, stage: str) -> None:
+        """Raises :class:`RemoteProcessError` if another process reported a failure."""
+        failures = self._entries(_ERROR) if self._client is not None else {}
+        failures.pop(self.me, None)
+        if failures:
+            who, message = sorted(failures.items())[0]
+            raise RemoteProcessError(
+                f"{self.what}: process {who} failed while this process ({self.me}) was at "
+                f"stage '{stage}': {message}"
+            )
+
     def _wait(self, stage: str, expected: set[int]) -> dict[int, str]:
         deadline = time.monotonic() + self.timeout
         delay = 0.001
         while True:
-            failures = self._entries(_ERROR)
-            if failures:
-                who, message = sorted(failures.items())[0]
-                raise RemoteProcessError(
-                    f"{self.what}: process {who} failed while this process ({self.me}) waited at "
-                    f"stage '{stage}': {message}"
-                )
             arrived = self._entries(stage)
-            if expected <= arrived.keys():
+            if expected <= arrived.keys():  # what it waited for came, even if someone failed since
                 return {p: arrived[p] for p in expected}
+            self.raise_if_another_failed(stage)
             if time.monotonic() > deadline:
                 missing = sorted(expected - arrived.keys())
                 raise CoordinationTimeoutError(

@@ -130,10 +130,16 @@ class CheckpointOptions:
 
 
 
-def refuse_io_device(options: CheckpointOptions) -> None:
-    """io_device is parsed and validated, but not implemented yet: refuse rather than ignore it."""
-    if options.io_device is not None:
-        raise NotImplementedError("io_device is not implemented yet (tracked by the multi-host issue); leave it None.")
+def io_process(options: CheckpointOptions, process_count: int) -> int | None:
+    """The process doing all storage IO, checked against the job's size (unknown when the
+    options were built); ``None`` when every process does its own."""
+    io = options.io_device
+    if io is not None and io >= process_count:
+        raise ValueError(
+            f"io_device names process {io}, but this job has {process_count} process(es) "
+            f"(indices 0..{process_count - 1})."
+        )
+    return io
 
 
 def wants_path(callback: WriteCallback) -> bool:

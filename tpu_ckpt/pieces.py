@@ -1,14 +1,17 @@
 """Pieces: the unit a sharding callback arranges into data files.
 
-A piece is one distinct block of one array leaf that this process must write: each
-addressable shard of a ``jax.Array`` whose ``replica_id`` is 0 (so replicas are written
-once across the whole job), or a whole numpy array (written by process 0 only, since every
-process of an SPMD program holds the same host value).
+A piece is one distinct block of one array leaf that this process must write. Every block
+is written once across the whole job: a block one process holds is written by it; a block
+several processes hold (a replicated array) is written by the holder with the least to
+write so far, or, when big, split into one part per holder (:class:`WriteBalance`). A numpy
+leaf is written whole by process 0, since every process of an SPMD program holds the same
+host value.
 """
 
 from __future__ import annotations
 
 import abc
+import collections
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -111,12 +114,31 @@ SPLIT_REPLICAS_FROM = 4 << 20
 replicated state does not all land on one host's write bandwidth."""
 
 
-def array_pieces(key: str, leaf: Any, *, process_index: int, is_slot: bool = False) -> list[ShardableTensor]:
+class WriteBalance:
+    """Decides which process writes each block several processes hold, so that no host
+    writes much more than its share (replicated state otherwise all lands on one host).
+
+    Every process walks the same leaves in the same order and sees the same global shardings,
+    so each makes the same choices without any communication: a held block goes to the
+    holder with the fewest bytes assigned so far (lowest index on ties).
+    """
+
+    def __init__(self) -> None:
+        self.load: collections.Counter[int] = collections.Counter()
+
+    def assign(self, holders: list[int], nbytes: int) -> int:
+        chosen = min(holders, key=lambda p: (self.load[p], p))
+        self.load[chosen] += nbytes
+        return chosen
+
+
+def array_pieces(
+    key: str, leaf: Any, *, process_index: int, is_slot: bool = False, balance: WriteBalance | None = None
+) -> list[ShardableTensor]:
     """The pieces of one array leaf that the calling process must write.
 
-    Each distinct block of the array is written once in the whole job: by the device holding
-    replica 0, or, when several processes hold a big block (``SPLIT_REPLICAS_FROM``), split
-    into one part per holding process, each written by that process.
+    ``balance`` carries the assignments of the leaves before this one across a save; every
+    process must pass its own, fed the same leaves in the same order.
     """
     if not isinstance(leaf, jax.Array):
         array = np.asarray(leaf)
@@ -126,20 +148,14 @@ def array_pieces(key: str, leaf: Any, *, process_index: int, is_slot: bool = Fal
         return [ShardableTensor(array, key, full_slice(shape), shape, array.dtype, None, is_slot)]
     shape = tuple(leaf.shape)
     dtype = np.dtype(leaf.dtype)
-    holders = {} if leaf.is_fully_addressable else _holding_processes(leaf)
-    pieces, split_done = [], set()
+    mine = None if leaf.is_fully_addressable else _my_blocks(leaf, process_index, balance or WriteBalance())
+    pieces, done = [], set()
     for shard in leaf.addressable_shards:
         region = index_to_slice(shard.index, shape)
-        writers = holders.get(region, [])
-        part = _my_part(region, writers, process_index, dtype.itemsize)
-        if part is None:
-            if shard.replica_id != 0:
-                continue
-            part = region
-        elif region in split_done:
+        if region in done or (shard.replica_id != 0 if mine is None else region not in mine):
             continue
-        else:
-            split_done.add(region)
+        done.add(region)
+        part = region if mine is None else mine[region]
         data = shard.data
         tensor = np.asarray(data) if shard.device.platform == "cpu" else data
         if part != region:
@@ -148,28 +164,44 @@ def array_pieces(key: str, leaf: Any, *, process_index: int, is_slot: bool = Fal
     return pieces
 
 
-def _holding_processes(leaf: jax.Array) -> dict[SliceSpec, list[int]]:
-    """For each block of a multi-process array, the processes holding it, in order."""
+def _my_blocks(leaf: jax.Array, me: int, balance: WriteBalance) -> dict[SliceSpec, SliceSpec]:
+    """For a multi-process array: each block this process writes (or part of it, when big
+    blocks are split between their holders), updating ``balance`` for every block."""
     holders: dict[SliceSpec, list[int]] = {}
     for device, index in leaf.sharding.devices_indices_map(tuple(leaf.shape)).items():
         processes = holders.setdefault(index_to_slice(index, leaf.shape), [])
         if device.process_index not in processes:
             processes.append(device.process_index)
-    return {region: sorted(processes) for region, processes in holders.items()}
+    itemsize = np.dtype(leaf.dtype).itemsize
+    mine = {}
+    for region, processes in holders.items():
+        processes.sort()
+        nbytes = math.prod(b - a for a, b in region) * itemsize
+        parts = _split(region, processes, itemsize)
+        if parts is None:
+            if balance.assign(processes, nbytes) == me:
+                mine[region] = region
+            continue
+        for process, part in zip(processes, parts):
+            balance.load[process] += math.prod(b - a for a, b in part) * itemsize
+            if process == me:
+                mine[region] = part
+    return mine
 
 
-def _my_part(region: SliceSpec, writers: list[int], me: int, itemsize: int) -> SliceSpec | None:
-    """This process's share of a block several processes hold, or None when it is not split."""
+def _split(region: SliceSpec, holders: list[int], itemsize: int) -> list[SliceSpec] | None:
+    """One part per holder of a big block, cut along its first axis long enough; None when
+    the block stays whole (one holder, small, or no axis to cut)."""
     extents = [b - a for a, b in region]
-    if len(writers) < 2 or math.prod(extents) * itemsize < SPLIT_REPLICAS_FROM:
+    n = len(holders)
+    if n < 2 or math.prod(extents) * itemsize < SPLIT_REPLICAS_FROM:
         return None
-    axis = next((i for i, n in enumerate(extents) if n >= len(writers)), None)
+    axis = next((i for i, e in enumerate(extents) if e >= n), None)
     if axis is None:
         return None
-    k, n = writers.index(me), len(writers)
     start, extent = region[axis][0], extents[axis]
-    cut = (start + extent * k // n, start + extent * (k + 1) // n)
-    return region[:axis] + (cut,) + region[axis + 1 :]
+    cuts = [(start + extent * k // n, start + extent * (k + 1) // n) for k in range(n)]
+    return [region[:axis] + (cut,) + region[axis + 1 :] for cut in cuts]
 
 
 def describe_sharding(leaf: Any) -> dict[str, Any] | None:

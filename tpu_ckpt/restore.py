@@ -11,21 +11,23 @@ device count or to numpy is the same code path. Reads go in batches of about
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import difflib
 import functools
+import json
 import logging
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpu_ckpt import keys, read_plan, storage
+from tpu_ckpt import distributed, keys, read_plan, relay, storage
 from tpu_ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -35,7 +37,7 @@ from tpu_ckpt.errors import (
 )
 from tpu_ckpt.format import MANIFEST_FILE, LeafEntry, Manifest, PieceEntry, crc32c, dtype_from_name
 from tpu_ckpt.gc_pause import gc_paused
-from tpu_ckpt.options import CheckpointOptions, refuse_io_device
+from tpu_ckpt.options import CheckpointOptions, io_process
 from tpu_ckpt.pieces import SliceSpec, full_slice, index_to_slice
 
 logger = logging.getLogger(__name__)
@@ -168,10 +170,85 @@ def restore(
       CorruptCheckpointError, TargetMismatchError.
     """
     options = options or CheckpointOptions()
-    refuse_io_device(options)
     started = time.perf_counter()
     loc = storage.location(path)
-    manifest = read_manifest(loc)
+    with _open(loc, options) as (store, manifest):
+        tree, count, nbytes = _restore_from(store, manifest, target, options, subtree)
+    logger.info(
+        "tpu_ckpt: restored %d leaves (%.1f MB read) from %s in %.2fs",
+        count, nbytes / 1e6, loc.url, time.perf_counter() - started,
+    )
+    return tree
+
+
+@contextlib.contextmanager
+def _open(loc: storage.Location, options: CheckpointOptions) -> Iterator[tuple[Any, Manifest]]:
+    """The checkpoint's store and manifest. With ``io_device`` only that process opens
+    storage; it serves the others (``relay.py``) until every process has finished."""
+    count = distributed.process_count()
+    io = io_process(options, count)
+    if io is None or count == 1:
+        manifest = read_manifest(loc)
+        with storage.Store(loc) as store:
+            yield store, manifest
+        return
+    coord = distributed.Coordinator(f"restore {loc.url}", options.coordination_timeout)
+    try:
+        if coord.me == io:
+            with _serve(loc, coord) as (store, manifest):
+                yield store, manifest
+                coord.gather("restored")
+        else:
+            with _relayed(loc, coord, io) as (store, manifest):
+                yield store, manifest
+            coord.gather("restored")
+    except BaseException as error:
+        coord.report_failure(error)
+        raise
+
+
+@contextlib.contextmanager
+def _serve(loc: storage.Location, coord: distributed.Coordinator) -> Iterator[tuple[storage.Store, Manifest]]:
+    """The io_device process: reads the manifest (telling the others if that fails, so they
+    raise the same error), then serves the checkpoint while restoring its own part."""
+    try:
+        manifest = read_manifest(loc)
+    except CheckpointError as error:
+        coord.publish("serve", "error " + json.dumps(relay.error_to_json(error)))
+        raise
+    with storage.Store(loc) as store:
+        server = relay.RelayServer(store, distributed.relay_host(), coord.timeout)
+        try:
+            coord.publish("serve", "ok " + server.contact())
+            yield store, manifest
+        finally:
+            server.close()
+
+
+@contextlib.contextmanager
+def _relayed(
+    loc: storage.Location, coord: distributed.Coordinator, io: int
+) -> Iterator[tuple[relay.RelayStore, Manifest]]:
+    """Every other process: reads the checkpoint through the io_device process."""
+    status, _, detail = coord.receive("serve", io).partition(" ")
+    if status == "error":
+        raise relay.error_from_json(json.loads(detail))
+    try:
+        with relay.RelayStore(loc, detail, coord.timeout, io) as store:
+            data = store.read_file(MANIFEST_FILE)
+            if data is None:
+                raise UncommittedCheckpointError(f"{loc.url} lost its {MANIFEST_FILE} during the restore", file=loc.url)
+            yield store, Manifest.from_json(data, where=loc.child(MANIFEST_FILE))
+    except CheckpointError:
+        coord.raise_if_another_failed("restore")  # the io_device process's own error says more
+        raise
+
+
+def _restore_from(
+    store: storage.Store | relay.RelayStore, manifest: Manifest, target: Any, options: CheckpointOptions, subtree: str | None
+) -> tuple[Any, int, int]:
+    """The restored tree, its number of leaves and the bytes read."""
+    loc = store.location
     prefix = (subtree or "").strip("/")
     leaves = {leaf.key: leaf for leaf in manifest.leaves if keys.under(leaf.key, prefix)}
     if prefix and not leaves:
@@ -191,16 +268,13 @@ def restore(
     else:
         flat, treedef = keys.flatten(target)
         wanted = [_want_for(loc, leaves, _join(prefix, key), t, skip) for key, _, t in flat]
-    with storage.Store(loc) as store, gc_paused():
+    with gc_paused():
         results, nbytes = _restore_leaves(store, wanted)
-    logger.info(
-        "tpu_ckpt: restored %d leaves (%.1f MB read) from %s in %.2fs",
-        len(results), nbytes / 1e6, loc.url, time.perf_counter() - started,
-    )
     if target is not None:
-        return jax.tree_util.tree_unflatten(treedef, results)
+        return jax.tree_util.tree_unflatten(treedef, results), len(results), nbytes
     depth = len(prefix.split("/")) if prefix else 0
-    return keys.unflatten_nested((leaf.path[depth:], r) for leaf, r in zip(leaves.values(), results))
+    tree = keys.unflatten_nested((leaf.path[depth:], r) for leaf, r in zip(leaves.values(), results))
+    return tree, len(results), nbytes
 
 
 def _join(prefix: str, key: str) -> str:
@@ -249,7 +323,7 @@ def _want_for(loc: storage.Location, leaves: dict[str, LeafEntry], key: str, tar
     return want
 
 
-def _restore_leaves(store: storage.Store, wanted: Sequence[Any]) -> tuple[list[Any], int]:
+def _restore_leaves(store: storage.Store | relay.RelayStore, wanted: Sequence[Any]) -> tuple[list[Any], int]:
     """Restores every wanted leaf, reading in batches of about ``READ_BATCH_BYTES``.
 
     The next batch is being read while the current one is assembled and placed on its
@@ -334,7 +408,7 @@ def _place(
 _Reads = list[tuple[read_plan.Read, concurrent.futures.Future]]
 
 
-def _start_reads(store: storage.Store, batch: Sequence[_Unit]) -> _Reads:
+def _start_reads(store: storage.Store | relay.RelayStore, batch: Sequence[_Unit]) -> _Reads:
     """Issues every read of a batch at once (checksums are verified in the IO threads)."""
     reads = read_plan.coalesce((unit.want.leaf.key, p) for unit in batch for p in unit.pieces)
     return [
@@ -359,7 +433,7 @@ def _collect(reads: _Reads) -> dict[tuple[str, int], np.ndarray]:
     return out
 
 
-def _verify(store: storage.Store, read: read_plan.Read, chunks: list[np.ndarray]) -> None:
+def _verify(store: storage.Store | relay.RelayStore, read: read_plan.Read, chunks: list[np.ndarray]) -> None:
     for (key, piece), chunk in zip(read.pieces, chunks):
         if crc32c(chunk) != piece.crc32c:
             where = store.location.child(read.file)

@@ -1,8 +1,10 @@
 """save(): tree -> pieces -> shards -> host snapshot -> writes -> index -> commit -> callbacks.
 
 Every process of a job calls ``save`` (SPMD). Each writes only the pieces of its own
-addressable devices into the staging location; process 0 then merges the per-process
-indexes into the manifest, writes it and commits.
+addressable devices into the staging location; the leader (process 0, or the
+``io_device`` process) then merges the per-process indexes into the manifest, writes it and
+commits. With ``io_device`` the other processes write through the leader (``relay.py``) and
+never touch storage themselves.
 
 Synchronously, pieces are written straight from the arrays' buffers (no copy on CPU; off
 CPU, one data file's pieces come to the host when a write slot is free, at most
@@ -28,7 +30,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from tpu_ckpt import distributed, keys, storage
+from tpu_ckpt import distributed, keys, relay, storage
 from tpu_ckpt.background import WRITER, SaveResult
 from tpu_ckpt.errors import CheckpointError, CheckpointExistsError
 from tpu_ckpt.format import (
@@ -42,8 +44,8 @@ from tpu_ckpt.format import (
     tensor_name,
 )
 from tpu_ckpt.gc_pause import gc_paused
-from tpu_ckpt.options import CheckpointOptions, refuse_io_device, wants_path
-from tpu_ckpt.pieces import Shard, ShardableTensor, array_pieces, describe_sharding
+from tpu_ckpt.options import CheckpointOptions, io_process, wants_path
+from tpu_ckpt.pieces import Shard, ShardableTensor, WriteBalance, array_pieces, describe_sharding
 from tpu_ckpt.slots import SlotPredicate, slot_keys
 from tpu_ckpt.validation import validate_shards
 
@@ -72,7 +74,6 @@ def save(
     slot variables (see ``slots.py``), for optimizers the rule does not recognise.
     """
     options = options or CheckpointOptions()
-    refuse_io_device(options)
     WRITER.settle()  # one save in flight; an unseen failure of the last one surfaces here
     if not options.enable_async:
         with gc_paused():
@@ -82,7 +83,11 @@ def save(
         return SaveResult(job.final.url)
     with gc_paused():
         job = _plan(path, tree, options, is_slot)
-        job.snapshot()
+        try:
+            job.snapshot()
+        except BaseException as error:
+            job.abandon(error)
+            raise
     return WRITER.start(job.final.url, job.run)
 
 
@@ -91,15 +96,17 @@ def _plan(path: str | os.PathLike[str], tree: Any, options: CheckpointOptions, i
     final = storage.location(path)
     coord = distributed.Coordinator(f"save {final.url}", options.coordination_timeout)
     try:
+        io = io_process(options, coord.count)
         leaves, _ = keys.flatten(tree, keep_none=True)
         entries, pieces = _describe(leaves, coord.me, slot_keys(tree, leaves, is_slot))
         shards = [s for s in options.sharding_callback(pieces) if s]
         validate_shards(shards, pieces, options.sharding_callback.description)
-        staging = final.staging(_agree_on_token(final, coord))
+        job = _Job(final, coord, entries, shards, options, len(pieces), leader=0 if io is None else io)
+        job.open_staging(relayed=io is not None)
     except BaseException as error:
         coord.report_failure(error)
         raise
-    return _Job(final, staging, coord, entries, shards, options, len(pieces))
+    return job
 
 
 @dataclasses.dataclass
@@ -107,12 +114,41 @@ class _Job:
     """One save after planning: what to write where, and how to commit it."""
 
     final: storage.Location
-    staging: storage.Location
     coord: distributed.Coordinator
     entries: list[LeafEntry]
     shards: list[Shard]
     options: CheckpointOptions
     piece_count: int
+    leader: int  # checks the destination, names the staging area, commits
+    staging: storage.Location | None = None
+    store: storage.Store | relay.RelayStore | None = None
+    server: relay.RelayServer | None = None
+
+    def open_staging(self, relayed: bool) -> None:
+        """The leader checks the destination and names the staging area (serving it to the
+        others when they write through it); the others learn its name, or where to connect."""
+        coord, timeout = self.coord, self.options.coordination_timeout
+        if coord.me != self.leader:
+            token, _, contact = coord.receive("start", self.leader).partition(" ")
+            self.staging = self.final.staging(token)
+            if contact:
+                self.store = relay.RelayStore(self.staging, contact, timeout, self.leader)
+            else:
+                self.store = storage.Store(self.staging)
+            return
+        if not storage.is_empty(self.final):
+            raise CheckpointExistsError(
+                f"{self.final.url} already exists and is not empty; tpu_ckpt never overwrites a checkpoint. "
+                "Save to a new path, or delete the old one first.",
+                file=self.final.url,
+            )
+        token = uuid.uuid4().hex[:12]
+        self.staging = self.final.staging(token)
+        self.store = storage.Store(self.staging)
+        if relayed and coord.count > 1:
+            self.server = relay.RelayServer(self.store, distributed.relay_host(), timeout)
+            token = f"{token} {self.server.contact()}"
+        coord.publish("start", token)
 
     def snapshot(self) -> None:
         """Replaces every piece by a host copy, so no device buffer is referenced any more.
@@ -137,33 +173,52 @@ class _Job:
 
     def write_and_commit(self) -> None:
         started = time.perf_counter()
-        coord, staging = self.coord, self.staging
+        coord, staging, store = self.coord, self.staging, self.store
         committed = False
         try:
-            with storage.Store(staging) as store:
-                index, files = _write_shards(store, self.shards, coord.me)
-                self.shards = []  # the host copies can go now
-                if coord.me == 0:
-                    coord.gather("written")
-                    _commit(store, staging, self.final, coord.count, self.entries, index, files, self.options)
-                    committed = True  # from here on nothing may delete it
-                    coord.publish("committed")
-                else:
-                    store.write(_index_file(coord.me), [_index_to_json(index, files)]).result()
-                    coord.gather("written")
-                    coord.receive("committed", 0)
+            index, files = _write_shards(store, self.shards, coord.me)
+            self.shards = []  # the host copies can go now
+            if coord.me == self.leader:
+                coord.gather("written")
+                _commit(store, staging, self.final, coord, self.leader, self.entries, index, files, self.options)
+                committed = True  # from here on nothing may delete it
+                coord.publish("committed")
+            else:
+                store.write(_index_file(coord.me), [_index_to_json(index, files)]).result()
+                coord.gather("written")
+                coord.receive("committed", self.leader)
         except BaseException as error:
-            coord.report_failure(error)
-            if not committed:
-                # Every process removes the staging area after its own last write, so
-                # whichever removal comes last leaves nothing behind.
-                storage.remove(staging)
+            if committed:
+                coord.report_failure(error)
+            else:
+                self.abandon(error)
             raise
+        finally:
+            self.close()
         logger.info(
             "tpu_ckpt: saved %s (%d leaves, %d pieces, %d files, %.1f MB from this process) in %.2fs",
             self.final.url, len(self.entries), self.piece_count, len(files), sum(files.values()) / 1e6,
             time.perf_counter() - started,
         )
+
+    def abandon(self, error: BaseException) -> None:
+        """Gives up on this save: tells the others, and leaves nothing in storage.
+
+        Every process that writes to storage removes the staging area after its own last
+        write, so whichever removal comes last leaves nothing behind. A process writing
+        through the io_device relay has nothing of its own to remove.
+        """
+        self.coord.report_failure(error)
+        self.close()
+        if self.staging is not None and not isinstance(self.store, relay.RelayStore):
+            storage.remove(self.staging)
+
+    def close(self) -> None:
+        """Stops serving the others (first: no late write may land after this), closes the store."""
+        if self.server is not None:
+            self.server.close()
+        if self.store is not None:
+            self.store.close()
 
     def run_callbacks(self) -> None:
         for callback in self.options.write_callbacks:
@@ -177,7 +232,7 @@ def _describe(
     leaves: list[tuple[str, list, Any]], me: int, slots: set[str]
 ) -> tuple[list[LeafEntry], list[ShardableTensor]]:
     """Manifest entries (without piece locations) for every leaf, and this process's pieces."""
-    entries, pieces = [], []
+    entries, pieces, balance = [], [], WriteBalance()
     for key, path, leaf in leaves:
         if isinstance(leaf, _PYTHON_VALUES):
             entries.append(LeafEntry(key, path, "value", value=leaf))
@@ -194,23 +249,8 @@ def _describe(
         shape = tuple(int(d) for d in leaf.shape)
         slot = key in slots
         entries.append(LeafEntry(key, path, "array", shape, name, slot, describe_sharding(leaf)))
-        pieces.extend(array_pieces(key, leaf, process_index=me, is_slot=slot))
+        pieces.extend(array_pieces(key, leaf, process_index=me, is_slot=slot, balance=balance))
     return entries, pieces
-
-
-def _agree_on_token(final: storage.Location, coord: distributed.Coordinator) -> str:
-    """Process 0 checks the destination and names the staging area; the others learn it."""
-    if coord.me != 0:
-        return coord.receive("start", 0)
-    if not storage.is_empty(final):
-        raise CheckpointExistsError(
-            f"{final.url} already exists and is not empty; tpu_ckpt never overwrites a checkpoint. "
-            "Save to a new path, or delete the old one first.",
-            file=final.url,
-        )
-    token = uuid.uuid4().hex[:12]
-    coord.publish("start", token)
-    return token
 
 
 def _host_bytes(array: Any) -> np.ndarray:
@@ -219,7 +259,7 @@ def _host_bytes(array: Any) -> np.ndarray:
     return host.reshape(-1).view(np.uint8)
 
 
-def _write_shards(store: storage.Store, shards: Sequence[Shard], me: int) -> tuple[dict[str, list[PieceEntry]], dict[str, int]]:
+def _write_shards(store: storage.Store | relay.RelayStore, shards: Sequence[Shard], me: int) -> tuple[dict[str, list[PieceEntry]], dict[str, int]]:
     index: dict[str, list[PieceEntry]] = collections.defaultdict(list)
     files: dict[str, int] = {}
     in_flight: collections.deque = collections.deque()
@@ -248,6 +288,8 @@ def _finish(pending: tuple[str, Any], store: storage.Store) -> None:
     name, future = pending
     try:
         future.result()
+    except CheckpointError:
+        raise  # already names the file
     except Exception as e:
         where = store.location.child(name)
         raise CheckpointError(f"Writing {where} failed: {e}", file=where) from e
@@ -267,14 +309,17 @@ def _commit(
     store: storage.Store,
     staging: storage.Location,
     final: storage.Location,
-    process_count: int,
+    coord: distributed.Coordinator,
+    leader: int,
     entries: list[LeafEntry],
     index: dict[str, list[PieceEntry]],
     files: dict[str, int],
     options: CheckpointOptions,
 ) -> None:
-    """Process 0: merges every process's index into the manifest, writes it, commits."""
-    for process in range(1, process_count):
+    """The leader: merges every process's index into the manifest, writes it, commits."""
+    for process in range(coord.count):
+        if process == leader:
+            continue
         name = _index_file(process)
         theirs = Manifest.from_json(store.read_file(name) or b"", where=staging.child(name))
         files.update(theirs.files)
@@ -288,7 +333,7 @@ def _commit(
     )
     for leaf in leaves:
         _check_covered(leaf)
-    manifest = Manifest(leaves, dict(sorted(files.items())), process_count, options.sharding_callback.description)
+    manifest = Manifest(leaves, dict(sorted(files.items())), coord.count, options.sharding_callback.description)
     store.write(MANIFEST_FILE, [manifest.to_json()]).result()
     storage.commit(staging, final)
 

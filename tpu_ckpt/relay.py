@@ -1,0 +1,300 @@
+"""io_device: one process does all storage IO, and the others reach storage through it.
+
+With ``CheckpointOptions(io_device=k)`` a checkpoint may live on process k's local disk,
+which no other host can see. Process k runs a :class:`RelayServer` next to its own
+``storage.Store``; every other process uses a :class:`RelayStore` in its place, with the
+same ``write``/``read``/``read_file`` calls, so save and restore run the same code either
+way. On save the others send their data files (and their index) to process k; on restore
+they ask it for exactly the byte ranges their devices need and check every piece's crc32c
+themselves, so the transfer is covered by the checksum too.
+
+Bytes go host to host over plain TCP: no device collectives (they can deadlock against a
+training step running on another thread, and asynchronous saves run on a background
+thread), and no coordination-service values (meant for small values, and they would route
+every byte through process 0). The address and a per-operation secret travel through the
+coordination service's key-value store, which only the job's processes can read; a
+connection without the secret is dropped. Every socket operation is bounded by
+``coordination_timeout``, so a dead peer is an error, never a hang.
+
+Wire format: each message is a 16-byte header (two big-endian uint64: JSON length, payload
+length), a JSON object, then the payload bytes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import queue
+import secrets
+import socket
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from tpu_ckpt import errors, storage
+
+logger = logging.getLogger(__name__)
+
+CONNECTIONS_PER_CLIENT = 4
+MAX_WRITES_IN_FLIGHT = 4  # files the server holds in memory at once, across all clients
+_HEADER = struct.Struct("!QQ")
+_CHUNK = 8 << 20  # one bounded socket call: the timeout measures progress, not the whole file
+
+
+class RelayServer:
+    """Serves one storage location (a checkpoint or its staging area) to the other processes.
+
+    Errors raised while serving go back to the caller, which re-raises them as the same
+    ``CheckpointError`` subclass.
+    """
+
+    def __init__(self, store: storage.Store, host: str, timeout: float):
+        self.store = store
+        self.secret = secrets.token_hex(16)
+        self._timeout = timeout
+        self._write_slots = threading.BoundedSemaphore(MAX_WRITES_IN_FLIGHT)
+        self._listener = socket.create_server((host, 0))
+        self.address = f"{host}:{self._listener.getsockname()[1]}"
+        self._lock = threading.Lock()
+        self._connections: list[socket.socket] = []
+        self._handlers: list[threading.Thread] = []
+        self._closed = False
+        self._acceptor = threading.Thread(target=self._accept, name="tpu_ckpt relay", daemon=True)
+        self._acceptor.start()
+
+    def contact(self) -> str:
+        """What the other processes need to connect: ``"<host>:<port> <secret>"``."""
+        return f"{self.address} {self.secret}"
+
+    def close(self) -> None:
+        """Stops serving. Returns once no handler can touch storage any more, so a failed
+        save may then remove its staging area without a late write recreating files in it."""
+        with self._lock:
+            self._closed = True
+            connections = list(self._connections)
+        _shutdown(self._listener)  # wakes the blocked accept(); close() alone does not
+        self._listener.close()
+        for conn in connections:
+            _shutdown(conn)
+        self._acceptor.join()
+        for handler in self._handlers:
+            handler.join()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._connections.append(conn)
+                handler = threading.Thread(target=self._serve, args=(conn,), name="tpu_ckpt relay", daemon=True)
+                self._handlers.append(handler)
+            handler.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.settimeout(self._timeout)
+        try:
+            hello, _ = _receive(conn)
+            if not secrets.compare_digest(str(hello.get("secret")), self.secret):
+                logger.warning("tpu_ckpt: dropped a relay connection without the operation's secret")
+                return
+            _send(conn, {"ok": True})
+            while True:
+                try:
+                    request, size = _receive_header(conn)
+                except EOFError:
+                    return  # the client is done
+                self._answer(conn, request, size)
+        except (OSError, EOFError, ValueError) as e:
+            if not self._closed:
+                logger.warning("tpu_ckpt: relay connection ended abnormally: %s", e)
+        finally:
+            conn.close()
+
+    def _answer(self, conn: socket.socket, request: dict[str, Any], size: int) -> None:
+        """Answers one request. Storage errors go back to the client; socket errors end the
+        connection (raised to :meth:`_serve`)."""
+        op, name = request.get("op"), request.get("name", "")
+        if op == "write":
+            with self._write_slots:
+                data = storage.aligned_empty(size)
+                _receive_into(conn, [data])
+                answer = _outcome(lambda: self._write(name, data))
+        elif op == "read":
+            answer = _outcome(lambda: ({}, self.store.read(name, request["start"], request["lengths"]).result()))
+        elif op == "read_file":
+            answer = _outcome(lambda: self._read_file(name))
+        else:
+            answer = {"error": error_to_json(errors.CheckpointError(f"internal: unknown relay request {op!r}"))}, []
+        _send(conn, *answer)
+
+    def _write(self, name: str, data: np.ndarray) -> tuple[dict[str, Any], list[Any]]:
+        self.store.write(name, [data]).result()
+        return {}, []
+
+    def _read_file(self, name: str) -> tuple[dict[str, Any], list[Any]]:
+        data = self.store.read_file(name)
+        return {"missing": data is None}, [data or b""]
+
+
+def _outcome(serve: Callable[[], tuple[dict[str, Any], list[Any]]]) -> tuple[dict[str, Any], list[Any]]:
+    """The answer to send: ``ok`` (plus what ``serve`` adds) and the payload, or the error
+    raised while serving."""
+    try:
+        extra, payload = serve()
+    except Exception as e:  # noqa: BLE001 - delivered to the client, which raises it
+        return {"error": error_to_json(e)}, []
+    return {"ok": True, **extra}, payload
+
+
+class RelayStore:
+    """Stands in for ``storage.Store`` on every process but the IO process."""
+
+    def __init__(self, loc: storage.Location, contact: str, timeout: float, io_process: int):
+        self.location = loc
+        self.io_process = io_process
+        address, secret = contact.split(" ")
+        host, port = address.rsplit(":", 1)
+        self._connections: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(CONNECTIONS_PER_CLIENT):
+            conn = socket.create_connection((host, int(port)), timeout=timeout)
+            _send(conn, {"secret": secret})
+            self._expect_ok(conn, "connecting")
+            self._connections.put(conn)
+        self._pool = storage._Pool(CONNECTIONS_PER_CLIENT)
+
+    def __enter__(self) -> RelayStore:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._pool.shutdown()
+        while not self._connections.empty():
+            self._connections.get().close()
+
+    def write(self, name: str, buffers: Sequence[Any]) -> concurrent.futures.Future:
+        views = [memoryview(b).cast("B") for b in buffers]
+        return self._pool.submit(self._call, {"op": "write", "name": name}, views, None)
+
+    def read(
+        self, name: str, start: int, lengths: Sequence[int], then: Callable[[list[np.ndarray]], Any] | None = None
+    ) -> concurrent.futures.Future:
+        def read_and_then() -> list[np.ndarray]:
+            chunks = [storage.aligned_empty(n) for n in lengths]
+            self._call({"op": "read", "name": name, "start": start, "lengths": list(lengths)}, [], chunks)
+            if then is not None:
+                then(chunks)
+            return chunks
+
+        return self._pool.submit(read_and_then)
+
+    def read_file(self, name: str) -> bytes | None:
+        answer, data = self._call({"op": "read_file", "name": name}, [], None)
+        return None if answer["missing"] else data
+
+    def _call(
+        self, request: dict[str, Any], payload: Sequence[memoryview], into: list[np.ndarray] | None
+    ) -> tuple[dict[str, Any], bytes]:
+        """One request and its answer on a free connection. The answer's payload goes into
+        ``into`` when given (no copy), else it is returned as bytes."""
+        conn = self._connections.get()
+        try:
+            _send(conn, request, payload)
+            answer, size = _receive_header(conn)
+            if "error" in answer:
+                _discard(conn, size)
+                raise error_from_json(answer["error"])
+            if into is not None:
+                if size != sum(a.nbytes for a in into):
+                    raise errors.CheckpointError(f"internal: the io_device relay answered {size} bytes")
+                _receive_into(conn, into)
+                return answer, b""
+            data = storage.aligned_empty(size)
+            _receive_into(conn, [data])
+            return answer, data.tobytes()
+        except (OSError, EOFError) as e:
+            raise errors.CheckpointError(
+                f"Lost the connection to io_device process {self.io_process} during {request['op']} "
+                f"{request.get('name', '')} of {self.location.url}: {e}. Check that process's log.",
+                file=self.location.child(request.get("name", "")),
+            ) from e
+        finally:
+            self._connections.put(conn)
+
+    def _expect_ok(self, conn: socket.socket, what: str) -> None:
+        answer, _ = _receive(conn)
+        if not answer.get("ok"):
+            raise errors.CheckpointError(f"io_device process {self.io_process} refused the relay while {what}")
+
+
+def _send(conn: socket.socket, message: dict[str, Any], payload: Sequence[Any] = ()) -> None:
+    views = [memoryview(p).cast("B") for p in payload]
+    meta = json.dumps(message).encode()
+    conn.sendall(_HEADER.pack(len(meta), sum(len(v) for v in views)) + meta)
+    for view in views:
+        for start in range(0, len(view), _CHUNK):
+            conn.sendall(view[start : start + _CHUNK])
+
+
+def _receive_header(conn: socket.socket) -> tuple[dict[str, Any], int]:
+    head = bytearray(_HEADER.size)
+    _receive_into(conn, [head])
+    meta_size, payload_size = _HEADER.unpack(head)
+    meta = bytearray(meta_size)
+    _receive_into(conn, [meta])
+    return json.loads(meta), payload_size
+
+
+def _receive(conn: socket.socket) -> tuple[dict[str, Any], bytes]:
+    message, size = _receive_header(conn)
+    data = bytearray(size)
+    _receive_into(conn, [data])
+    return message, bytes(data)
+
+
+def _receive_into(conn: socket.socket, buffers: Sequence[Any]) -> None:
+    for buffer in buffers:
+        view = memoryview(buffer).cast("B")
+        while len(view):
+            n = conn.recv_into(view[:_CHUNK])
+            if n == 0:
+                raise EOFError("the peer closed the connection")
+            view = view[n:]
+
+
+def _discard(conn: socket.socket, size: int) -> None:
+    if size:
+        _receive_into(conn, [bytearray(size)])
+
+
+def _shutdown(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def error_to_json(error: BaseException) -> dict[str, Any]:
+    if isinstance(error, errors.CheckpointError):
+        return {"type": type(error).__name__, "message": str(error), "key": error.key, "file": error.file}
+    return {"type": "CheckpointError", "message": f"{type(error).__name__}: {error}", "key": None, "file": None}
+
+
+def error_from_json(data: dict[str, Any]) -> errors.CheckpointError:
+    """The same error type the IO process raised (a plain CheckpointError for the others)."""
+    cls = getattr(errors, data["type"], errors.CheckpointError)
+    if not (isinstance(cls, type) and issubclass(cls, errors.CheckpointError)) or cls in (
+        errors.CoordinationTimeoutError,
+    ):
+        cls = errors.CheckpointError
+    return cls(data["message"], key=data["key"], file=data["file"])
