@@ -44,6 +44,7 @@ from flax.training import train_state  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import tpu_ckpt as tc  # noqa: E402
+from tpu_ckpt.progress import Progress  # noqa: E402
 
 MB = 1e6
 SAVE_MESH, RESTORE_MESH = (4, 2), (2, 4)
@@ -264,10 +265,11 @@ def disk_bandwidth(workdir, scale):
     return writes * len(chunk) / MB / seconds
 
 
-def one_rep(name, tree, targets, libs, workdir, rep, reps):
+def one_rep(name, tree, targets, libs, workdir, rep, reps, log):
     """One interleaved rep: save, restore same sharding, restore onto mesh (2, 4), each
     operation run for every library before the next starts, into fresh directories that
-    are removed afterwards. Rep 0 is the warm-up. Returns {lib: {metric: value}}."""
+    are removed afterwards. Rep 0 is the warm-up. Reports each library's times with `log`.
+    Returns {lib: {metric: value}}."""
     label = f"rep {rep}/{reps}" if rep else "warm-up"
     paths = {lib.name: os.path.join(workdir, f"{name}-{lib.name}-rep{rep}") for lib in libs}
     out = {lib.name: {} for lib in libs}
@@ -285,8 +287,8 @@ def one_rep(name, tree, targets, libs, workdir, rep, reps):
     for lib in libs:
         shutil.rmtree(paths[lib.name])
         r = out[lib.name]
-        print(f"[{name} {label}] {lib.name:8s} save {r['save_s']:.3f}s restore {r['restore_same_s']:.3f}s "
-              f"restore{RESTORE_MESH} {r['restore_resharded_s']:.3f}s", file=sys.stderr, flush=True)
+        log(f"[{name} {label}] {lib.name:8s} save {r['save_s']:.3f}s restore {r['restore_same_s']:.3f}s "
+            f"restore{RESTORE_MESH} {r['restore_resharded_s']:.3f}s")
     return out
 
 
@@ -297,12 +299,15 @@ def run_workload(name, tree, libs, workdir, reps):
     same tree over and over, so the steady state is what matters. Returns {lib: {metric: [samples]}}."""
     targets = {"restore_same": abstract(tree, mesh(SAVE_MESH)),
                "restore_resharded": abstract(tree, mesh(RESTORE_MESH))}
-    one_rep(name, tree, targets, libs, workdir, 0, reps)
     samples = {lib.name: {} for lib in libs}
-    for rep in range(1, reps + 1):
-        for lib, values in one_rep(name, tree, targets, libs, workdir, rep, reps).items():
-            for metric, value in values.items():
-                samples[lib].setdefault(metric, []).append(value)
+    with Progress(f"{name} reps", reps + 1, unit="reps") as bar:
+        one_rep(name, tree, targets, libs, workdir, 0, reps, bar.log)
+        bar.advance()
+        for rep in range(1, reps + 1):
+            for lib, values in one_rep(name, tree, targets, libs, workdir, rep, reps, bar.log).items():
+                for metric, value in values.items():
+                    samples[lib].setdefault(metric, []).append(value)
+            bar.advance()
     return samples
 
 
@@ -325,7 +330,7 @@ def largest_leaf(state):
     return max(range(len(leaves)), key=lambda i: leaves[i].nbytes)
 
 
-def async_rep(name, state, libs, workdir, rep, reps):
+def async_rep(name, state, libs, workdir, rep, reps, log):
     """One interleaved rep of asynchronous saves, two passes per library. First: save_async,
     then wait, nothing else running, timing both and sampling RSS throughout (after
     returning free heap pages to the OS, so the host copy cannot hide in them). Second: donated
@@ -334,7 +339,7 @@ def async_rep(name, state, libs, workdir, rep, reps):
     step could really donate (JAX silently copies a buffer that something else still
     references instead of donating it). The warm-up also checks that the checkpoint holds
     the state as it was at save(), so no library wrote buffers the step had overwritten.
-    Returns (the state after the steps, {lib: {metric: value}})."""
+    Reports each library's times with `log`. Returns (the state after the steps, {lib: {metric: value}})."""
     label = f"rep {rep}/{reps}" if rep else "warm-up"
     live_mb = sum(x.nbytes for x in jax.tree.leaves(state)) / MB
     out = {lib.name: {} for lib in libs}
@@ -378,21 +383,24 @@ def async_rep(name, state, libs, workdir, rep, reps):
                              step_donated=donated)
     for lib in libs:
         r = out[lib.name]
-        print(f"[{name} async {label}] {lib.name:8s} blocking {r['async_block_s']:.3f}s durable "
-              f"{r['async_durable_s']:.3f}s step {r['step_s']:.3f}s after save {r['step_after_save_s']:.3f}s "
-              f"({r['step_donated']:.0%} donated) RSS +{r['async_rss_mb']:.0f} MB", file=sys.stderr, flush=True)
+        log(f"[{name} async {label}] {lib.name:8s} blocking {r['async_block_s']:.3f}s durable "
+            f"{r['async_durable_s']:.3f}s step {r['step_s']:.3f}s after save {r['step_after_save_s']:.3f}s "
+            f"({r['step_donated']:.0%} donated) RSS +{r['async_rss_mb']:.0f} MB")
     return state, out
 
 
 def run_async(name, state, libs, workdir, reps, samples):
     """An untimed warm-up rep (it also compiles the step), then `reps` measured ones, their
     samples added to `samples`. The state is donated along the way: returns the last one."""
-    state, _ = async_rep(name, state, libs, workdir, 0, reps)
-    for rep in range(1, reps + 1):
-        state, values = async_rep(name, state, libs, workdir, rep, reps)
-        for lib, metrics in values.items():
-            for metric, value in metrics.items():
-                samples[lib].setdefault(metric, []).append(value)
+    with Progress(f"{name} async reps", reps + 1, unit="reps") as bar:
+        state, _ = async_rep(name, state, libs, workdir, 0, reps, bar.log)
+        bar.advance()
+        for rep in range(1, reps + 1):
+            state, values = async_rep(name, state, libs, workdir, rep, reps, bar.log)
+            for lib, metrics in values.items():
+                for metric, value in metrics.items():
+                    samples[lib].setdefault(metric, []).append(value)
+            bar.advance()
     return state
 
 

@@ -270,3 +270,25 @@ def peer_killed_before_commit(directory: str, io: str = "") -> dict:
         return {"error": type(e).__name__, "message": str(e), "missing": getattr(e, "missing", None),
                 "seconds": time.monotonic() - started, "peer_killed": True}
     return {"error": None, "peer_killed": True}
+
+
+def io_device_manager(directory: str, io: str) -> dict:
+    """A CheckpointManager whose directory exists only on the io_device process's "local
+    disk": every process sees the same steps, restores the latest, and retention runs there."""
+    me, io = jax.process_index(), int(io)
+    os.makedirs(os.path.join(directory, f"host{me}"))
+    os.chdir(os.path.join(directory, f"host{me}"))
+    mesh = _job_mesh()
+    options = tc.CheckpointOptions(io_device=io, enable_async=True, coordination_timeout=60)
+    with tc.CheckpointManager("run", max_to_keep=2, options=options) as manager:
+        for step in range(1, 4):
+            manager.save(step, {"w": _global_array(mesh, P("data", "model"), GLOBAL + step), "step": step})
+        manager.wait_until_finished()
+        steps = manager.all_steps()
+        target = {"w": jax.ShapeDtypeStruct(GLOBAL.shape, GLOBAL.dtype, sharding=NamedSharding(_reversed_mesh(), P())), "step": 0}
+        restored = manager.restore(target=target)
+    return {
+        "steps": steps,
+        "restored_ok": _all_match(restored, {"w": GLOBAL + 3, "step": 3}),
+        "local": sorted(os.listdir(".")) + (sorted(os.listdir("run")) if os.path.isdir("run") else []),
+    }

@@ -131,3 +131,11 @@ def test_four_processes_name_every_straggler(tmp_path):
     assert zero["missing"] == [2, 3]
     assert "processes [2, 3] did not reach stage 'written'" in zero["message"]
     assert os.listdir(tmp_path) == []
+
+
+def test_a_manager_with_io_device_lists_through_the_io_process(tmp_path):
+    results = _ok(multiprocess.run("io_device_manager", 2, str(tmp_path), "0"))
+    assert [r["steps"] for r in results] == [[2, 3], [2, 3]]
+    assert all(r["restored_ok"] for r in results), results
+    assert results[0]["local"] == ["run", "step_2", "step_3"]  # retention ran on the io process
+    assert results[1]["local"] == []

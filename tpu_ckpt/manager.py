@@ -14,9 +14,11 @@ interval) and the save in flight.
 
 Retention and the removal of uncommitted leftovers run as a write callback of each save.
 They therefore run after that save is committed: on the background thread for asynchronous
-saves, and on process 0 only. Nothing else can be in flight at that moment. A process has one
-save in flight at a time, and the other processes cannot start their next save until process
-0 has named its staging area.
+saves, and only on the process that commits (process 0, or the ``io_device`` process).
+Nothing else can be in flight at that moment. A process has one save in flight at a time, and
+the other processes cannot start their next save until that process has named its staging
+area. With ``io_device`` the directory may be that process's local disk: it lists the
+directory for everyone (see ``_list``).
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import math
 import operator
 import os
-import re
 import signal
 import threading
 import time
@@ -40,25 +42,12 @@ from tpu_ckpt import distributed, storage
 from tpu_ckpt.background import SaveResult
 from tpu_ckpt.errors import CheckpointExistsError, CheckpointNotFoundError
 from tpu_ckpt.format import MANIFEST_FILE
+from tpu_ckpt.listing import Listing, parse_listing
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.restore import restore
 from tpu_ckpt.save import save
 
 logger = logging.getLogger(__name__)
-
-_INTEGER = re.compile(r"\d+")
-_STAGING = re.compile(r".+\.tmp-[0-9a-f]+")  # storage.Location.staging of any name
-# Only what this manager writes is ever removed as a leftover, never a user's directory.
-_OWN_LEFTOVER = re.compile(r"step_\d+(\.tmp-[0-9a-f]+)?")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Listing:
-    """What the directory holds: committed steps, and uncommitted leftovers of our saves."""
-
-    committed: dict[int, str]  # step -> directory name
-    leftovers: list[str]
-
 
 class CheckpointManager:
     """Saves numbered checkpoints into one directory, prunes old ones, and detects preemption.
@@ -137,7 +126,7 @@ class CheckpointManager:
                 file=self._location.child(listing.committed[step]),
             )
         name = f"step_{step}"
-        if name in listing.leftovers and distributed.process_index() == 0:
+        if name in listing.leftovers and distributed.process_index() == self._leader():
             # An interrupted save of this step, written in place (object stores): in the way.
             self._remove(name, "an uncommitted leftover of an earlier save of this step")
         self._pending = save(self._location.child(name), tree, options=self._save_options(step))
@@ -236,10 +225,10 @@ class CheckpointManager:
         return self._options.replace(write_callbacks=(*self._options.write_callbacks, retention))
 
     def _after_commit(self, step: int) -> None:
-        """Removes leftovers and the checkpoints that retention lets go (process 0 only)."""
-        if distributed.process_index() != 0:
+        """Removes leftovers and the checkpoints that retention lets go (on the leader only)."""
+        if distributed.process_index() != self._leader():
             return
-        listing = self._list()
+        listing = self._list_here()
         for name in listing.leftovers:
             self._remove(name, "an uncommitted leftover")
         for old in self._expired(listing.committed, step):
@@ -272,10 +261,36 @@ class CheckpointManager:
         """When a step was committed: the mtime of its manifest, which is written last."""
         return os.stat(os.path.join(self._location.local_path, name, MANIFEST_FILE)).st_mtime
 
-    def _list(self) -> _Listing:
+    def _list(self) -> Listing:
+        """What the directory holds, as the process that owns storage sees it.
+
+        With ``io_device`` only that process can see the directory (it may be its local
+        disk), so it lists and tells the others: listing is then collective, like ``save``
+        and ``restore``, and every process must make the same manager calls.
+        """
+        io = self._leader()
+        if self._options.io_device is None or distributed.process_count() == 1:
+            return self._list_here()
+        coord = distributed.Coordinator(f"list {self.directory}", self._options.coordination_timeout)
+        if coord.me != io:
+            listing = json.loads(coord.receive("listing", io))
+            return Listing({int(step): name for step, name in listing["committed"].items()}, listing["leftovers"])
+        try:
+            listing = self._list_here()
+        except BaseException as error:
+            coord.report_failure(error)
+            raise
+        coord.publish("listing", json.dumps(dataclasses.asdict(listing)))
+        return listing
+
+    def _list_here(self) -> Listing:
         with storage.Store(self._location, threads=1) as store:
             files = store.list()
-        return _parse_listing(files)
+        return parse_listing(files)
+
+    def _leader(self) -> int:
+        """The process that removes old steps and leftovers: the one that writes storage."""
+        return self._options.io_device if self._options.io_device is not None else 0
 
     def _remove(self, name: str, why: str) -> None:
         """Deletes one step directory. The manifest goes first, so an interrupted delete
@@ -285,32 +300,6 @@ class CheckpointManager:
             with contextlib.suppress(FileNotFoundError):
                 store.delete(MANIFEST_FILE)
             store.delete_all()
-
-
-def _parse_listing(files: list[str]) -> _Listing:
-    """Sorts the files under the directory into committed steps and leftovers.
-
-    A committed step is a directory with a manifest and exactly one integer in its name.
-    Staging directories never count as committed steps, even if a save died after writing
-    their manifest.
-    """
-    names: set[str] = set()
-    with_manifest: set[str] = set()
-    for path in files:
-        top, inside, rest = path.partition("/")
-        if inside:  # files directly in the directory are not checkpoints
-            names.add(top)
-            if rest == MANIFEST_FILE:
-                with_manifest.add(top)
-    committed: dict[int, str] = {}
-    for name in sorted(with_manifest):
-        numbers = _INTEGER.findall(name)
-        if len(numbers) == 1 and not _STAGING.fullmatch(name):
-            committed.setdefault(int(numbers[0]), name)
-    leftovers = sorted(
-        n for n in names if _OWN_LEFTOVER.fullmatch(n) and (n not in with_manifest or _STAGING.fullmatch(n))
-    )
-    return _Listing(committed, leftovers)
 
 
 class _SigtermRecorder:

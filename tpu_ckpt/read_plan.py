@@ -11,7 +11,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from tpu_ckpt.format import LeafEntry, PieceEntry
+import numpy as np
+
+from tpu_ckpt.errors import CorruptCheckpointError
+from tpu_ckpt.format import LeafEntry, PieceEntry, crc32c
 from tpu_ckpt.pieces import SliceSpec
 
 MAX_READ_BYTES = 64 << 20  # bigger single reads cost parallelism and gain nothing
@@ -46,6 +49,22 @@ def overlapping(leaf: LeafEntry, want: SliceSpec) -> list[PieceEntry]:
     if exact is not None:
         return [exact]
     return [p for p in leaf.pieces if intersect(p.slice, want) is not None]
+
+
+def relative(region: SliceSpec, within: SliceSpec) -> tuple[slice, ...]:
+    """``region`` as an index into the array holding ``within`` (which contains it)."""
+    return tuple(slice(a - w0, b - w0) for (a, b), (w0, _) in zip(region, within))
+
+
+def check_crcs(where: str, read: Read, chunks: Sequence[np.ndarray]) -> None:
+    """Raises CorruptCheckpointError naming the key and file if a piece's bytes do not match
+    its crc32c; ``where`` is the data file's path or URL."""
+    for (key, piece), chunk in zip(read.pieces, chunks):
+        if crc32c(chunk) != piece.crc32c:
+            raise CorruptCheckpointError(
+                f"crc32c mismatch for key {key!r} slice {list(piece.slice)} in {where}: the file is corrupt",
+                key=key, file=where,
+            )
 
 
 def coalesce(needed: Iterable[tuple[str, PieceEntry]]) -> list[Read]:

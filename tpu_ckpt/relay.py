@@ -169,7 +169,7 @@ class RelayStore:
             _send(conn, {"secret": secret})
             self._expect_ok(conn, "connecting")
             self._connections.put(conn)
-        self._pool = storage._Pool(CONNECTIONS_PER_CLIENT)
+        self._pool = storage.IOPool(CONNECTIONS_PER_CLIENT)
 
     def __enter__(self) -> RelayStore:
         return self

@@ -412,7 +412,7 @@ def _start_reads(store: storage.Store | relay.RelayStore, batch: Sequence[_Unit]
     """Issues every read of a batch at once (checksums are verified in the IO threads)."""
     reads = read_plan.coalesce((unit.want.leaf.key, p) for unit in batch for p in unit.pieces)
     return [
-        (r, store.read(r.file, r.start, [p.length for _, p in r.pieces], then=functools.partial(_verify, store, r)))
+        (r, store.read(r.file, r.start, [p.length for _, p in r.pieces], then=functools.partial(read_plan.check_crcs, store.location.child(r.file), r)))
         for r in reads
     ]
 
@@ -431,16 +431,6 @@ def _collect(reads: _Reads) -> dict[tuple[str, int], np.ndarray]:
         for (_, piece), chunk in zip(read.pieces, chunks):
             out[(piece.file, piece.offset)] = chunk
     return out
-
-
-def _verify(store: storage.Store | relay.RelayStore, read: read_plan.Read, chunks: list[np.ndarray]) -> None:
-    for (key, piece), chunk in zip(read.pieces, chunks):
-        if crc32c(chunk) != piece.crc32c:
-            where = store.location.child(read.file)
-            raise CorruptCheckpointError(
-                f"crc32c mismatch for key {key!r} slice {list(piece.slice)} in {where}: the file is corrupt",
-                key=key, file=where,
-            )
 
 
 def _assemble_all(batch: Sequence[_Unit], data: dict[tuple[str, int], np.ndarray]) -> list[dict[SliceSpec, np.ndarray]]:
@@ -470,7 +460,7 @@ def _assemble(want: _Want, region: SliceSpec, data: dict[tuple[str, int], np.nda
             if overlap is None:
                 continue
             src = _piece_array(piece, saved, data)
-            out[_local(overlap, region)] = src[_local(overlap, piece.slice)]
+            out[read_plan.relative(overlap, region)] = src[read_plan.relative(overlap, piece.slice)]
     if out.dtype != want.dtype:
         out = out.astype(want.dtype)
     return out
@@ -484,7 +474,3 @@ def _piece_array(piece: PieceEntry, dtype: np.dtype, data: dict[tuple[str, int],
         return data[(piece.file, piece.offset)].view(dtype).reshape(shape)
     except KeyError:
         raise CheckpointError(f"internal: piece {piece} was not read") from None
-
-
-def _local(region: SliceSpec, within: SliceSpec) -> tuple[slice, ...]:
-    return tuple(slice(a - w0, b - w0) for (a, b), (w0, _) in zip(region, within))

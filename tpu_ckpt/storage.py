@@ -118,7 +118,7 @@ def location(path: str | os.PathLike[str]) -> Location:
     return loc
 
 
-class _Pool:
+class IOPool:
     """A few IO threads handing back ``concurrent.futures.Future``s.
 
     Not a ``ThreadPoolExecutor``: that refuses new work once the interpreter begins to shut
@@ -164,7 +164,7 @@ class Store:
 
     def __init__(self, loc: Location, *, threads: int = 8):
         self.location = loc
-        self._pool = _Pool(threads)
+        self._pool = IOPool(threads)
         # Object stores: the bucket's root and this directory's key prefix (see module docstring).
         self._kv, self._prefix = (None, "") if loc.is_local else _open_kvstore(loc)
         self._root = os.path.abspath(loc.local_path) if loc.is_local else ""

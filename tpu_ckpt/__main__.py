@@ -1,0 +1,7 @@
+"""``python -m tpu_ckpt``: the ``tpu-ckpt`` command line (see cli.py)."""
+
+import sys
+
+from tpu_ckpt.cli import main
+
+sys.exit(main())

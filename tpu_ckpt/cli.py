@@ -1,0 +1,350 @@
+"""tpu-ckpt: look at, check, compare and clean up checkpoints from a shell.
+
+The commands only read (gc also deletes leftovers), so they need no accelerator and no
+JAX devices. This module is the only one of the package that prints; the work is done by
+listing.py, verify.py and diff.py, which report through return values and logging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import tpu_ckpt
+from tpu_ckpt import listing, storage
+from tpu_ckpt.diff import Change, diff
+from tpu_ckpt.errors import CheckpointError, UncommittedCheckpointError
+from tpu_ckpt.format import LeafEntry, Manifest
+from tpu_ckpt.progress import Progress
+from tpu_ckpt.restore import read_manifest
+from tpu_ckpt.verify import verify
+
+PROG = "tpu-ckpt"
+_EXIT_STATUS = (
+    "exit status: 0 ok; 1 verification failed, or the checkpoints differ; 2 a usage error, or a "
+    "path that holds no (committed) checkpoint."
+)
+
+
+class UserError(Exception):
+    """A mistake in what was asked (a wrong path, a directory for a checkpoint): one line on
+    stderr, no traceback."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs one command; returns the exit status (see ``tpu-ckpt --help``)."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        status = args.run(args)
+        sys.stdout.flush()  # here, so that a reader gone early is handled below and not at exit
+        return status
+    except KeyboardInterrupt:
+        return 130
+    except UncommittedCheckpointError as e:
+        _error(_directory_hint(e.file) or str(e))
+    except (UserError, CheckpointError, OSError, ValueError) as e:
+        if isinstance(e, BrokenPipeError):  # `tpu-ckpt inspect X | head`: the reader left
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
+        _error(str(e))
+    return 2
+
+
+def _error(message: str) -> None:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Look at, verify, compare and clean up tpu_ckpt checkpoints. Paths are local "
+        "directories or gs:// and s3:// URLs, with the environment tpu_ckpt itself reads.",
+        epilog=_EXIT_STATUS,
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the library does")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {tpu_ckpt.__version__}")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+    for add in (_add_ls, _add_inspect, _add_verify, _add_diff, _add_gc):
+        add(commands)
+    return parser
+
+
+def _command(commands: Any, name: str, summary: str, description: str, exits: str) -> argparse.ArgumentParser:
+    return commands.add_parser(name, help=summary, description=description, epilog=f"exit status: {exits}")
+
+
+# ls
+
+
+def _add_ls(commands: Any) -> None:
+    p = _command(
+        commands, "ls", "list the checkpoints in a directory",
+        "List the checkpoints directly under DIR (a CheckpointManager directory, or any directory holding "
+        "checkpoints) and the uncommitted leftovers of interrupted saves: step, state, size, file count and "
+        "age (local directories only).",
+        "0 listed; 2 DIR does not exist or is a checkpoint itself.",
+    )
+    p.add_argument("dir", metavar="DIR", help="a directory or gs:// / s3:// prefix")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(run=_ls)
+
+
+def _ls(args: argparse.Namespace) -> int:
+    entries = listing.scan(args.dir)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(e) for e in entries], indent=2))
+    elif not entries:
+        print(f"no checkpoints in {args.dir}")
+    else:
+        now = time.time()
+        rows = [
+            [_or_dash(e.step), e.name, _state(e), _or_dash(e.nbytes, _size), str(e.files), _or_dash(e.mtime, lambda t: _age(now - t))]
+            for e in entries
+        ]
+        print(_table([["STEP", "NAME", "STATE", "SIZE", "FILES", "AGE"], *rows], right={0, 3, 4, 5}))
+        for e in entries:
+            if e.error:
+                print(f"{e.name}: {e.error}")
+    return 0
+
+
+def _state(entry: listing.Entry) -> str:
+    if not entry.committed:
+        return "uncommitted"
+    return "unreadable" if entry.error else "committed"
+
+
+# inspect
+
+
+def _add_inspect(commands: Any) -> None:
+    p = _command(
+        commands, "inspect", "show a checkpoint's tree",
+        "Show the tree saved in a checkpoint, from its manifest alone (no data is read): each leaf's key, "
+        "shape, dtype, saved sharding, whether it is an optimizer slot, and its size.",
+        "0 shown; 2 PATH holds no committed checkpoint.",
+    )
+    p.add_argument("path", metavar="PATH", help="a checkpoint (directory or URL)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(run=_inspect)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    loc = storage.location(args.path)
+    manifest = read_manifest(loc)
+    if args.json:
+        print(json.dumps(_inspect_json(loc.url, manifest), indent=2))
+        return 0
+    rows = [_leaf_row(leaf) for leaf in manifest.leaves]
+    print(_table([["KEY", "SHAPE", "DTYPE", "SHARDING", "SLOT", "BYTES"], *rows], right={5}))
+    arrays = [leaf for leaf in manifest.leaves if leaf.kind == "array"]
+    slots = [leaf for leaf in arrays if leaf.is_slot]
+    print(
+        f"\n{len(manifest.leaves)} leaves ({len(arrays)} arrays, {len(slots)} slots): "
+        f"{_size(sum(leaf.nbytes for leaf in arrays))} in {len(manifest.files)} data files "
+        f"({_size(sum(leaf.nbytes for leaf in slots))} of slots)"
+    )
+    print(
+        f"format {manifest.version}, saved by {_plural(manifest.process_count, 'process')}, "
+        f"sharding callback: {manifest.sharding_callback}"
+    )
+    if manifest.source is not None:
+        print(f"linked: its data lives in {manifest.source['path']}")
+    return 0
+
+
+def _leaf_row(leaf: LeafEntry) -> list[str]:
+    if leaf.kind == "value":
+        return [leaf.key, "", type(leaf.value).__name__, f"= {leaf.value!r}", "", ""]
+    slot = "yes" if leaf.is_slot else "no"
+    return [leaf.key, str(list(leaf.shape)), leaf.dtype, _sharding(leaf.sharding), slot, _size(leaf.nbytes)]
+
+
+def _sharding(description: dict[str, Any] | None) -> str:
+    """The manifest's sharding description, short: ``data=4,model=2 P(data,model)``."""
+    if description is None:
+        return "host"
+    if description.get("type") == "NamedSharding":
+        mesh = ",".join(f"{axis}={n}" for axis, n in description["mesh"].items())
+        spec = ",".join("+".join(p) if isinstance(p, list) else str(p) for p in description["spec"])
+        return f"{mesh} P({spec})"
+    kind, devices = description.get("type"), description.get("num_devices")
+    return str(kind) if devices == 1 else f"{kind}({devices} devices)"
+
+
+def _inspect_json(url: str, manifest: Manifest) -> dict[str, Any]:
+    leaves = [
+        {"key": leaf.key, "kind": "value", "value": leaf.value}
+        if leaf.kind == "value"
+        else {
+            "key": leaf.key, "kind": "array", "shape": list(leaf.shape), "dtype": leaf.dtype,
+            "sharding": leaf.sharding, "is_slot": leaf.is_slot, "nbytes": leaf.nbytes,
+        }
+        for leaf in manifest.leaves
+    ]
+    return {
+        "path": url,
+        "format_version": manifest.version,
+        "process_count": manifest.process_count,
+        "sharding_callback": manifest.sharding_callback,
+        "files": len(manifest.files),
+        "nbytes": sum(leaf["nbytes"] for leaf in leaves if leaf["kind"] == "array"),
+        "source": manifest.source,
+        "leaves": leaves,
+    }
+
+
+# verify
+
+
+def _add_verify(commands: Any) -> None:
+    p = _command(
+        commands, "verify", "check every data file and every piece's crc32c",
+        "Read every byte of a checkpoint, in parallel, and check that the manifest is committed and "
+        "readable, that every data file exists and is long enough, and every piece's crc32c. Lists "
+        "everything that is wrong, not only the first problem.",
+        "0 sound; 1 something is wrong (uncommitted included); 2 PATH holds nothing at all.",
+    )
+    p.add_argument("path", metavar="PATH", help="a checkpoint (directory or URL)")
+    p.set_defaults(run=_verify)
+
+
+def _verify(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    with Progress("verifying") as bar:
+        report = verify(args.path, progress=bar)
+    if any(p.kind == "uncommitted" for p in report.problems) and (hint := _directory_hint(args.path)):
+        raise UserError(hint)
+    for problem in report.problems:
+        print(problem)
+    summary = f"{report.path}: {report.leaves} leaves, {report.pieces} pieces, {_size(report.nbytes)}"
+    if report.ok:
+        print(f"ok: {summary} checked in {time.perf_counter() - started:.1f}s")
+        return 0
+    print(f"FAILED: {summary}: {_plural(len(report.problems), 'problem')}")
+    return 1
+
+
+# diff
+
+
+def _add_diff(commands: Any) -> None:
+    p = _command(
+        commands, "diff", "compare two checkpoints",
+        "Compare checkpoint B with checkpoint A: keys added (+) and removed (-), shape, dtype and saved "
+        "value changes (~), and with --values the arrays whose data differ (bit for bit: NaN equals NaN). "
+        "Data is compared a piece at a time, so memory stays bounded.",
+        "0 no differences; 1 differences found; 2 A or B holds no committed checkpoint, or a piece read "
+        "for --values is corrupt (run verify).",
+    )
+    p.add_argument("a", metavar="A", help="the checkpoint to compare from")
+    p.add_argument("b", metavar="B", help="the checkpoint to compare to")
+    p.add_argument("--values", action="store_true", help="also compare the arrays' data")
+    p.set_defaults(run=_diff)
+
+
+def _diff(args: argparse.Namespace) -> int:
+    with Progress("comparing") as bar:
+        changes = diff(args.a, args.b, values=args.values, progress=bar)
+    if changes:
+        print(_table([_change_row(c) for c in changes]))
+    scope = "" if args.values else " in structure (add --values to compare the data)"
+    print(f"{_plural(len(changes), 'difference')}{scope}" if changes else f"no differences{scope}")
+    return 1 if changes else 0
+
+
+def _change_row(change: Change) -> list[str]:
+    sign = {"added": "+", "removed": "-"}.get(change.kind, "~")
+    described = {"added": change.after, "removed": change.before, "data": "data differs"}
+    return [sign, change.key, described.get(change.kind, f"{change.kind} {change.before} -> {change.after}")]
+
+
+# gc
+
+
+def _add_gc(commands: Any) -> None:
+    p = _command(
+        commands, "gc", "remove the leftovers of interrupted saves",
+        "Remove the uncommitted leftovers under DIR: step_<n> directories without a manifest and "
+        "<name>.tmp-<hex> staging directories. Committed checkpoints and anything the library did not "
+        "write are never touched. Do not run it while a save into DIR is in progress: that save's "
+        "staging directory is a leftover until it commits.",
+        "0 removed (or nothing to remove); 2 DIR does not exist or is a checkpoint itself.",
+    )
+    p.add_argument("dir", metavar="DIR", help="a directory or gs:// / s3:// prefix")
+    p.add_argument("-n", "--dry-run", action="store_true", help="list what would be removed, remove nothing")
+    p.set_defaults(run=_gc)
+
+
+def _gc(args: argparse.Namespace) -> int:
+    leftovers = [e for e in listing.scan(args.dir) if not e.committed]
+    if not leftovers:
+        print(f"no leftovers in {args.dir}")
+        return 0
+    if not args.dry_run:
+        listing.remove_leftovers(args.dir, [e.name for e in leftovers])
+    verb = "would remove" if args.dry_run else "removed"
+    for e in leftovers:
+        print(f"{verb} {e.name} (uncommitted, {_plural(e.files, 'file')})")
+    return 0
+
+
+# shared
+
+
+def _directory_hint(path: str | None) -> str | None:
+    """For a path given as a checkpoint that is really a directory of them, which to name."""
+    try:
+        committed = [e for e in listing.scan(path) if e.committed] if path else []
+    except (CheckpointError, OSError, ValueError):
+        return None
+    if not committed:
+        return None
+    latest = max(committed, key=lambda e: -1 if e.step is None else e.step)
+    return (
+        f"{path} is a directory of checkpoints, not a checkpoint; name one of them, e.g. "
+        f"{storage.Location(path).child(latest.name)} (see `{PROG} ls {path}`)"
+    )
+
+
+def _table(rows: list[list[str]], right: Collection[int] = ()) -> str:
+    """Aligned columns, two spaces apart: greppable and cut-able, unlike a boxed table."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+        for row in rows
+    ]
+    return "\n".join(lines)
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}es" if noun.endswith("s") else f"{n} {noun}s"
+
+
+def _or_dash(value: Any, fmt: Any = str) -> str:
+    return "-" if value is None else fmt(value)
+
+
+def _size(nbytes: float) -> str:
+    if nbytes < 1000:
+        return f"{nbytes} B"
+    for unit in ("KB", "MB", "GB"):
+        nbytes /= 1000
+        if nbytes < 1000:
+            return f"{nbytes:.1f} {unit}"
+    return f"{nbytes / 1000:.1f} TB"
+
+
+def _age(seconds: float) -> str:
+    for unit, length in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= length:
+            return f"{seconds / length:.0f}{unit}"
+    return f"{max(seconds, 0):.0f}s"

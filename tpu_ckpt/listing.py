@@ -1,0 +1,134 @@
+"""What a directory of checkpoints holds, and removing the leftovers of interrupted saves.
+
+The rules are CheckpointManager's (manager.py), so ``tpu-ckpt ls``/``gc`` and a manager
+agree on what is committed and what may be deleted: a checkpoint is a subdirectory with a
+manifest, and a leftover is only ever a name the library itself writes: ``step_<n>``
+without a manifest (CheckpointManager's rule) or a ``<name>.tmp-<hex>`` staging directory,
+which ``tc.save`` to any path leaves when interrupted on a local disk. Anything else (a
+user's own files and directories) is neither listed nor removed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+from collections import Counter
+
+from tpu_ckpt import storage
+from tpu_ckpt.errors import CheckpointError, CheckpointNotFoundError
+from tpu_ckpt.format import MANIFEST_FILE, Manifest
+
+logger = logging.getLogger(__name__)
+
+INTEGER = re.compile(r"\d+")
+STAGING = re.compile(r".+\.tmp-[0-9a-f]+")  # storage.Location.staging of any name
+# Only what a CheckpointManager writes is ever removed as its leftover, never a user's directory.
+OWN_LEFTOVER = re.compile(r"step_\d+(\.tmp-[0-9a-f]+)?")
+
+
+@dataclasses.dataclass(frozen=True)
+class Listing:
+    """What the directory holds: committed steps, and uncommitted leftovers of our saves."""
+
+    committed: dict[int, str]  # step -> directory name
+    leftovers: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One checkpoint, or one leftover, directly under the listed directory."""
+
+    name: str
+    step: int | None  # the step a CheckpointManager sees it as, if any
+    committed: bool
+    files: int  # files stored under it
+    nbytes: int | None  # data files + manifest, from the manifest; None if uncommitted or unreadable
+    mtime: float | None  # commit time (manifest mtime) or last change; local directories only
+    error: str | None = None  # why a manifest that exists could not be read
+
+
+def scan(directory: str | os.PathLike[str]) -> list[Entry]:
+    """The checkpoints and leftovers directly under ``directory``, by step then name.
+
+    Raises CheckpointNotFoundError for a local directory that does not exist, and
+    CheckpointError when ``directory`` is itself a checkpoint.
+    """
+    loc = storage.location(directory)
+    if loc.is_local and not os.path.isdir(loc.local_path):
+        raise CheckpointNotFoundError(f"{loc.url} is not a directory", file=loc.url)
+    with storage.Store(loc, threads=1) as store:
+        files = store.list()
+    if MANIFEST_FILE in files:
+        raise CheckpointError(
+            f"{loc.url} is a checkpoint, not a directory of checkpoints; try `tpu-ckpt inspect {loc.url}`",
+            file=loc.url,
+        )
+    listing = parse_listing(files)
+    steps = {name: step for step, name in listing.committed.items()}
+    parts = [path.partition("/") for path in files]
+    counts = Counter(top for top, inside, _ in parts if inside)
+    committed = {top for top, _, rest in parts if rest == MANIFEST_FILE and not STAGING.fullmatch(top)}
+    leftovers = set(listing.leftovers) | {top for top in counts if STAGING.fullmatch(top)}
+    entries = [_committed(loc, name, steps.get(name), counts[name]) for name in committed]
+    entries += [Entry(name, None, False, counts[name], None, _mtime(loc, name)) for name in leftovers]
+    return sorted(entries, key=lambda e: (e.step is None, e.step or 0, e.name))
+
+
+def remove_leftovers(directory: str | os.PathLike[str], names: list[str]) -> None:
+    """Deletes the given leftovers of ``directory`` (as found by :func:`scan`)."""
+    loc = storage.location(directory)
+    for name in names:
+        logger.info("tpu_ckpt: removing %s: an uncommitted leftover", loc.child(name))
+        storage.remove(storage.Location(loc.child(name)))
+
+
+def _committed(loc: storage.Location, name: str, step: int | None, files: int) -> Entry:
+    """A checkpoint's entry; its size is what it stores itself (a link's data lives elsewhere)."""
+    where = loc.child(name)
+    mtime = _mtime(loc, name, MANIFEST_FILE)
+    with storage.Store(storage.Location(where), threads=1) as store:
+        data = store.read_file(MANIFEST_FILE) or b""
+    try:
+        manifest = Manifest.from_json(data, where=storage.Location(where).child(MANIFEST_FILE))
+    except CheckpointError as e:
+        return Entry(name, step, True, files, None, mtime, str(e))
+    own = sum(size for file, size in manifest.files.items() if not file.startswith(".."))
+    return Entry(name, step, True, files, own + len(data), mtime)
+
+
+def _mtime(loc: storage.Location, *parts: str) -> float | None:
+    """A local file's mtime (the storage layer has no such notion for object stores)."""
+    if not loc.is_local:
+        return None
+    try:
+        return os.stat(os.path.join(loc.local_path, *parts)).st_mtime
+    except FileNotFoundError:
+        return None
+
+
+def parse_listing(files: list[str]) -> Listing:
+    """Sorts the files under the directory into committed steps and leftovers.
+
+    A committed step is a directory with a manifest and exactly one integer in its name.
+    Staging directories never count as committed steps, even if a save died after writing
+    their manifest.
+    """
+    names: set[str] = set()
+    with_manifest: set[str] = set()
+    for path in files:
+        top, inside, rest = path.partition("/")
+        if inside:  # files directly in the directory are not checkpoints
+            names.add(top)
+            if rest == MANIFEST_FILE:
+                with_manifest.add(top)
+    committed: dict[int, str] = {}
+    for name in sorted(with_manifest):
+        numbers = INTEGER.findall(name)
+        if len(numbers) == 1 and not STAGING.fullmatch(name):
+            committed.setdefault(int(numbers[0]), name)
+    leftovers = sorted(
+        n for n in names if OWN_LEFTOVER.fullmatch(n) and (n not in with_manifest or STAGING.fullmatch(n))
+    )
+    return Listing(committed, leftovers)
