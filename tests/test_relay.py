@@ -1,0 +1,64 @@
+"""The io_device relay in one process: a real server and client over loopback TCP."""
+
+import socket
+
+import numpy as np
+import pytest
+
+import tpu_ckpt as tc
+from tpu_ckpt import relay, storage
+
+
+@pytest.fixture
+def served(tmp_path):
+    store = storage.Store(storage.Location(str(tmp_path / "ckpt")))
+    server = relay.RelayServer(store, "127.0.0.1", timeout=10)
+    client = relay.RelayStore(storage.Location("ckpt"), server.contact(), timeout=10, io_process=0)
+    yield tmp_path / "ckpt", client, server.address
+    client.close()
+    server.close()
+    store.close()
+
+
+def test_writes_and_reads_go_through_the_server(served):
+    root, client, _ = served
+    data = np.arange(1 << 20, dtype=np.uint8)
+    client.write("d.bin", [data[:1000], data[1000:]]).result()
+    assert (root / "d.bin").read_bytes() == data.tobytes()
+    chunks = client.read("d.bin", 10, [5, 1 << 16]).result()
+    assert [c.tobytes() for c in chunks] == [data[10:15].tobytes(), data[15 : 15 + (1 << 16)].tobytes()]
+    assert all(c.ctypes.data % storage.ALIGNMENT == 0 for c in chunks)  # zero-copy device_put still applies
+    assert client.read_file("d.bin") == data.tobytes()
+    assert client.read_file("absent.json") is None
+
+
+def test_server_errors_arrive_as_the_same_typed_error(served):
+    _, client, _ = served
+    with pytest.raises(tc.CorruptCheckpointError, match="missing") as e:
+        client.read("nope.safetensors", 0, [4]).result()
+    assert e.value.file.endswith("nope.safetensors")
+    client.write("short.bin", [b"abc"]).result()
+    with pytest.raises(tc.CorruptCheckpointError, match="truncated"):
+        client.read("short.bin", 0, [10]).result()
+
+
+def test_a_connection_without_the_secret_is_dropped(served):
+    root, client, address = served
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as conn:
+        relay._send(conn, {"secret": "guess"})
+        with pytest.raises(EOFError):
+            relay._receive(conn)
+    client.write("still.bin", [b"ok"]).result()  # the real client is unaffected
+    assert (root / "still.bin").read_bytes() == b"ok"
+
+
+def test_a_closed_server_is_a_checkpoint_error_not_a_hang(tmp_path):
+    store = storage.Store(storage.Location(str(tmp_path / "ckpt")))
+    server = relay.RelayServer(store, "127.0.0.1", timeout=5)
+    client = relay.RelayStore(storage.Location("ckpt"), server.contact(), timeout=5, io_process=3)
+    server.close()
+    with pytest.raises(tc.CheckpointError, match="Lost the connection to io_device process 3"):
+        client.write("x.bin", [b"x"]).result()
+    client.close()
+    store.close()
