@@ -3,12 +3,14 @@
     python scripts/multihost_bench.py [--processes 4] [--mib 256] [--dir /tmp/mh]
 
 Starts N processes on this machine (CPU backend, 4 devices each, gloo), as a pod's hosts
-would run, and saves one state three ways: sharded (every process writes its own pieces),
-replicated-heavy (most bytes replicated on every device: balanced writes decide who writes
-what) and with ``io_device=0`` (process 0 writes everything, the others send their pieces
-over TCP). For each it prints what every process wrote (``/proc/self/io`` write_bytes), and
-the save and restore times. Processes share this machine's cores and disk, so the times show
-the mechanics, not a pod's throughput.
+would run, and saves and restores a state four ways: sharded (every process writes its own
+pieces), replicated-heavy (most bytes replicated on every device: balanced writes decide who
+writes what), the same restored with ``load_and_broadcast`` (each shared piece read once and
+sent to the others over TCP), and with ``io_device=0`` (process 0 does all storage IO, the
+others send and receive over TCP). For each it prints what every process wrote and read
+(``/proc/self/io`` write_bytes and rchar: storage, not sockets) and the save and restore
+times. Processes share this machine's cores and disk, so the times show the mechanics, not a
+pod's throughput.
 """
 
 from __future__ import annotations
@@ -91,41 +93,44 @@ def _worker(args: argparse.Namespace, port: int, index: int) -> int:
         },
     }
     out = {}
-    for name, tree, options in [
-        ("sharded", trees["sharded"], tc.CheckpointOptions()),
-        ("replicated-heavy", trees["replicated"], tc.CheckpointOptions()),
-        ("io_device=0", trees["sharded"], tc.CheckpointOptions(io_device=0)),
+    plain = tc.CheckpointOptions()
+    for name, tree, save_options, restore_options in [
+        ("sharded", trees["sharded"], plain, plain),
+        ("replicated-heavy", trees["replicated"], plain, plain),
+        ("+ load_and_broadcast", trees["replicated"], plain, tc.CheckpointOptions(load_and_broadcast=True)),
+        ("io_device=0", trees["sharded"], tc.CheckpointOptions(io_device=0), tc.CheckpointOptions(io_device=0)),
     ]:
         path = os.path.join(args.dir, name)
-        before = _bytes_written()
+        before = _io("write_bytes")
         started = time.perf_counter()
-        tc.save(path, tree, options=options)
+        tc.save(path, tree, options=save_options)
         saved = time.perf_counter() - started
-        written = _bytes_written() - before
+        written = _io("write_bytes") - before
         target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+        before = _io("rchar")
         started = time.perf_counter()
-        tc.restore(path, target, options=options)
-        out[name] = {"bytes": written, "save_s": saved, "restore_s": time.perf_counter() - started,
-                     "state_bytes": sum(a.nbytes for a in tree.values())}
+        tc.restore(path, target, options=restore_options)
+        out[name] = {"written": written, "save_s": saved, "read": _io("rchar") - before,
+                     "restore_s": time.perf_counter() - started, "state_bytes": sum(a.nbytes for a in tree.values())}
     print(json.dumps(out), flush=True)
     jax.distributed.shutdown()
     return 0
 
 
-def _bytes_written() -> int:
+def _io(field: str) -> int:
     with open("/proc/self/io") as f:
-        return int(next(line for line in f if line.startswith("write_bytes:")).split()[1])
+        return int(next(line for line in f if line.startswith(field + ":")).split()[1])
 
 
 def _report(results: list[dict], args: argparse.Namespace) -> None:
     print(f"{args.processes} processes x 4 CPU devices, state ~{args.mib} MiB per case")
-    print(f"{'case':18} {'process':>7} {'MB written':>11} {'share':>6} {'save s':>7} {'restore s':>9}")
+    print(f"{'case':22} {'process':>7} {'MB written':>11} {'share':>6} {'save s':>7} {'MB read':>8} {'restore s':>9}")
     for case in results[0]:
         total = results[0][case]["state_bytes"]
         for index, result in enumerate(results):
             r = result[case]
-            print(f"{case:18} {index:7d} {r['bytes'] / 1e6:11.1f} {r['bytes'] / total:6.0%} "
-                  f"{r['save_s']:7.2f} {r['restore_s']:9.2f}")
+            print(f"{case:22} {index:7d} {r['written'] / 1e6:11.1f} {r['written'] / total:6.0%} "
+                  f"{r['save_s']:7.2f} {r['read'] / 1e6:8.1f} {r['restore_s']:9.2f}")
 
 
 if __name__ == "__main__":

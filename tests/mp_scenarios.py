@@ -292,3 +292,30 @@ def io_device_manager(directory: str, io: str) -> dict:
         "restored_ok": _all_match(restored, {"w": GLOBAL + 3, "step": 3}),
         "local": sorted(os.listdir(".")) + (sorted(os.listdir("run")) if os.path.isdir("run") else []),
     }
+
+
+def _bytes_read() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+def load_and_broadcast_restore(directory: str) -> dict:
+    """A replicated-heavy checkpoint restored with and without load_and_broadcast: the bytes
+    each process reads from storage (rchar counts file reads, not sockets) and the values."""
+    mesh = _job_mesh()
+    replicated = {f"r{i}": np.full((512, 1024), i, np.float32) for i in range(4)}
+    values = {"w": GLOBAL, "big_replicated": BIG, **replicated}
+    tree = {key: _global_array(mesh, P("data", "model") if key == "w" else P(), v) for key, v in values.items()}
+    path = os.path.join(directory, "ckpt")
+    tc.save(path, {**tree, "host": np.arange(1 << 18, dtype=np.float32), "step": 3})
+    targets = {key: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for key, v in tree.items()}
+    targets.update(host=np.zeros(1 << 18, np.float32), step=0)
+    out = {"process": jax.process_index()}
+    for label, share in (("plain", False), ("shared", True)):
+        before = _bytes_read()
+        restored = tc.restore(path, targets, options=tc.CheckpointOptions(load_and_broadcast=share))
+        out[f"{label}_read"] = _bytes_read() - before
+        out[f"{label}_ok"] = _all_match(restored, {**values, "step": 3}) and bool(
+            np.array_equal(restored["host"], np.arange(1 << 18, dtype=np.float32))
+        )
+    return out

@@ -139,3 +139,18 @@ def test_a_manager_with_io_device_lists_through_the_io_process(tmp_path):
     assert all(r["restored_ok"] for r in results), results
     assert results[0]["local"] == ["run", "step_2", "step_3"]  # retention ran on the io process
     assert results[1]["local"] == []
+
+
+def test_load_and_broadcast_reads_each_shared_piece_once(tmp_path):
+    results = _ok(multiprocess.run("load_and_broadcast_restore", 4, str(tmp_path)))
+    assert all(r["plain_ok"] and r["shared_ok"] for r in results), results
+    unique = sum(helpers.files(tmp_path / "ckpt").values())  # every data byte of the checkpoint
+    plain = sum(r["plain_read"] for r in results)
+    shared = sum(r["shared_read"] for r in results)
+    # Without sharing each process reads every replicated leaf (and the host array) itself.
+    assert plain > 3 * unique, (plain, unique)
+    # With it, the job reads each byte about once (+ manifests and file headers), spread out.
+    assert shared < 1.2 * unique, (shared, unique)
+    assert max(r["shared_read"] for r in results) < 0.5 * unique, results
+    print("bytes read per process without / with load_and_broadcast:",
+          [r["plain_read"] for r in results], [r["shared_read"] for r in results])

@@ -13,7 +13,7 @@ from tpu_ckpt import relay, storage
 def served(tmp_path):
     store = storage.Store(storage.Location(str(tmp_path / "ckpt")))
     server = relay.RelayServer(store, "127.0.0.1", timeout=10)
-    client = relay.RelayStore(storage.Location("ckpt"), server.contact(), timeout=10, io_process=0)
+    client = relay.RelayStore(storage.Location("ckpt"), server.contact(), timeout=10, server_process=0)
     yield tmp_path / "ckpt", client, server.address
     client.close()
     server.close()
@@ -56,9 +56,9 @@ def test_a_connection_without_the_secret_is_dropped(served):
 def test_a_closed_server_is_a_checkpoint_error_not_a_hang(tmp_path):
     store = storage.Store(storage.Location(str(tmp_path / "ckpt")))
     server = relay.RelayServer(store, "127.0.0.1", timeout=5)
-    client = relay.RelayStore(storage.Location("ckpt"), server.contact(), timeout=5, io_process=3)
+    client = relay.RelayStore(storage.Location("ckpt"), server.contact(), timeout=5, server_process=3)
     server.close()
-    with pytest.raises(tc.CheckpointError, match="Lost the connection to io_device process 3"):
+    with pytest.raises(tc.CheckpointError, match="Lost the connection to process 3"):
         client.write("x.bin", [b"x"]).result()
     client.close()
     store.close()

@@ -46,6 +46,10 @@ class CheckpointOptions:
         file; ``None`` means :class:`ShardByDevicePolicy`.
       coordination_timeout: seconds any cross-process wait may take before raising an error
         that names the processes which did not arrive.
+      load_and_broadcast: on a multi-process restore, read each piece several processes
+        need once (on one of them) and send it to the others over TCP instead of having
+        each read it from storage (see ``shared_reads.py``). Ignored with ``io_device``,
+        where one process reads everything anyway.
 
     TF spellings (``experimental_io_device``, ``experimental_write_callbacks``,
     ``experimental_skip_slot_variables``, ``experimental_sharding_callback``, and the
@@ -55,7 +59,7 @@ class CheckpointOptions:
 
     __slots__ = (
         "io_device", "enable_async", "write_callbacks", "skip_slot_variables",
-        "sharding_callback", "coordination_timeout",
+        "sharding_callback", "coordination_timeout", "load_and_broadcast",
     )
 
     io_device: int | None
@@ -64,6 +68,7 @@ class CheckpointOptions:
     skip_slot_variables: bool
     sharding_callback: ShardingCallback
     coordination_timeout: float
+    load_and_broadcast: bool
 
     def __init__(
         self,
@@ -73,6 +78,7 @@ class CheckpointOptions:
         skip_slot_variables: bool = _UNSET,
         sharding_callback: ShardingCallback | None = _UNSET,
         coordination_timeout: float = 300.0,
+        load_and_broadcast: bool = False,
         *,
         experimental_io_device: int | jax.Device | str | None = _UNSET,
         experimental_enable_async_checkpoint: bool = _UNSET,
@@ -105,6 +111,7 @@ class CheckpointOptions:
         set_(self, "skip_slot_variables", bool(values["skip_slot_variables"]))
         set_(self, "sharding_callback", _check_sharding_callback(values["sharding_callback"]))
         set_(self, "coordination_timeout", _check_timeout(coordination_timeout))
+        set_(self, "load_and_broadcast", bool(load_and_broadcast))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"CheckpointOptions is immutable; build a new one (tried to set {name!r})")

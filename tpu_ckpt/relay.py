@@ -1,4 +1,4 @@
-"""io_device: one process does all storage IO, and the others reach storage through it.
+"""Bytes between hosts: io_device's storage relay, and load_and_broadcast's shared pieces.
 
 With ``CheckpointOptions(io_device=k)`` a checkpoint may live on process k's local disk,
 which no other host can see. Process k runs a :class:`RelayServer` next to its own
@@ -6,7 +6,8 @@ which no other host can see. Process k runs a :class:`RelayServer` next to its o
 same ``write``/``read``/``read_file`` calls, so save and restore run the same code either
 way. On save the others send their data files (and their index) to process k; on restore
 they ask it for exactly the byte ranges their devices need and check every piece's crc32c
-themselves, so the transfer is covered by the checksum too.
+themselves, so the transfer is covered by the checksum too. ``shared_reads.py`` uses the
+same server and client for pieces one process reads for several (``shared_piece``).
 
 Bytes go host to host over plain TCP: no device collectives (they can deadlock against a
 training step running on another thread, and asynchronous saves run on a background
@@ -52,10 +53,14 @@ class RelayServer:
     ``CheckpointError`` subclass.
     """
 
-    def __init__(self, store: storage.Store, host: str, timeout: float):
+    def __init__(
+        self, store: storage.Store, host: str, timeout: float,
+        shared: Callable[[str, int, int], concurrent.futures.Future] | None = None,
+    ):
         self.store = store
         self.secret = secrets.token_hex(16)
         self._timeout = timeout
+        self._shared = shared  # load_and_broadcast: (file, offset, requester) -> the piece's bytes
         self._write_slots = threading.BoundedSemaphore(MAX_WRITES_IN_FLIGHT)
         self._listener = socket.create_server((host, 0))
         self.address = f"{host}:{self._listener.getsockname()[1]}"
@@ -132,6 +137,8 @@ class RelayServer:
             answer = _outcome(lambda: ({}, self.store.read(name, request["start"], request["lengths"]).result()))
         elif op == "read_file":
             answer = _outcome(lambda: self._read_file(name))
+        elif op == "piece" and self._shared is not None:
+            answer = _outcome(lambda: ({}, self._shared(name, request["offset"], request["process"]).result()))
         else:
             answer = {"error": error_to_json(errors.CheckpointError(f"internal: unknown relay request {op!r}"))}, []
         _send(conn, *answer)
@@ -158,18 +165,21 @@ def _outcome(serve: Callable[[], tuple[dict[str, Any], list[Any]]]) -> tuple[dic
 class RelayStore:
     """Stands in for ``storage.Store`` on every process but the IO process."""
 
-    def __init__(self, loc: storage.Location, contact: str, timeout: float, io_process: int):
+    def __init__(
+        self, loc: storage.Location, contact: str, timeout: float, server_process: int,
+        connections: int = CONNECTIONS_PER_CLIENT,
+    ):
         self.location = loc
-        self.io_process = io_process
+        self.server_process = server_process
         address, secret = contact.split(" ")
         host, port = address.rsplit(":", 1)
         self._connections: queue.SimpleQueue = queue.SimpleQueue()
-        for _ in range(CONNECTIONS_PER_CLIENT):
+        for _ in range(connections):
             conn = socket.create_connection((host, int(port)), timeout=timeout)
             _send(conn, {"secret": secret})
             self._expect_ok(conn, "connecting")
             self._connections.put(conn)
-        self._pool = storage.IOPool(CONNECTIONS_PER_CLIENT)
+        self._pool = storage.IOPool(connections)
 
     def __enter__(self) -> RelayStore:
         return self
@@ -189,14 +199,27 @@ class RelayStore:
     def read(
         self, name: str, start: int, lengths: Sequence[int], then: Callable[[list[np.ndarray]], Any] | None = None
     ) -> concurrent.futures.Future:
-        def read_and_then() -> list[np.ndarray]:
+        """Like ``storage.Store.read``: the server reads, this process checks (``then``)."""
+        return self._receive_chunks({"op": "read", "name": name, "start": start, "lengths": list(lengths)}, lengths, then)
+
+    def shared_piece(
+        self, name: str, offset: int, length: int, requester: int, then: Callable[[list[np.ndarray]], Any]
+    ) -> concurrent.futures.Future:
+        """One piece the server's process reads for everyone (load_and_broadcast)."""
+        request = {"op": "piece", "name": name, "offset": offset, "process": requester}
+        return self._receive_chunks(request, [length], then)
+
+    def _receive_chunks(
+        self, request: dict[str, Any], lengths: Sequence[int], then: Callable[[list[np.ndarray]], Any] | None
+    ) -> concurrent.futures.Future:
+        def call_and_then() -> list[np.ndarray]:
             chunks = [storage.aligned_empty(n) for n in lengths]
-            self._call({"op": "read", "name": name, "start": start, "lengths": list(lengths)}, [], chunks)
+            self._call(request, [], chunks)
             if then is not None:
                 then(chunks)
             return chunks
 
-        return self._pool.submit(read_and_then)
+        return self._pool.submit(call_and_then)
 
     def read_file(self, name: str) -> bytes | None:
         answer, data = self._call({"op": "read_file", "name": name}, [], None)
@@ -224,7 +247,7 @@ class RelayStore:
             return answer, data.tobytes()
         except (OSError, EOFError) as e:
             raise errors.CheckpointError(
-                f"Lost the connection to io_device process {self.io_process} during {request['op']} "
+                f"Lost the connection to process {self.server_process} during {request['op']} "
                 f"{request.get('name', '')} of {self.location.url}: {e}. Check that process's log.",
                 file=self.location.child(request.get("name", "")),
             ) from e
@@ -234,7 +257,7 @@ class RelayStore:
     def _expect_ok(self, conn: socket.socket, what: str) -> None:
         answer, _ = _receive(conn)
         if not answer.get("ok"):
-            raise errors.CheckpointError(f"io_device process {self.io_process} refused the relay while {what}")
+            raise errors.CheckpointError(f"process {self.server_process} refused the relay while {what}")
 
 
 def _send(conn: socket.socket, message: dict[str, Any], payload: Sequence[Any] = ()) -> None:

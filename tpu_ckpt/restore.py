@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpu_ckpt import distributed, keys, read_plan, relay, storage
+from tpu_ckpt import distributed, keys, read_plan, relay, shared_reads, storage
 from tpu_ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -268,13 +268,37 @@ def _restore_from(
     else:
         flat, treedef = keys.flatten(target)
         wanted = [_want_for(loc, leaves, _join(prefix, key), t, skip) for key, _, t in flat]
-    with gc_paused():
-        results, nbytes = _restore_leaves(store, wanted)
+    with gc_paused(), _piece_source(store, wanted, options) as source:
+        results, nbytes = _restore_leaves(source, wanted)
     if target is not None:
         return jax.tree_util.tree_unflatten(treedef, results), len(results), nbytes
     depth = len(prefix.split("/")) if prefix else 0
     tree = keys.unflatten_nested((leaf.path[depth:], r) for leaf, r in zip(leaves.values(), results))
     return tree, len(results), nbytes
+
+
+@contextlib.contextmanager
+def _piece_source(
+    store: storage.Store | relay.RelayStore, wanted: Sequence[Any], options: CheckpointOptions
+) -> Iterator[shared_reads.StoreReads]:
+    """Storage, or with ``load_and_broadcast`` storage and the other processes."""
+    count = distributed.process_count()
+    if not options.load_and_broadcast or count == 1 or options.io_device is not None:
+        yield shared_reads.StoreReads(store)
+        return
+    coord = distributed.Coordinator(f"restore {store.location.url}", options.coordination_timeout)
+    try:
+        wants = [w for w in wanted if isinstance(w, _Want)]
+        the_plan = shared_reads.plan([(w.leaf, w.sharding) for w in wants], count)
+        pieces = {(p.file, p.offset): (w.leaf.key, p) for w in wants for p in w.leaf.pieces}
+        source = shared_reads.SharedReads(store, coord, the_plan, pieces)
+        try:
+            yield source
+        finally:
+            source.close()
+    except BaseException as error:
+        coord.report_failure(error)
+        raise
 
 
 def _join(prefix: str, key: str) -> str:
@@ -323,7 +347,7 @@ def _want_for(loc: storage.Location, leaves: dict[str, LeafEntry], key: str, tar
     return want
 
 
-def _restore_leaves(store: storage.Store | relay.RelayStore, wanted: Sequence[Any]) -> tuple[list[Any], int]:
+def _restore_leaves(source: shared_reads.StoreReads, wanted: Sequence[Any]) -> tuple[list[Any], int]:
     """Restores every wanted leaf, reading in batches of about ``READ_BATCH_BYTES``.
 
     The next batch is being read while the current one is assembled and placed on its
@@ -335,10 +359,10 @@ def _restore_leaves(store: storage.Store | relay.RelayStore, wanted: Sequence[An
     placed: dict[int, dict[jax.Device, jax.Array]] = {}
     batches = _batches(_units(wanted))
     total = 0
-    pending = _start_reads(store, batches[0]) if batches else None
+    pending = _start_reads(source, batches[0]) if batches else None
     for i, batch in enumerate(batches):
         reads = pending
-        pending = _start_reads(store, batches[i + 1]) if i + 1 < len(batches) else None
+        pending = _start_reads(source, batches[i + 1]) if i + 1 < len(batches) else None
         total += _place(batch, _collect(reads), results, placed)
     for position, shards in placed.items():
         want = results[position]
@@ -405,19 +429,12 @@ def _place(
     return sum(chunk.nbytes for chunk in data.values())
 
 
-_Reads = list[tuple[read_plan.Read, concurrent.futures.Future]]
-
-
-def _start_reads(store: storage.Store | relay.RelayStore, batch: Sequence[_Unit]) -> _Reads:
+def _start_reads(source: shared_reads.StoreReads, batch: Sequence[_Unit]) -> shared_reads.Reads:
     """Issues every read of a batch at once (checksums are verified in the IO threads)."""
-    reads = read_plan.coalesce((unit.want.leaf.key, p) for unit in batch for p in unit.pieces)
-    return [
-        (r, store.read(r.file, r.start, [p.length for _, p in r.pieces], then=functools.partial(read_plan.check_crcs, store.location.child(r.file), r)))
-        for r in reads
-    ]
+    return source.start((unit.want.leaf.key, p) for unit in batch for p in unit.pieces)
 
 
-def _collect(reads: _Reads) -> dict[tuple[str, int], np.ndarray]:
+def _collect(reads: shared_reads.Reads) -> dict[tuple[str, int], np.ndarray]:
     """Waits for a batch's reads; returns each piece's verified bytes by (file, offset)."""
     out: dict[tuple[str, int], np.ndarray] = {}
     for read, future in reads:
