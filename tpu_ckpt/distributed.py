@@ -14,6 +14,7 @@ made by every process in the same order, so the n-th call has the same id everyw
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import socket
 import time
@@ -109,24 +110,40 @@ class Coordinator:
 
     def report_failure(self, error: BaseException) -> None:
         """Tells the other processes this one failed, so they stop waiting for it at once."""
-        if self._client is not None:
-            try:
-                self._client.key_value_set(
-                    f"{self.prefix}/{_ERROR}/{self.me}", f"{type(error).__name__}: {error}", allow_overwrite=True
-                )
-            except Exception:  # noqa: BLE001 - the coordinator may itself be gone
-                pass
+        if self._client is None:
+            return
+        report = {"message": f"{type(error).__name__}: {error}"}
+        if isinstance(error, CoordinationTimeoutError):  # others waiting there learn who is late
+            report.update(stage=error.stage, missing=error.missing)
+        try:
+            self._client.key_value_set(f"{self.prefix}/{_ERROR}/{self.me}", json.dumps(report), allow_overwrite=True)
+        except Exception:  # noqa: BLE001 - the coordinator may itself be gone
+            pass
 
     def raise_if_another_failed(self, stage: str) -> None:
-        """Raises :class:`RemoteProcessError` if another process reported a failure."""
+        """Raises if another process reported a failure: :class:`RemoteProcessError`, or, when
+        it timed out waiting for some processes, the same :class:`CoordinationTimeoutError`
+        (so every waiting process names the late ones, whichever gave up first)."""
         failures = self._entries(_ERROR) if self._client is not None else {}
         failures.pop(self.me, None)
-        if failures:
-            who, message = sorted(failures.items())[0]
-            raise RemoteProcessError(
-                f"{self.what}: process {who} failed while this process ({self.me}) was at "
-                f"stage '{stage}': {message}"
+        if not failures:
+            return
+        who, text = sorted(failures.items())[0]
+        report = json.loads(text)
+        if "missing" in report:
+            missing = report["missing"]
+            raise CoordinationTimeoutError(
+                f"{self.what}: processes {missing} did not reach stage '{report['stage']}' within "
+                f"coordination_timeout={self.timeout:g}s (as process {who} found; this is process "
+                f"{self.me} of {self.count}). Check those hosts' logs; raise coordination_timeout "
+                "if they are merely slow.",
+                stage=report["stage"],
+                missing=missing,
             )
+        raise RemoteProcessError(
+            f"{self.what}: process {who} failed while this process ({self.me}) was at "
+            f"stage '{stage}': {report['message']}"
+        )
 
     def _wait(self, stage: str, expected: set[int]) -> dict[int, str]:
         deadline = time.monotonic() + self.timeout
