@@ -319,3 +319,13 @@ def load_and_broadcast_restore(directory: str) -> dict:
             np.array_equal(restored["host"], np.arange(1 << 18, dtype=np.float32))
         )
     return out
+
+
+def exec_file(directory: str, code_path: str) -> dict:
+    """Runs a Python file on every process, in ``directory`` (shared by all of them): used by
+    tests/test_readme.py for the README's multi-host examples. An exception fails the process."""
+    os.chdir(directory)
+    with open(code_path) as f:
+        source = f.read()
+    exec(compile(source, code_path, "exec"), {"__name__": "__main__"})
+    return {"ok": True, "process": jax.process_index()}

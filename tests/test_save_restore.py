@@ -347,3 +347,8 @@ def test_python_scalar_targets_take_any_width_of_their_kind(tmp_path):
     assert out == {"step": 7, "lr": 0.5, "flag": True} and type(out["step"]) is int
     with pytest.raises(tc.TargetMismatchError, match="'step'"):
         tc.restore(tmp_path / "c", {"step": 0.0})
+    tc.save(tmp_path / "u", {"count": np.uint8(200), "big": np.uint64(2**63 + 5)})
+    out = tc.restore(tmp_path / "u", {"count": 0, "big": 0})
+    assert out == {"count": 200, "big": 2**63 + 5} and type(out["big"]) is int
+    with pytest.raises(tc.TargetMismatchError, match="'count'"):
+        tc.restore(tmp_path / "u", {"count": False, "big": 0})

@@ -317,9 +317,15 @@ def _want_for(loc: storage.Location, leaves: dict[str, LeafEntry], key: str, tar
     if skip_slots and leaf.is_slot:
         return target  # not read; the target's own value comes back unchanged
     if isinstance(target, (bool, int, float)) and not isinstance(target, np.generic):
-        # A Python scalar names a kind, not a width: an int target takes any saved integer.
+        # A Python scalar names a kind, not a width: an int target takes any saved integer
+        # (signed or not), a float any saved float (bfloat16 and float8 included).
         saved = dtype_from_name(leaf.dtype)
-        same_kind = np.asarray(target).dtype.kind == saved.kind or (isinstance(target, float) and jnp.issubdtype(saved, jnp.floating))
+        if isinstance(target, bool):
+            same_kind = saved.kind == "b"
+        elif isinstance(target, int):
+            same_kind = saved.kind in "iu"
+        else:
+            same_kind = bool(jnp.issubdtype(saved, jnp.floating))
         want = _Want(leaf, saved if same_kind else np.asarray(target).dtype, None, type(target))
         shape = ()
     elif isinstance(target, (jax.Array, jax.ShapeDtypeStruct)):
