@@ -228,7 +228,8 @@ def io_device_save_and_restore(directory: str, io: str) -> dict:
 
 def save_restore_many_processes(directory: str) -> dict:
     """Any number of processes: save on the job mesh, restore onto the reversed one, and
-    report the bytes each process wrote for a tree dominated by replicated arrays."""
+    report the bytes each process wrote for a tree dominated by replicated arrays; then an
+    async save whose device buffers are deleted as soon as ``save`` returns."""
     mesh = _job_mesh()
     replicated = {f"r{i}": np.full((512, 1024), i, np.float32) for i in range(4)}  # 4 x 2 MiB, on every device
     values = {"w": GLOBAL, "big_replicated": BIG, **replicated}
@@ -238,10 +239,16 @@ def save_restore_many_processes(directory: str) -> dict:
     tc.save(path, tree, options=tc.CheckpointOptions(sharding_callback=tc.MaxShardSizePolicy(1 << 20)))
     written = _bytes_written() - before
     restored = tc.restore(path, _targets(tree, _reversed_mesh()))
+    copy = {key: value + 0 for key, value in tree.items()}
+    result = tc.save(path + "_async", copy, options=tc.CheckpointOptions(enable_async=True))
+    for value in copy.values():
+        value.delete()  # the snapshot was taken: the device buffers may go at once
+    result.wait()
+    restored_async = tc.restore(path + "_async", _targets(tree, _reversed_mesh()))
     return {
         "process": jax.process_index(),
         "bytes_written": written,
-        "restored_ok": _all_match(restored, values),
+        "restored_ok": _all_match(restored, values) and _all_match(restored_async, values),
         "needs_other_process_pieces": _needs_pieces_of_other_processes(tree["w"], restored["w"]),
     }
 

@@ -91,7 +91,7 @@ def test_io_device_one_process_does_all_the_storage_io(tmp_path):
     assert restored["step"] == 7
 
 
-def test_four_processes_save_and_restore_with_balanced_writes(tmp_path):
+def test_four_processes_save_async_and_restore_with_balanced_writes(tmp_path):
     results = _ok(multiprocess.run("save_restore_many_processes", 4, str(tmp_path)))
     assert all(r["restored_ok"] and r["needs_other_process_pieces"] for r in results), results
     written = [r["bytes_written"] for r in results]
