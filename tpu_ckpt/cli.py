@@ -19,11 +19,11 @@ from typing import Any
 
 import tpu_ckpt
 from tpu_ckpt import listing, storage
+from tpu_ckpt.committed import read_manifest
 from tpu_ckpt.diff import Change, diff
 from tpu_ckpt.errors import CheckpointError, UncommittedCheckpointError
 from tpu_ckpt.format import LeafEntry, Manifest
 from tpu_ckpt.progress import Progress
-from tpu_ckpt.restore import read_manifest
 from tpu_ckpt.verify import verify
 
 PROG = "tpu-ckpt"

@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 
 from tpu_ckpt import read_plan, storage
+from tpu_ckpt.committed import read_manifest
 from tpu_ckpt.errors import CorruptCheckpointError
 from tpu_ckpt.format import LeafEntry, PieceEntry, dtype_from_name
-from tpu_ckpt.restore import read_manifest
 
 
 @dataclasses.dataclass(frozen=True)

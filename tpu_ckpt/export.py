@@ -19,11 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpu_ckpt import keys, storage
+from tpu_ckpt.committed import read_manifest
 from tpu_ckpt.errors import CheckpointExistsError, TargetMismatchError
 from tpu_ckpt.format import MANIFEST_FILE, LeafEntry, Manifest, crc32c, dtype_from_name
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.policies import MaxShardSizePolicy
-from tpu_ckpt.restore import read_manifest, restore
+from tpu_ckpt.restore import restore
 from tpu_ckpt.save import save
 
 logger = logging.getLogger(__name__)

@@ -13,15 +13,17 @@ import functools
 import json
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import crc32c as _crc32c
 import ml_dtypes
 import numpy as np
 
 from tpu_ckpt.errors import CorruptCheckpointError, FormatVersionError
-from tpu_ckpt.keys import PathEntry
-from tpu_ckpt.pieces import SliceSpec
+
+if TYPE_CHECKING:  # annotations only: the format itself needs no JAX
+    from tpu_ckpt.keys import PathEntry
+    from tpu_ckpt.pieces import SliceSpec
 
 FORMAT_NAME = "tpu_ckpt"
 FORMAT_VERSION = "1.0"

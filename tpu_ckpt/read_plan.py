@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tpu_ckpt.errors import CorruptCheckpointError
 from tpu_ckpt.format import LeafEntry, PieceEntry, crc32c
-from tpu_ckpt.pieces import SliceSpec
+
+if TYPE_CHECKING:  # annotations only: planning reads needs no JAX
+    from tpu_ckpt.pieces import SliceSpec
 
 MAX_READ_BYTES = 64 << 20  # bigger single reads cost parallelism and gain nothing
 

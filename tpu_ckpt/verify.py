@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from tpu_ckpt import read_plan, storage
+from tpu_ckpt.committed import read_manifest
 from tpu_ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -30,7 +31,6 @@ from tpu_ckpt.errors import (
     UncommittedCheckpointError,
 )
 from tpu_ckpt.format import MANIFEST_FILE, Manifest, PieceEntry, crc32c, dtype_from_name, tensor_name
-from tpu_ckpt.restore import read_manifest
 
 logger = logging.getLogger(__name__)
 
