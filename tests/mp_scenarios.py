@@ -325,6 +325,15 @@ def load_and_broadcast_restore(directory: str) -> dict:
         out[f"{label}_ok"] = _all_match(restored, {**values, "step": 3}) and bool(
             np.array_equal(restored["host"], np.arange(1 << 18, dtype=np.float32))
         )
+    if jax.process_index() == 1:  # a wrong target on one process: the others hear of it at once
+        targets["host"] = np.zeros(3, np.float32)
+    started = time.monotonic()
+    try:
+        tc.restore(path, targets, options=tc.CheckpointOptions(load_and_broadcast=True, coordination_timeout=120))
+        out["mismatch_error"] = None
+    except tc.CheckpointError as e:
+        out["mismatch_error"] = type(e).__name__
+    out["mismatch_seconds"] = time.monotonic() - started
     return out
 
 

@@ -152,5 +152,8 @@ def test_load_and_broadcast_reads_each_shared_piece_once(tmp_path):
     # With it, the job reads each byte about once (+ manifests and file headers), spread out.
     assert shared < 1.2 * unique, (shared, unique)
     assert max(r["shared_read"] for r in results) < 0.5 * unique, results
+    assert results[1]["mismatch_error"] == "TargetMismatchError"
+    assert {r["mismatch_error"] for i, r in enumerate(results) if i != 1} == {"RemoteProcessError"}, results
+    assert max(r["mismatch_seconds"] for r in results) < 60  # told, not left to the 120 s timeout
     print("bytes read per process without / with load_and_broadcast:",
           [r["plain_read"] for r in results], [r["shared_read"] for r in results])

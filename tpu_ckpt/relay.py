@@ -113,10 +113,14 @@ class RelayServer:
                 return
             _send(conn, {"ok": True})
             while True:
+                # Between requests a client may be busy for long (snapshotting, placing arrays):
+                # no timeout there; close() ends the wait when the operation is over.
+                conn.settimeout(None)
                 try:
                     request, size = _receive_header(conn)
                 except EOFError:
                     return  # the client is done
+                conn.settimeout(self._timeout)
                 self._answer(conn, request, size)
         except (OSError, EOFError, ValueError) as e:
             if not self._closed:

@@ -135,8 +135,8 @@ def restore(
     options = options or CheckpointOptions()
     started = time.perf_counter()
     loc = storage.location(path)
-    with _open(loc, options) as (store, manifest):
-        tree, count, nbytes = _restore_from(store, manifest, target, options, subtree)
+    with _open(loc, options) as (store, manifest, coord):
+        tree, count, nbytes = _restore_from(store, manifest, target, options, subtree, coord)
     logger.info(
         "tpu_ckpt: restored %d leaves (%.1f MB read) from %s in %.2fs",
         count, nbytes / 1e6, loc.url, time.perf_counter() - started,
@@ -145,25 +145,33 @@ def restore(
 
 
 @contextlib.contextmanager
-def _open(loc: storage.Location, options: CheckpointOptions) -> Iterator[tuple[Any, Manifest]]:
-    """The checkpoint's store and manifest. With ``io_device`` only that process opens
-    storage; it serves the others (``relay.py``) until every process has finished."""
+def _open(
+    loc: storage.Location, options: CheckpointOptions
+) -> Iterator[tuple[Any, Manifest, distributed.Coordinator | None]]:
+    """The checkpoint's store and manifest, and the coordinator of a restore whose processes
+    work together (``io_device``, ``load_and_broadcast``). It is made before anything can
+    fail, so a failure on one process reaches the others at once. With ``io_device`` only
+    that process opens storage; it serves the others (``relay.py``) until all have finished."""
     count = distributed.process_count()
     io = io_process(options, count)
-    if io is None or count == 1:
+    if count == 1 or (io is None and not options.load_and_broadcast):
         manifest = read_manifest(loc)
         with storage.Store(loc) as store:
-            yield store, manifest
+            yield store, manifest, None
         return
     coord = distributed.Coordinator(f"restore {loc.url}", options.coordination_timeout)
     try:
-        if coord.me == io:
+        if io is None:
+            manifest = read_manifest(loc)
+            with storage.Store(loc) as store:
+                yield store, manifest, coord
+        elif coord.me == io:
             with _serve(loc, coord) as (store, manifest):
-                yield store, manifest
+                yield store, manifest, coord
                 coord.gather("restored")
         else:
             with _relayed(loc, coord, io) as (store, manifest):
-                yield store, manifest
+                yield store, manifest, coord
             coord.gather("restored")
     except BaseException as error:
         coord.report_failure(error)
@@ -208,7 +216,8 @@ def _relayed(
 
 
 def _restore_from(
-    store: storage.Store | relay.RelayStore, manifest: Manifest, target: Any, options: CheckpointOptions, subtree: str | None
+    store: storage.Store | relay.RelayStore, manifest: Manifest, target: Any, options: CheckpointOptions,
+    subtree: str | None, coord: distributed.Coordinator | None,
 ) -> tuple[Any, int, int]:
     """The restored tree, its number of leaves and the bytes read."""
     loc = store.location
@@ -231,7 +240,7 @@ def _restore_from(
     else:
         flat, treedef = keys.flatten(target)
         wanted = [_want_for(loc, leaves, _join(prefix, key), t, skip) for key, _, t in flat]
-    with gc_paused(), _piece_source(store, wanted, options) as source:
+    with gc_paused(), _piece_source(store, wanted, options, coord) as source:
         results, nbytes = _restore_leaves(source, wanted)
     if target is not None:
         return jax.tree_util.tree_unflatten(treedef, results), len(results), nbytes
@@ -242,26 +251,23 @@ def _restore_from(
 
 @contextlib.contextmanager
 def _piece_source(
-    store: storage.Store | relay.RelayStore, wanted: Sequence[Any], options: CheckpointOptions
+    store: storage.Store | relay.RelayStore, wanted: Sequence[Any], options: CheckpointOptions,
+    coord: distributed.Coordinator | None,
 ) -> Iterator[shared_reads.StoreReads]:
     """Storage, or with ``load_and_broadcast`` storage and the other processes."""
-    count = distributed.process_count()
-    if not options.load_and_broadcast or count == 1 or options.io_device is not None:
+    if coord is None or not options.load_and_broadcast or options.io_device is not None:
         yield shared_reads.StoreReads(store)
         return
-    coord = distributed.Coordinator(f"restore {store.location.url}", options.coordination_timeout)
+    wants = [w for w in wanted if isinstance(w, _Want)]
+    the_plan = shared_reads.plan([(w.leaf, w.sharding) for w in wants], coord.count)
+    pieces = {(p.file, p.offset): (w.leaf.key, p) for w in wants for p in w.leaf.pieces}
+    source = shared_reads.SharedReads(store, coord, the_plan, pieces)
     try:
-        wants = [w for w in wanted if isinstance(w, _Want)]
-        the_plan = shared_reads.plan([(w.leaf, w.sharding) for w in wants], count)
-        pieces = {(p.file, p.offset): (w.leaf.key, p) for w in wants for p in w.leaf.pieces}
-        source = shared_reads.SharedReads(store, coord, the_plan, pieces)
-        try:
-            yield source
-        finally:
-            source.close()
-    except BaseException as error:
-        coord.report_failure(error)
+        yield source
+    except BaseException:
+        source.close()
         raise
+    source.finish()
 
 
 def _join(prefix: str, key: str) -> str:

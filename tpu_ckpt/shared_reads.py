@@ -46,9 +46,6 @@ class StoreReads:
         """Issues the reads of ``(leaf key, piece)`` pairs; crc32c is checked in the IO threads."""
         return [(r, self._read(r)) for r in read_plan.coalesce(needed)]
 
-    def close(self) -> None:
-        pass
-
     def _read(self, r: read_plan.Read) -> concurrent.futures.Future:
         check = functools.partial(read_plan.check_crcs, self.store.location.child(r.file), r)
         return self.store.read(r.file, r.start, [p.length for _, p in r.pieces], then=check)
@@ -116,14 +113,18 @@ class SharedReads(StoreReads):
             reads.append((r, self._shared(r, piece)))
         return reads
 
-    def close(self) -> None:
-        """Waits until every process has its pieces, then stops serving."""
+    def finish(self) -> None:
+        """Waits until every process has its pieces (they may still need this one's), then closes."""
         try:
             self.coord.gather("restored")
         finally:
-            self._server.close()
-            for peer in self._peers.values():
-                peer.close()
+            self.close()
+
+    def close(self) -> None:
+        """Stops serving and fetching (on failure: the others learn it from the coordinator)."""
+        self._server.close()
+        for peer in self._peers.values():
+            peer.close()
 
     def _shared(self, r: read_plan.Read, piece: PieceEntry) -> concurrent.futures.Future:
         reader = self.plan.readers[(piece.file, piece.offset)]
