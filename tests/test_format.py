@@ -13,27 +13,32 @@ from tpu_ckpt import format as fmt
 def test_golden_safetensors_header_of_a_two_tensor_shard():
     layout = fmt.safetensors_layout([("w[0:2,0:2]", "float32", (2, 2), 16), ("i[0:3]", "int4", (3,), 3)])
     header = (
-        b'{"__metadata__":{"format":"tpu_ckpt","format_version":"1.0","i[0:3]":"int4"},'
+        b'{"__metadata__":{"format":"tpu_ckpt","format_version":"1.1","i[0:3]":"int4"},'
         b'"w[0:2,0:2]":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},'
-        b'"i[0:3]":{"dtype":"U8","shape":[3],"data_offsets":[16,19]}}'
+        b'"__pad_1":{"dtype":"U8","shape":[48],"data_offsets":[16,64]},'
+        b'"i[0:3]":{"dtype":"U8","shape":[3],"data_offsets":[64,67]}}'
     )
-    padded = header + b" " * (-len(header) % 8)
+    padded = header + b" " * (-(8 + len(header)) % 64)
     assert layout.header == len(padded).to_bytes(8, "little") + padded
-    assert layout.offsets == [8 + len(padded), 8 + len(padded) + 16]
-    assert layout.size == 8 + len(padded) + 19
-    assert len(layout.header) % 8 == 0
+    assert len(layout.header) % 64 == 0  # the data starts aligned...
+    assert layout.offsets == [len(layout.header), len(layout.header) + 64]  # ...and so does every tensor
+    assert layout.padding == [0, 48]
+    assert layout.size == len(layout.header) + 67
+    written = b"".join(bytes(b) for b in layout.buffers([b"w" * 16, b"iii"]))
+    assert len(written) == layout.size and written[layout.offsets[1] :] == b"iii"
 
 
 def test_a_layout_is_readable_by_the_safetensors_package(tmp_path):
     from safetensors.numpy import load_file
 
-    a = np.arange(4, dtype=np.float32).reshape(2, 2)
+    a = np.arange(5, dtype=np.float32)  # 20 bytes: the next tensor needs padding
     b = np.array([1, 2, 3], dtype=ml_dtypes.bfloat16)
-    layout = fmt.safetensors_layout([("a", "float32", (2, 2), a.nbytes), ("b", "bfloat16", (3,), b.nbytes)])
-    (tmp_path / "f.safetensors").write_bytes(layout.header + a.tobytes() + b.tobytes())
+    layout = fmt.safetensors_layout([("a", "float32", (5,), a.nbytes), ("b", "bfloat16", (3,), b.nbytes)])
+    (tmp_path / "f.safetensors").write_bytes(b"".join(bytes(x) for x in layout.buffers([a.tobytes(), b.tobytes()])))
     loaded = load_file(str(tmp_path / "f.safetensors"))
     np.testing.assert_array_equal(loaded["a"], a)
     np.testing.assert_array_equal(loaded["b"].astype(np.float32), b.astype(np.float32))
+    assert set(loaded) == {"a", "b", "__pad_1"} and not loaded["__pad_1"].any()
 
 
 @pytest.mark.parametrize(

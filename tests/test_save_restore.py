@@ -1,5 +1,6 @@
 """End-to-end save/restore on 8 simulated devices: values, dtypes, targets, errors, files."""
 
+import json
 import os
 
 import jax
@@ -14,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
 from tests.helpers import bits, files, leaf, manifest, read_chars
+from tpu_ckpt import format as fmt
 
 DTYPES = [
     np.float32, np.float16, np.float64, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2,
@@ -105,7 +107,8 @@ def test_flax_train_state_restores_into_a_train_state(tmp_path, mesh42, mesh24):
     assert out.params["params"]["Dense_0"]["kernel"].sharding.mesh.shape == mesh24.shape
 
 
-def test_subtree_and_partial_targets_read_only_their_part(tmp_path):
+def test_subtree_and_partial_targets_read_only_their_part(tmp_path, monkeypatch):
+    monkeypatch.setenv("TPU_CKPT_MMAP", "0")  # count bytes read (see helpers.read_chars)
     big = np.random.default_rng(0).normal(size=(1024, 1024)).astype(np.float32)  # 4 MiB
     tc.save(tmp_path / "c", {"params": {"w": np.arange(10.0)}, "opt": {"mu": big, "nu": big + 1}})
     before = read_chars()
@@ -218,7 +221,7 @@ def test_corruption_is_detected_and_named(tmp_path, mesh42):
 def test_newer_format_major_version_is_refused(tmp_path):
     tc.save(tmp_path / "c", {"a": np.ones(3)})
     path = tmp_path / "c" / "manifest.json"
-    path.write_text(path.read_text().replace('"format_version":"1.0"', '"format_version":"2.0"'))
+    path.write_text(path.read_text().replace(f'"format_version":"{fmt.FORMAT_VERSION}"', '"format_version":"2.0"'))
     with pytest.raises(tc.FormatVersionError, match="format version 2.0.*upgrade tpu_ckpt"):
         tc.restore(tmp_path / "c")
 
@@ -352,3 +355,29 @@ def test_python_scalar_targets_take_any_width_of_their_kind(tmp_path):
     assert out == {"count": 200, "big": 2**63 + 5} and type(out["big"]) is int
     with pytest.raises(tc.TargetMismatchError, match="'count'"):
         tc.restore(tmp_path / "u", {"count": False, "big": 0})
+
+
+def test_a_format_1_0_checkpoint_with_unaligned_pieces_restores(tmp_path):
+    """Format 1.0 packed pieces back to back; 1.1 aligns each to 64 bytes. Rewrite a fresh
+    checkpoint the 1.0 way (padding removed, offsets and version patched) and read it back."""
+    tree = {"a": np.arange(3, dtype=np.int8), "b": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    tc.save(tmp_path / "c", tree)
+    doc = manifest(tmp_path / "c")
+    (name, _), = doc["files"]
+    data = (tmp_path / "c" / name).read_bytes()
+    pieces = [leaf_doc["pieces"][0] for leaf_doc in doc["leaves"]]  # [slice, file, offset, length, crc]
+    packed, offset = bytearray(data[: pieces[0][2]]), pieces[0][2]
+    for piece in pieces:
+        packed += data[piece[2] : piece[2] + piece[3]]
+        piece[2], offset = offset, offset + piece[3]
+    assert pieces[1][2] % 64 != 0  # "b" now starts unaligned
+    (tmp_path / "c" / name).write_bytes(bytes(packed))
+    doc["files"] = [[name, len(packed)]]
+    doc["format_version"] = "1.0"
+    (tmp_path / "c" / "manifest.json").write_text(json.dumps(doc))
+    out = tc.restore(tmp_path / "c")
+    np.testing.assert_array_equal(out["a"], tree["a"])
+    np.testing.assert_array_equal(out["b"], tree["b"])
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+    on_devices = tc.restore(tmp_path / "c", {"b": jax.ShapeDtypeStruct((2, 3), np.float32, sharding=NamedSharding(mesh, P("x")))}, subtree="")
+    np.testing.assert_array_equal(np.asarray(on_devices["b"]), tree["b"])

@@ -18,6 +18,8 @@ from tests.helpers import manifest
 
 PARAMS = {"Dense_0": {"kernel": jnp.ones((64, 128)), "bias": jnp.zeros(128)}, "scale": jnp.float32(2.0)}
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def slots_of(path) -> set[str]:
     return {leaf["key"] for leaf in manifest(path)["leaves"] if leaf.get("is_slot")}
@@ -100,13 +102,12 @@ import json, sys
 sys.modules["optax"] = None  # a serving job without optax installed
 import tpu_ckpt as tc
 
-def rchar():
-    return int(next(l for l in open("/proc/self/io") if l.startswith("rchar")).split()[1])
+from tests.helpers import read_chars
 
 path, skip = sys.argv[1], sys.argv[2] == "skip"
-before = rchar()
+before = read_chars()
 out = tc.restore(path, options=tc.CheckpointOptions(skip_slot_variables=skip))
-print(json.dumps({"read": rchar() - before, "top": sorted(out)}))
+print(json.dumps({"read": read_chars() - before, "top": sorted(out)}))
 """
 
 
@@ -115,7 +116,8 @@ def test_a_serving_restore_reads_no_slot_bytes_and_needs_no_optax(tmp_path):
     tc.save(tmp_path / "c", train_state.TrainState.create(apply_fn=None, params=big, tx=optax.adam(1e-3)))
 
     def run(mode):
-        out = subprocess.run([sys.executable, "-c", SERVING_SCRIPT, str(tmp_path / "c"), mode], capture_output=True, text=True, check=True)
+        out = subprocess.run([sys.executable, "-c", SERVING_SCRIPT, str(tmp_path / "c"), mode], capture_output=True, text=True, check=True, cwd=ROOT,
+                             env={**os.environ, "TPU_CKPT_MMAP": "0"})  # count bytes read (see helpers.read_chars)
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     full, serving = run("full"), run("skip")

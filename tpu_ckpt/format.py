@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # annotations only: the format itself needs no JAX
     from tpu_ckpt.pieces import SliceSpec
 
 FORMAT_NAME = "tpu_ckpt"
-FORMAT_VERSION = "1.0"
+FORMAT_VERSION = "1.1"
 MANIFEST_FILE = "manifest.json"
 
 _ML_DTYPES = {
@@ -206,36 +206,60 @@ def _leaf_from_json(doc: dict[str, Any], files: list[str]) -> LeafEntry:
     )
 
 
+ALIGNMENT = 64
+"""Every tensor's data starts at a multiple of this many bytes in its data file: a restore
+that maps the file (``storage.py``) then hands JAX's CPU backend buffers it adopts without
+a copy."""
+
+
 @dataclasses.dataclass(frozen=True)
 class DataFileLayout:
-    """A data file ready to write: its safetensors header and each tensor's byte offset."""
+    """A data file ready to write: its safetensors header, and per tensor the zero bytes
+    that precede it (alignment padding) and the offset of its first byte."""
 
     header: bytes
+    padding: list[int]  # bytes of padding written before each tensor
     offsets: list[int]  # absolute offset of each tensor's first byte in the file
     size: int
+
+    def buffers(self, data: Sequence[Any]) -> list[Any]:
+        """What to write, in order: the header, then each tensor's padding and data."""
+        out: list[Any] = [self.header]
+        for pad, buf in zip(self.padding, data):
+            if pad:
+                out.append(bytes(pad))
+            out.append(buf)
+        return out
 
 
 def safetensors_layout(tensors: Sequence[tuple[str, str, tuple[int, ...], int]]) -> DataFileLayout:
     """Lays out ``(name, dtype_name, shape, nbytes)`` tensors as one safetensors file.
 
-    The header is padded with spaces to a multiple of 8 bytes, as the safetensors spec
-    recommends, so tensor data starts aligned.
+    Every tensor starts at a multiple of ``ALIGNMENT`` bytes: the header is padded with
+    spaces (as the safetensors spec allows) so the data starts aligned, and a tensor that
+    would start unaligned is preceded by a ``__pad_<n>`` entry of ``U8`` zeros, because
+    safetensors allows no holes between tensors.
     """
     header: dict[str, Any] = {"__metadata__": {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}}
     relative = 0
-    starts = []
+    starts, padding = [], []
     for name, dtype, shape, nbytes in tensors:
+        pad = -relative % ALIGNMENT
+        if pad:
+            header[f"__pad_{len(starts)}"] = {"dtype": "U8", "shape": [pad], "data_offsets": [relative, relative + pad]}
+            relative += pad
         code = _SAFETENSORS_CODES.get(dtype)
         st_shape = list(shape) if code else [nbytes]
         if not code:
             header["__metadata__"][name] = dtype
         header[name] = {"dtype": code or "U8", "shape": st_shape, "data_offsets": [relative, relative + nbytes]}
         starts.append(relative)
+        padding.append(pad)
         relative += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+    raw += b" " * (-(8 + len(raw)) % ALIGNMENT)
     base = 8 + len(raw)
-    return DataFileLayout(len(raw).to_bytes(8, "little") + raw, [base + s for s in starts], base + relative)
+    return DataFileLayout(len(raw).to_bytes(8, "little") + raw, padding, [base + s for s in starts], base + relative)
 
 
 def tensor_name(key: str, slice_spec: SliceSpec) -> str:

@@ -5,7 +5,9 @@ addressable-device index of the target sharding, or the whole array for numpy), 
 pieces that overlap them (each at most once, adjacent ones coalesced, every one crc-checked),
 assemble host buffers and place them on the target devices. Resharding to another mesh,
 device count or to numpy is the same code path. Reads go in batches of about
-``READ_BATCH_BYTES`` so host memory stays at the target's bytes plus one batch.
+``READ_BATCH_BYTES`` so host memory stays at the target's bytes plus one batch. Local data
+files are mapped, not read (``storage.Store(map_files=True)``): a piece a device holds whole
+goes to JAX as the file's own pages, with no allocation and no copy on CPU.
 """
 
 from __future__ import annotations
@@ -156,14 +158,14 @@ def _open(
     io = io_process(options, count)
     if count == 1 or (io is None and not options.load_and_broadcast):
         manifest = read_manifest(loc)
-        with storage.Store(loc) as store:
+        with storage.Store(loc, map_files=True) as store:
             yield store, manifest, None
         return
     coord = distributed.Coordinator(f"restore {loc.url}", options.coordination_timeout)
     try:
         if io is None:
             manifest = read_manifest(loc)
-            with storage.Store(loc) as store:
+            with storage.Store(loc, map_files=True) as store:
                 yield store, manifest, coord
         elif coord.me == io:
             with _serve(loc, coord) as (store, manifest):
@@ -187,7 +189,7 @@ def _serve(loc: storage.Location, coord: distributed.Coordinator) -> Iterator[tu
     except CheckpointError as error:
         coord.publish("serve", "error " + json.dumps(relay.error_to_json(error)))
         raise
-    with storage.Store(loc) as store:
+    with storage.Store(loc, map_files=True) as store:
         server = relay.RelayServer(store, distributed.relay_host(), coord.timeout)
         try:
             coord.publish("serve", "ok " + server.contact())

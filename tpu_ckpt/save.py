@@ -276,7 +276,7 @@ def _write_shards(store: storage.Store | relay.RelayStore, shards: Sequence[Shar
         )
         for (key, spec, _), buf, offset in zip(items, buffers, layout.offsets):
             index[key].append(PieceEntry(spec, name, offset, buf.nbytes, crc32c(buf)))
-        in_flight.append((name, store.write(name, [layout.header, *buffers])))
+        in_flight.append((name, store.write(name, layout.buffers(buffers))))
         files[name] = layout.size
         del buffers
     while in_flight:

@@ -10,8 +10,10 @@ exists at the final location.
 Object stores go through tensorstore kvstores. Local files do not: measured here,
 tensorstore's kvstore holds two extra copies of every value it writes (a 512 MB write peaks
 at +1 GB of RSS) and three while reading one, and it only accepts ``bytes``. Writing local
-files with ``os.writev`` straight from the arrays' buffers, and reading with ``preadv`` into
-preallocated arrays, costs no copy at all and keeps host memory at what the caller holds.
+files with ``os.writev`` straight from the arrays' buffers costs no copy at all. Restores map
+local files (``Store(map_files=True)``, see ``_can_map``): a piece is then the page cache's
+own pages, which JAX's CPU backend adopts without a copy; other readers ``preadv`` into
+fresh aligned arrays.
 
 All kvstores share one process-wide tensorstore context: AWS credentials and the request
 limits are then set up once per process, not once per Store. Where settings come from:
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import mmap
 import os
 import queue
 import shutil
@@ -162,12 +165,17 @@ class Store:
     transfers in flight. Call :meth:`close` (or use ``with``) when done.
     """
 
-    def __init__(self, loc: Location, *, threads: int = 8):
+    def __init__(self, loc: Location, *, threads: int = 8, map_files: bool = False):
+        """``map_files``: read local files by mapping them (see ``_can_map``), for a restore,
+        whose arrays then are the file's pages. Streaming readers (verify, diff) keep the
+        default, so what they have checked leaves their memory."""
         self.location = loc
         self._pool = IOPool(threads)
         # Object stores: the bucket's root and this directory's key prefix (see module docstring).
         self._kv, self._prefix = (None, "") if loc.is_local else _open_kvstore(loc)
         self._root = os.path.abspath(loc.local_path) if loc.is_local else ""
+        self._maps: dict[str, np.ndarray] | None = {} if map_files and loc.is_local and _can_map(self._root) else None
+        self._maps_lock = threading.Lock()
 
     def __enter__(self) -> Store:
         return self
@@ -177,6 +185,8 @@ class Store:
 
     def close(self) -> None:
         self._pool.shutdown()
+        if self._maps:
+            self._maps.clear()  # a mapping lives on only in the arrays that still use it
 
     def write(self, name: str, buffers: Sequence[Any]) -> concurrent.futures.Future:
         """Starts writing one whole file from ``buffers`` (bytes-like); resolves once durable."""
@@ -190,12 +200,14 @@ class Store:
     ) -> concurrent.futures.Future:
         """Starts reading consecutive byte ranges of a file, beginning at ``start``.
 
-        Resolves to one writable, 64-byte-aligned uint8 array per length (one read request
-        for all of them), after running ``then`` on them in the IO thread (e.g. checksums,
-        which thereby run in parallel). Fails with :class:`CorruptCheckpointError` when the
-        file is missing or too short.
+        Resolves to one writable uint8 array per length (one read request for all of them),
+        after running ``then`` on them in the IO thread (e.g. checksums, which thereby run in
+        parallel). With ``map_files``, local files on a local file system are mapped: the arrays
+        are copy-on-write views of the page cache, aligned where the file's offsets are (every
+        piece, since format 1.1). Otherwise they are fresh 64-byte-aligned arrays. Fails with
+        :class:`CorruptCheckpointError` when the file is missing or too short.
         """
-        reader = self._read_local if self._kv is None else self._read_kv
+        reader = self._read_kv if self._kv is not None else self._read_mapped if self._maps is not None else self._read_local
 
         def read_and_then() -> list[np.ndarray]:
             chunks = reader(name, start, lengths)
@@ -284,6 +296,36 @@ class Store:
             os.close(fd)
         return out
 
+    def _read_mapped(self, name: str, start: int, lengths: Sequence[int]) -> list[np.ndarray]:
+        """Views of the file's pages in the page cache: no allocation, no copy (see ``_can_map``)."""
+        data = self._mapping(name)
+        stop = start + sum(lengths)
+        if data.size < stop:
+            path = os.path.join(self._root, name)
+            raise CorruptCheckpointError(f"{path} is truncated: it ends at byte {data.size}, before {stop}", file=path)
+        out, offset = [], start
+        for n in lengths:
+            out.append(data[offset : offset + n])
+            offset += n
+        return out
+
+    def _mapping(self, name: str) -> np.ndarray:
+        """The whole file, mapped copy-on-write once per Store."""
+        with self._maps_lock:
+            if name not in self._maps:
+                path = os.path.join(self._root, name)
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except FileNotFoundError:
+                    raise CorruptCheckpointError(f"data file {path} is missing", file=path) from None
+                try:
+                    size = os.fstat(fd).st_size
+                    mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else b""
+                finally:
+                    os.close(fd)
+                self._maps[name] = np.frombuffer(mapped, np.uint8)
+            return self._maps[name]
+
     def _read_kv(self, name: str, start: int, lengths: Sequence[int]) -> list[np.ndarray]:
         where = self.location.child(name)
         stop = start + sum(lengths)
@@ -307,6 +349,42 @@ class Store:
 
 
 ALIGNMENT = 64
+
+# File systems whose files may be mapped: local ones, where a mapped page is the page
+# cache's own. A network or FUSE file system can turn a failed read into SIGBUS.
+_MAPPABLE = {"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "tmpfs", "ramfs", "overlay"}
+
+
+def _can_map(path: str) -> bool:
+    """Whether local reads may map files instead of copying them into fresh memory.
+
+    A mapped read costs neither an allocation (a restore's arrays are otherwise fresh pages
+    the kernel must zero, and find: transparent huge pages stall on compaction) nor a copy.
+    Checkpoint files are never modified in place once written (deleting one leaves mapped
+    pages valid), which is what makes this safe. ``TPU_CKPT_MMAP=0`` turns it off.
+    """
+    if os.environ.get("TPU_CKPT_MMAP", "1") == "0":
+        return False
+    return _file_system(path) in _MAPPABLE
+
+
+def _file_system(path: str) -> str:
+    """The type of the file system holding ``path`` (its longest mount point prefix)."""
+    path = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                point = fields[1].replace("\\040", " ")
+                inside = path == point or path.startswith(point.rstrip("/") + "/")
+                if inside and len(point) > len(best):
+                    best, kind = point, fields[2]
+    except OSError:
+        return ""
+    return kind
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:
