@@ -22,13 +22,18 @@ def test_overlapping_pieces():
 
 
 def test_adjacent_pieces_coalesce_into_one_read_and_duplicates_are_read_once():
-    a, b = piece(((0, 1),), offset=100), piece(((1, 2),), offset=116)
-    c = piece(((2, 3),), offset=140)  # a gap before it: its own read
+    a, b = piece(((0, 1),), offset=128), piece(((1, 2),), offset=144)
+    c = piece(((2, 3),), offset=192)  # 32 bytes of alignment padding before it: same read
+    e = piece(((3, 4),), offset=272)  # a 64-byte gap: a piece it does not need lies there
     d = piece(((0, 1),), file="g", offset=8)
-    reads = read_plan.coalesce([("k", b), ("k", a), ("k", a), ("k", c), ("k", d)])
+    reads = read_plan.coalesce([("k", b), ("k", a), ("k", a), ("k", c), ("k", e), ("k", d)])
     assert [(r.file, r.start, r.stop, len(r.pieces)) for r in reads] == [
-        ("f", 100, 132, 2), ("f", 140, 156, 1), ("g", 8, 24, 1),
+        ("f", 128, 208, 3), ("f", 272, 288, 1), ("g", 8, 24, 1),
     ]
+    first = reads[0]
+    assert first.lengths() == [16, 16, 32, 16]  # the padding is read too, as its own chunk
+    chunks = [bytes([i]) * n for i, n in enumerate(first.lengths())]
+    assert first.piece_chunks(chunks) == [chunks[0], chunks[1], chunks[3]]
 
 
 def test_reads_are_capped_in_size():

@@ -1,6 +1,7 @@
 """The io_device relay in one process: a real server and client over loopback TCP."""
 
 import socket
+import time
 
 import numpy as np
 import pytest
@@ -62,3 +63,58 @@ def test_a_closed_server_is_a_checkpoint_error_not_a_hang(tmp_path):
         client.write("x.bin", [b"x"]).result()
     client.close()
     store.close()
+
+
+def test_a_connection_that_failed_mid_answer_is_never_reused(tmp_path):
+    """A request that timed out leaves its answer in flight; the next request on that
+    connection must fail, not read the old answer as its own."""
+    store = storage.Store(storage.Location(str(tmp_path / "ckpt")))
+    store.write("f", [b"ffff"]).result()
+
+    def slow_piece(name, offset, requester):
+        time.sleep(1.0)
+        return store.read(name, offset, [4])
+
+    server = relay.RelayServer(store, "127.0.0.1", timeout=10, shared=slow_piece)
+    client = relay.RelayStore(storage.Location("ckpt"), server.contact(), timeout=0.3, server_process=1, connections=1)
+    with pytest.raises(relay.RelayConnectionError, match="Lost the connection to process 1"):
+        client.shared_piece("f", 0, 4, requester=0, then=lambda chunks: None).result()
+    time.sleep(1.0)  # the late answer has arrived by now
+    with pytest.raises(relay.RelayConnectionError):
+        client.read("f", 0, [4]).result()
+    client.close()
+    server.close()
+    store.close()
+
+
+def test_a_queued_write_outlasts_the_timeout_while_the_server_says_it_is_queued(tmp_path):
+    store = storage.Store(storage.Location(str(tmp_path / "ckpt")))
+    server = relay.RelayServer(store, "127.0.0.1", timeout=10, write_slots=1, heartbeat=0.1)
+    host, port = server.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as hog:  # holds the only slot for 1.5 s
+        relay._send(hog, {"secret": server.secret})
+        assert relay._receive(hog)[0] == {"ok": True}
+        relay._send_header(hog, {"op": "write", "name": "first"}, 3)
+        assert relay._receive(hog)[0] == {"go": True}
+        client = relay.RelayStore(storage.Location("ckpt"), server.contact(), timeout=0.5, server_process=0)
+        queued = client.write("second", [b"222"])
+        time.sleep(1.5)  # three timeouts' worth of waiting, heartbeats all along
+        assert not queued.done()
+        relay._send_payload(hog, [memoryview(b"111")])
+        assert relay._receive(hog)[0] == {"ok": True}
+    queued.result(timeout=5)
+    assert (tmp_path / "ckpt" / "first").read_bytes() == b"111"
+    assert (tmp_path / "ckpt" / "second").read_bytes() == b"222"
+    client.close()
+    server.close()
+    store.close()
+
+
+def test_a_storage_error_on_the_server_names_the_file(served):
+    root, client, _ = served
+    (root / "taken").mkdir(parents=True)
+    with pytest.raises(tc.CheckpointError, match="IsADirectoryError") as e:
+        client.write("taken", [b"x"]).result()
+    assert e.value.file.endswith("taken")
+    client.write("after", [b"ok"]).result()  # the connection is still in step
+    assert (root / "after").read_bytes() == b"ok"

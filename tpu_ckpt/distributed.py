@@ -108,11 +108,12 @@ class Coordinator:
             raise RuntimeError("receive() needs more than one process")
         return self._wait(stage, {sender})[sender]
 
-    def report_failure(self, error: BaseException) -> None:
-        """Tells the other processes this one failed, so they stop waiting for it at once."""
+    def report_failure(self, error: BaseException, abandoned: bool = False) -> None:
+        """Tells the other processes this one failed, so they stop waiting for it at once.
+        ``abandoned``: it gave the operation up before any commit (see :meth:`abandoned`)."""
         if self._client is None:
             return
-        report = {"message": f"{type(error).__name__}: {error}"}
+        report: dict[str, Any] = {"message": f"{type(error).__name__}: {error}", "abandoned": abandoned}
         if isinstance(error, CoordinationTimeoutError):  # others waiting there learn who is late
             report.update(stage=error.stage, missing=error.missing)
         try:
@@ -120,12 +121,27 @@ class Coordinator:
         except Exception:  # noqa: BLE001 - the coordinator may itself be gone
             pass
 
-    def raise_if_another_failed(self, stage: str) -> None:
+    def abandoned(self, process: int) -> bool:
+        """Whether ``process`` reported that it gave the operation up before committing it."""
+        if self._client is None:
+            return False
+        report = self._entries(_ERROR).get(process)
+        return report is not None and bool(json.loads(report).get("abandoned"))
+
+    def raise_if_another_failed(self, stage: str, grace: float = 0.0) -> None:
         """Raises if another process reported a failure: :class:`RemoteProcessError`, or, when
         it timed out waiting for some processes, the same :class:`CoordinationTimeoutError`
-        (so every waiting process names the late ones, whichever gave up first)."""
-        failures = self._entries(_ERROR) if self._client is not None else {}
-        failures.pop(self.me, None)
+        (so every waiting process names the late ones, whichever gave up first).
+
+        ``grace``: seconds to wait for a report, for a caller that saw a peer vanish (its
+        connection closed) a moment before the peer could say why."""
+        deadline = time.monotonic() + grace
+        while True:
+            failures = self._entries(_ERROR) if self._client is not None else {}
+            failures.pop(self.me, None)
+            if failures or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
         if not failures:
             return
         who, text = sorted(failures.items())[0]

@@ -148,7 +148,10 @@ def array_pieces(
         return [ShardableTensor(array, key, full_slice(shape), shape, array.dtype, None, is_slot)]
     shape = tuple(leaf.shape)
     dtype = np.dtype(leaf.dtype)
-    mine = None if leaf.is_fully_addressable else _my_blocks(leaf, process_index, balance or WriteBalance())
+    # Decided from the global sharding, the same on every process (``balance`` must be fed
+    # alike everywhere); an array on one process's devices alone is that process's to write.
+    spans_processes = len({d.process_index for d in leaf.sharding.device_set}) > 1
+    mine = _my_blocks(leaf, process_index, balance or WriteBalance()) if spans_processes else None
     pieces, done = [], set()
     for shard in leaf.addressable_shards:
         region = index_to_slice(shard.index, shape)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tpu_ckpt.errors import CorruptCheckpointError
-from tpu_ckpt.format import LeafEntry, PieceEntry, crc32c
+from tpu_ckpt.format import ALIGNMENT, LeafEntry, PieceEntry, crc32c
 
 if TYPE_CHECKING:  # annotations only: planning reads needs no JAX
     from tpu_ckpt.pieces import SliceSpec
@@ -25,12 +25,36 @@ MAX_READ_BYTES = 64 << 20  # bigger single reads cost parallelism and gain nothi
 
 @dataclasses.dataclass(frozen=True)
 class Read:
-    """One ranged read of ``[start, stop)`` of ``file``, serving ``pieces``."""
+    """One ranged read of ``[start, stop)`` of ``file``, serving ``pieces`` (in file order,
+    perhaps with alignment padding between them)."""
 
     file: str
     start: int
     stop: int
     pieces: tuple[tuple[str, PieceEntry], ...]  # (leaf key, piece)
+
+    def lengths(self) -> list[int]:
+        """The consecutive byte counts that make up the read: each piece, and each gap."""
+        out, at = [], self.start
+        for _, piece in self.pieces:
+            if piece.offset > at:
+                out.append(piece.offset - at)
+            out.append(piece.length)
+            at = piece.offset + piece.length
+        return out
+
+    def piece_chunks(self, chunks: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """The pieces' bytes among the chunks a read of :meth:`lengths` returned."""
+        if len(chunks) == len(self.pieces):
+            return list(chunks)
+        out, at, i = [], self.start, 0
+        for _, piece in self.pieces:
+            if piece.offset > at:
+                i += 1  # padding
+            out.append(chunks[i])
+            i += 1
+            at = piece.offset + piece.length
+        return out
 
 
 def intersect(a: SliceSpec, b: SliceSpec) -> SliceSpec | None:
@@ -62,7 +86,7 @@ def relative(region: SliceSpec, within: SliceSpec) -> tuple[slice, ...]:
 def check_crcs(where: str, read: Read, chunks: Sequence[np.ndarray]) -> None:
     """Raises CorruptCheckpointError naming the key and file if a piece's bytes do not match
     its crc32c; ``where`` is the data file's path or URL."""
-    for (key, piece), chunk in zip(read.pieces, chunks):
+    for (key, piece), chunk in zip(read.pieces, read.piece_chunks(chunks)):
         if crc32c(chunk) != piece.crc32c:
             raise CorruptCheckpointError(
                 f"crc32c mismatch for key {key!r} slice {list(piece.slice)} in {where}: the file is corrupt",
@@ -90,9 +114,10 @@ def coalesce(needed: Iterable[tuple[str, PieceEntry]]) -> list[Read]:
 
 
 def _joinable(group: Sequence[tuple[str, PieceEntry]], piece: PieceEntry) -> bool:
+    """Whether ``piece`` follows the group in its file, at most alignment padding apart."""
     start = group[0][1].offset
     end = group[-1][1].offset + group[-1][1].length
-    return piece.offset == end and piece.offset + piece.length - start <= MAX_READ_BYTES
+    return 0 <= piece.offset - end < ALIGNMENT and piece.offset + piece.length - start <= MAX_READ_BYTES
 
 
 def _read(file: str, group: Sequence[tuple[str, PieceEntry]]) -> Read:

@@ -42,8 +42,15 @@ logger = logging.getLogger(__name__)
 
 CONNECTIONS_PER_CLIENT = 4
 MAX_WRITES_IN_FLIGHT = 4  # files the server holds in memory at once, across all clients
+HEARTBEAT_SECONDS = 5.0  # while a write waits for a slot, the server says so this often
+_MAX_HELLO_BYTES = 1 << 16  # what an unauthenticated peer may make the server read
 _HEADER = struct.Struct("!QQ")
 _CHUNK = 8 << 20  # one bounded socket call: the timeout measures progress, not the whole file
+
+
+class RelayConnectionError(errors.CheckpointError):
+    """The relay connection failed (refused, reset, timed out): the other process may have
+    failed first, which its own report explains better."""
 
 
 class RelayServer:
@@ -56,14 +63,17 @@ class RelayServer:
     def __init__(
         self, store: storage.Store, host: str, timeout: float,
         shared: Callable[[str, int, int], concurrent.futures.Future] | None = None,
+        *, write_slots: int = MAX_WRITES_IN_FLIGHT, heartbeat: float = HEARTBEAT_SECONDS,
     ):
         self.store = store
         self.secret = secrets.token_hex(16)
         self._timeout = timeout
         self._shared = shared  # load_and_broadcast: (file, offset, requester) -> the piece's bytes
-        self._write_slots = threading.BoundedSemaphore(MAX_WRITES_IN_FLIGHT)
-        self._listener = socket.create_server((host, 0))
-        self.address = f"{host}:{self._listener.getsockname()[1]}"
+        self._write_slots = threading.BoundedSemaphore(write_slots)
+        self._heartbeat = heartbeat
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, 0), family=family)
+        self.address = f"[{host}]:{self._listener.getsockname()[1]}" if ":" in host else f"{host}:{self._listener.getsockname()[1]}"
         self._lock = threading.Lock()
         self._connections: list[socket.socket] = []
         self._handlers: list[threading.Thread] = []
@@ -107,8 +117,10 @@ class RelayServer:
     def _serve(self, conn: socket.socket) -> None:
         conn.settimeout(self._timeout)
         try:
-            hello, _ = _receive(conn)
-            if not secrets.compare_digest(str(hello.get("secret")), self.secret):
+            hello, size = _receive_header(conn, limit=_MAX_HELLO_BYTES)
+            if size or not isinstance(hello, dict) or not secrets.compare_digest(
+                str(hello.get("secret")).encode(), self.secret.encode()
+            ):
                 logger.warning("tpu_ckpt: dropped a relay connection without the operation's secret")
                 return
             _send(conn, {"ok": True})
@@ -122,30 +134,49 @@ class RelayServer:
                     return  # the client is done
                 conn.settimeout(self._timeout)
                 self._answer(conn, request, size)
-        except (OSError, EOFError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - one bad connection must not take the server down
             if not self._closed:
-                logger.warning("tpu_ckpt: relay connection ended abnormally: %s", e)
+                logger.warning("tpu_ckpt: relay connection ended abnormally: %s: %s", type(e).__name__, e)
         finally:
+            with self._lock:
+                if conn in self._connections:
+                    self._connections.remove(conn)
             conn.close()
 
     def _answer(self, conn: socket.socket, request: dict[str, Any], size: int) -> None:
         """Answers one request. Storage errors go back to the client; socket errors end the
         connection (raised to :meth:`_serve`)."""
         op, name = request.get("op"), request.get("name", "")
+        where = self.store.location.child(name)
         if op == "write":
-            with self._write_slots:
+            self._await_write_slot(conn)
+            try:
                 data = storage.aligned_empty(size)
                 _receive_into(conn, [data])
-                answer = _outcome(lambda: self._write(name, data))
+                answer = _outcome(lambda: self._write(name, data), where)
+            finally:
+                self._write_slots.release()
         elif op == "read":
-            answer = _outcome(lambda: ({}, self.store.read(name, request["start"], request["lengths"]).result()))
+            answer = _outcome(lambda: ({}, self.store.read(name, request["start"], request["lengths"]).result()), where)
         elif op == "read_file":
-            answer = _outcome(lambda: self._read_file(name))
+            answer = _outcome(lambda: self._read_file(name), where)
         elif op == "piece" and self._shared is not None:
-            answer = _outcome(lambda: ({}, self._shared(name, request["offset"], request["process"]).result()))
+            answer = _outcome(lambda: ({}, self._shared(name, request["offset"], request["process"]).result()), where)
         else:
             answer = {"error": error_to_json(errors.CheckpointError(f"internal: unknown relay request {op!r}"))}, []
         _send(conn, *answer)
+
+    def _await_write_slot(self, conn: socket.socket) -> None:
+        """Holds a write back until fewer than ``MAX_WRITES_IN_FLIGHT`` files are in memory,
+        telling the client every few seconds that it is queued: its timeout measures silence,
+        and the queue can take longer than that when one host writes for a whole job."""
+        while not self._write_slots.acquire(timeout=self._heartbeat):
+            _send(conn, {"wait": True})
+        try:
+            _send(conn, {"go": True})
+        except BaseException:
+            self._write_slots.release()
+            raise
 
     def _write(self, name: str, data: np.ndarray) -> tuple[dict[str, Any], list[Any]]:
         self.store.write(name, [data]).result()
@@ -156,12 +187,14 @@ class RelayServer:
         return {"missing": data is None}, [data or b""]
 
 
-def _outcome(serve: Callable[[], tuple[dict[str, Any], list[Any]]]) -> tuple[dict[str, Any], list[Any]]:
+def _outcome(serve: Callable[[], tuple[dict[str, Any], list[Any]]], where: str) -> tuple[dict[str, Any], list[Any]]:
     """The answer to send: ``ok`` (plus what ``serve`` adds) and the payload, or the error
-    raised while serving."""
+    raised while serving, naming ``where`` when the error itself does not."""
     try:
         extra, payload = serve()
     except Exception as e:  # noqa: BLE001 - delivered to the client, which raises it
+        if not isinstance(e, errors.CheckpointError):
+            e = errors.CheckpointError(f"{where}: {type(e).__name__}: {e}", file=where)
         return {"error": error_to_json(e)}, []
     return {"ok": True, **extra}, payload
 
@@ -178,10 +211,22 @@ class RelayStore:
         address, secret = contact.split(" ")
         host, port = address.rsplit(":", 1)
         self._connections: queue.SimpleQueue = queue.SimpleQueue()
-        for _ in range(connections):
-            conn = socket.create_connection((host, int(port)), timeout=timeout)
-            _send(conn, {"secret": secret})
-            self._expect_ok(conn, "connecting")
+        opened: list[socket.socket] = []
+        try:
+            for _ in range(connections):
+                opened.append(socket.create_connection((host.strip("[]"), int(port)), timeout=timeout))
+                _send(opened[-1], {"secret": secret})
+                if not _receive(opened[-1])[0].get("ok"):
+                    raise EOFError("the handshake was refused")
+        except (OSError, EOFError, ValueError) as e:
+            for conn in opened:
+                conn.close()
+            raise RelayConnectionError(
+                f"Could not connect to process {server_process} at {address} for {loc.url}: {e}. "
+                "Check that process's log.",
+                file=loc.url,
+            ) from e
+        for conn in opened:
             self._connections.put(conn)
         self._pool = storage.IOPool(connections)
 
@@ -233,24 +278,34 @@ class RelayStore:
         self, request: dict[str, Any], payload: Sequence[memoryview], into: list[np.ndarray] | None
     ) -> tuple[dict[str, Any], bytes]:
         """One request and its answer on a free connection. The answer's payload goes into
-        ``into`` when given (no copy), else it is returned as bytes."""
+        ``into`` when given (no copy), else it is returned as bytes. A write's payload follows
+        the server's go-ahead (see ``RelayServer._await_write_slot``).
+
+        A connection that failed mid-message is closed before it goes back to the pool: its
+        stream is out of step, and a later request must fail, not read an old answer."""
         conn = self._connections.get()
         try:
-            _send(conn, request, payload)
+            if request["op"] == "write":
+                _send_header(conn, request, sum(len(v) for v in payload))
+                while _receive(conn)[0].get("wait"):
+                    pass
+                _send_payload(conn, payload)
+            else:
+                _send(conn, request)
             answer, size = _receive_header(conn)
             if "error" in answer:
                 _discard(conn, size)
                 raise error_from_json(answer["error"])
-            if into is not None:
-                if size != sum(a.nbytes for a in into):
-                    raise errors.CheckpointError(f"internal: the io_device relay answered {size} bytes")
-                _receive_into(conn, into)
-                return answer, b""
-            data = storage.aligned_empty(size)
-            _receive_into(conn, [data])
-            return answer, data.tobytes()
-        except (OSError, EOFError) as e:
-            raise errors.CheckpointError(
+            if into is not None and size != sum(a.nbytes for a in into):
+                raise EOFError(f"the answer has {size} bytes, not the {sum(a.nbytes for a in into)} asked for")
+            data = into if into is not None else [storage.aligned_empty(size)]
+            _receive_into(conn, data)
+            return answer, b"" if into is not None else data[0].tobytes()
+        except errors.CheckpointError:
+            raise  # the server's answer: the stream is in step
+        except (OSError, EOFError, ValueError) as e:
+            conn.close()
+            raise RelayConnectionError(
                 f"Lost the connection to process {self.server_process} during {request['op']} "
                 f"{request.get('name', '')} of {self.location.url}: {e}. Check that process's log.",
                 file=self.location.child(request.get("name", "")),
@@ -258,25 +313,30 @@ class RelayStore:
         finally:
             self._connections.put(conn)
 
-    def _expect_ok(self, conn: socket.socket, what: str) -> None:
-        answer, _ = _receive(conn)
-        if not answer.get("ok"):
-            raise errors.CheckpointError(f"process {self.server_process} refused the relay while {what}")
-
 
 def _send(conn: socket.socket, message: dict[str, Any], payload: Sequence[Any] = ()) -> None:
     views = [memoryview(p).cast("B") for p in payload]
+    _send_header(conn, message, sum(len(v) for v in views))
+    _send_payload(conn, views)
+
+
+def _send_header(conn: socket.socket, message: dict[str, Any], payload_size: int) -> None:
     meta = json.dumps(message).encode()
-    conn.sendall(_HEADER.pack(len(meta), sum(len(v) for v in views)) + meta)
+    conn.sendall(_HEADER.pack(len(meta), payload_size) + meta)
+
+
+def _send_payload(conn: socket.socket, views: Sequence[memoryview]) -> None:
     for view in views:
         for start in range(0, len(view), _CHUNK):
             conn.sendall(view[start : start + _CHUNK])
 
 
-def _receive_header(conn: socket.socket) -> tuple[dict[str, Any], int]:
+def _receive_header(conn: socket.socket, limit: int | None = None) -> tuple[dict[str, Any], int]:
     head = bytearray(_HEADER.size)
     _receive_into(conn, [head])
     meta_size, payload_size = _HEADER.unpack(head)
+    if limit is not None and meta_size + payload_size > limit:
+        raise ValueError(f"a {meta_size + payload_size}-byte message where at most {limit} may come")
     meta = bytearray(meta_size)
     _receive_into(conn, [meta])
     return json.loads(meta), payload_size

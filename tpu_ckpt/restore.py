@@ -177,6 +177,8 @@ def _open(
             coord.gather("restored")
     except BaseException as error:
         coord.report_failure(error)
+        if isinstance(error, relay.RelayConnectionError):  # the peer's own report says more
+            coord.raise_if_another_failed("restore", grace=2.0)
         raise
 
 
@@ -206,15 +208,11 @@ def _relayed(
     status, _, detail = coord.receive("serve", io).partition(" ")
     if status == "error":
         raise relay.error_from_json(json.loads(detail))
-    try:
-        with relay.RelayStore(loc, detail, coord.timeout, io) as store:
-            data = store.read_file(MANIFEST_FILE)
-            if data is None:
-                raise UncommittedCheckpointError(f"{loc.url} lost its {MANIFEST_FILE} during the restore", file=loc.url)
-            yield store, Manifest.from_json(data, where=loc.child(MANIFEST_FILE))
-    except CheckpointError:
-        coord.raise_if_another_failed("restore")  # the io_device process's own error says more
-        raise
+    with relay.RelayStore(loc, detail, coord.timeout, io) as store:
+        data = store.read_file(MANIFEST_FILE)
+        if data is None:
+            raise UncommittedCheckpointError(f"{loc.url} lost its {MANIFEST_FILE} during the restore", file=loc.url)
+        yield store, Manifest.from_json(data, where=loc.child(MANIFEST_FILE))
 
 
 def _restore_from(
@@ -422,7 +420,7 @@ def _collect(reads: shared_reads.Reads) -> dict[tuple[str, int], np.ndarray]:
                 raise
             key = read.pieces[0][0]
             raise CorruptCheckpointError(f"{e} (reading key {key!r})", key=key, file=e.file) from None
-        for (_, piece), chunk in zip(read.pieces, chunks):
+        for (_, piece), chunk in zip(read.pieces, read.piece_chunks(chunks)):
             out[(piece.file, piece.offset)] = chunk
     return out
 

@@ -20,7 +20,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
-import math
 import os
 import time
 import uuid
@@ -47,7 +46,7 @@ from tpu_ckpt.gc_pause import gc_paused
 from tpu_ckpt.options import CheckpointOptions, io_process, wants_path
 from tpu_ckpt.pieces import Shard, ShardableTensor, WriteBalance, array_pieces, describe_sharding
 from tpu_ckpt.slots import SlotPredicate, slot_keys
-from tpu_ckpt.validation import validate_shards
+from tpu_ckpt.validation import tiling_problem, validate_shards
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +104,15 @@ def _plan(path: str | os.PathLike[str], tree: Any, options: CheckpointOptions, i
         job.open_staging(relayed=io is not None)
     except BaseException as error:
         coord.report_failure(error)
+        _explain(coord, error)
         raise
     return job
+
+
+def _explain(coord: distributed.Coordinator, error: BaseException) -> None:
+    """A lost relay connection usually means the other process failed: raise its reason."""
+    if isinstance(error, relay.RelayConnectionError):
+        coord.raise_if_another_failed("save", grace=2.0)
 
 
 @dataclasses.dataclass
@@ -174,24 +180,31 @@ class _Job:
     def write_and_commit(self) -> None:
         started = time.perf_counter()
         coord, staging, store = self.coord, self.staging, self.store
-        committed = False
+        hands_off = False  # set once this process may delete nothing any more
         try:
             index, files = _write_shards(store, self.shards, coord.me)
             self.shards = []  # the host copies can go now
             if coord.me == self.leader:
                 coord.gather("written")
                 _commit(store, staging, self.final, coord, self.leader, self.entries, index, files, self.options)
-                committed = True  # from here on nothing may delete it
+                hands_off = True  # committed
                 coord.publish("committed")
             else:
                 store.write(_index_file(coord.me), [_index_to_json(index, files)]).result()
                 coord.gather("written")
+                # Everyone has written: the staging area is the leader's to commit or remove. On
+                # an object store it is the final prefix, which a late removal here could empty
+                # under a manifest the leader already wrote.
+                hands_off = True
                 coord.receive("committed", self.leader)
         except BaseException as error:
-            if committed:
-                coord.report_failure(error)
-            else:
+            if not hands_off:
                 self.abandon(error)
+            else:
+                coord.report_failure(error)
+                if coord.me != self.leader and coord.abandoned(self.leader):
+                    self.abandon(error)  # the leader gave up uncommitted: remove what we wrote since
+            _explain(coord, error)
             raise
         finally:
             self.close()
@@ -208,7 +221,7 @@ class _Job:
         write, so whichever removal comes last leaves nothing behind. A process writing
         through the io_device relay has nothing of its own to remove.
         """
-        self.coord.report_failure(error)
+        self.coord.report_failure(error, abandoned=True)
         self.close()
         if self.staging is not None and not isinstance(self.store, relay.RelayStore):
             storage.remove(self.staging)
@@ -339,14 +352,13 @@ def _commit(
 
 
 def _check_covered(leaf: LeafEntry) -> None:
-    """Guards against committing a leaf some process failed to write a piece of."""
+    """Guards against committing a leaf whose merged pieces miss or repeat a block."""
     if leaf.kind != "array":
         return
-    covered = sum(math.prod(b - a for a, b in p.slice) for p in leaf.pieces)
-    if covered != math.prod(leaf.shape):
+    problem = tiling_problem(leaf.shape, [p.slice for p in leaf.pieces])
+    if problem:
         raise CheckpointError(
-            f"Leaf {leaf.key!r}: the processes wrote pieces covering {covered} of "
-            f"{math.prod(leaf.shape)} elements; refusing to commit an incomplete checkpoint. "
+            f"Leaf {leaf.key!r}: {problem}; refusing to commit an inconsistent checkpoint. "
             "Are all processes saving the same tree?",
             key=leaf.key,
         )

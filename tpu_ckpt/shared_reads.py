@@ -48,7 +48,7 @@ class StoreReads:
 
     def _read(self, r: read_plan.Read) -> concurrent.futures.Future:
         check = functools.partial(read_plan.check_crcs, self.store.location.child(r.file), r)
-        return self.store.read(r.file, r.start, [p.length for _, p in r.pieces], then=check)
+        return self.store.read(r.file, r.start, r.lengths(), then=check)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,9 +99,13 @@ class SharedReads(StoreReads):
         mine = {pid: pieces[pid] for pid, reader in the_plan.readers.items() if reader == coord.me}
         self._cache = _ReadOnce(store, mine, the_plan.needers)
         self._server = relay.RelayServer(store, distributed.relay_host(), coord.timeout, shared=self._cache.take)
-        self._contacts = coord.gather("serve", self._server.contact())
         self._peers: dict[int, relay.RelayStore] = {}
         self._lock = threading.Lock()
+        try:
+            self._contacts = coord.gather("serve", self._server.contact())
+        except BaseException:
+            self._server.close()
+            raise
 
     def start(self, needed: Iterable[tuple[str, PieceEntry]]) -> Reads:
         own, shared = [], []

@@ -297,8 +297,12 @@ class Store:
         return out
 
     def _read_mapped(self, name: str, start: int, lengths: Sequence[int]) -> list[np.ndarray]:
-        """Views of the file's pages in the page cache: no allocation, no copy (see ``_can_map``)."""
+        """Views of the file's pages in the page cache: no allocation, no copy (see ``_can_map``).
+        Falls back to reading when the file cannot be mapped (e.g. out of file descriptors:
+        each mapping holds one for as long as arrays use it)."""
         data = self._mapping(name)
+        if data is None:
+            return self._read_local(name, start, lengths)
         stop = start + sum(lengths)
         if data.size < stop:
             path = os.path.join(self._root, name)
@@ -309,8 +313,8 @@ class Store:
             offset += n
         return out
 
-    def _mapping(self, name: str) -> np.ndarray:
-        """The whole file, mapped copy-on-write once per Store."""
+    def _mapping(self, name: str) -> np.ndarray | None:
+        """The whole file, mapped copy-on-write once per Store; None if it cannot be mapped."""
         with self._maps_lock:
             if name not in self._maps:
                 path = os.path.join(self._root, name)
@@ -318,9 +322,13 @@ class Store:
                     fd = os.open(path, os.O_RDONLY)
                 except FileNotFoundError:
                     raise CorruptCheckpointError(f"data file {path} is missing", file=path) from None
+                except OSError:
+                    return None
                 try:
                     size = os.fstat(fd).st_size
                     mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else b""
+                except (OSError, ValueError):
+                    return None
                 finally:
                     os.close(fd)
                 self._maps[name] = np.frombuffer(mapped, np.uint8)

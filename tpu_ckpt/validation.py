@@ -54,6 +54,23 @@ def validate_shards(
     _Validator(description, shardable_tensors, max_grid_cells).run(shards)
 
 
+def tiling_problem(shape: Sequence[int], slices: Sequence[SliceSpec]) -> str | None:
+    """Why ``slices`` do not cover an array of ``shape`` exactly once, or None when they do.
+
+    The last check before a commit: each process validated its own pieces, but only the
+    merged pieces of all processes show a block written twice or by nobody.
+    """
+    if len(set(slices)) != len(slices):
+        return "a block was written by more than one process"
+    full = tuple((0, int(n)) for n in shape)
+    overlap, missing = _cover(full, list(slices), _MAX_GRID_CELLS)
+    if overlap is not None:
+        return f"blocks {overlap[0]} and {overlap[1]} overlap"
+    if missing:
+        return "part of it was written by no process"
+    return None
+
+
 class _Validator:
     """One validation: the leaves the pieces describe, and the output slices filed under each piece."""
 

@@ -156,14 +156,13 @@ class _Mismatch(Exception):
 
 
 def _check_crcs(read: read_plan.Read, chunks: list[np.ndarray]) -> None:
-    bad = [(key, p) for (key, p), chunk in zip(read.pieces, chunks) if crc32c(chunk) != p.crc32c]
+    bad = [(key, p) for (key, p), chunk in zip(read.pieces, read.piece_chunks(chunks)) if crc32c(chunk) != p.crc32c]
     if bad:
         raise _Mismatch(bad)
 
 
 def _start(store: storage.Store, read: read_plan.Read) -> concurrent.futures.Future:
-    lengths = [p.length for _, p in read.pieces]
-    return store.read(read.file, read.start, lengths, then=functools.partial(_check_crcs, read))
+    return store.read(read.file, read.start, read.lengths(), then=functools.partial(_check_crcs, read))
 
 
 def _nbytes(read: read_plan.Read) -> int:
