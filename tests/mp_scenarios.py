@@ -19,7 +19,7 @@ BIG = np.arange(2 << 20, dtype=np.float32).reshape(1024, 2048)  # 8 MiB: big eno
 
 def _global_array(mesh: jax.sharding.Mesh, spec: P, value: np.ndarray = GLOBAL) -> jax.Array:
     sharding = NamedSharding(mesh, spec)
-    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index], dtype=value.dtype)
 
 
 def _local_shards_match(array: jax.Array, value: np.ndarray) -> bool:
@@ -30,7 +30,11 @@ def save_and_restore_across_meshes(directory: str) -> dict:
     """Save on a (4,2) mesh; restore on a mesh whose devices are reversed, so each process
     needs pieces the other one wrote."""
     mesh = jax.make_mesh((4, 2), ("data", "model"))
+    zero_mesh = jax.sharding.Mesh(np.array([d for d in jax.devices() if d.process_index == 0]), ("x",))
     tree = {
+        # Only on process 0's devices, and first in flatten order: every process must still
+        # make the same write-balance choices for the replicated leaves after it.
+        "a_on_zero": _global_array(zero_mesh, P("x"), np.arange(1 << 18, dtype=np.float32)),
         "w": _global_array(mesh, P("data", "model")),
         "replicated": _global_array(mesh, P(), np.arange(6, dtype=np.int32)),
         "big_replicated": _global_array(mesh, P(), BIG),
@@ -46,6 +50,7 @@ def save_and_restore_across_meshes(directory: str) -> dict:
         "w": jax.ShapeDtypeStruct(GLOBAL.shape, GLOBAL.dtype, sharding=NamedSharding(reversed_mesh, P("model", "data"))),
         "replicated": jax.ShapeDtypeStruct((6,), np.int32, sharding=NamedSharding(reversed_mesh, P())),
         "big_replicated": jax.ShapeDtypeStruct(BIG.shape, BIG.dtype, sharding=NamedSharding(reversed_mesh, P("data"))),
+        "a_on_zero": jax.ShapeDtypeStruct((1 << 18,), np.float32, sharding=NamedSharding(reversed_mesh, P())),
         "step": 0,
     }
     before = {s.device.id for s in tree["w"].addressable_shards}
@@ -61,7 +66,8 @@ def save_and_restore_across_meshes(directory: str) -> dict:
         "files": files,
         "w_ok": _local_shards_match(restored["w"], GLOBAL),
         "replicated_ok": _local_shards_match(restored["replicated"], np.arange(6, dtype=np.int32)),
-        "big_ok": _local_shards_match(restored["big_replicated"], BIG),
+        "big_ok": _local_shards_match(restored["big_replicated"], BIG)
+        and _local_shards_match(restored["a_on_zero"], np.arange(1 << 18, dtype=np.float32)),
         "step": restored["step"],
         "numpy_ok": bool(np.array_equal(everything["w"], GLOBAL)),
         "needs_other_process_pieces": _needs_pieces_of_other_processes(tree["w"], restored["w"]),

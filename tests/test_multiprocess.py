@@ -24,6 +24,7 @@ def test_two_processes_save_and_restore_across_meshes(tmp_path):
     w = helpers.leaf(tmp_path / "ckpt", "w")
     assert len(w["pieces"]) == 8 and {p["file"][:6] for p in w["pieces"]} == {"d00000", "d00001"}
     assert len(helpers.leaf(tmp_path / "ckpt", "replicated")["pieces"]) == 1  # written once across the job
+    assert {p["file"][:6] for p in helpers.leaf(tmp_path / "ckpt", "a_on_zero")["pieces"]} == {"d00000"}
     # A big block both processes hold is split between them: each writes half of it.
     big = helpers.leaf(tmp_path / "ckpt", "big_replicated")["pieces"]
     assert sorted((p["file"][:6], p["slice"]) for p in big) == [
