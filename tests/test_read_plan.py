@@ -45,3 +45,31 @@ def test_reads_are_capped_in_size():
 
 def test_empty_pieces_need_no_read():
     assert read_plan.coalesce([("k", piece(((0, 0),), length=0))]) == []
+
+
+def test_overlapping_matches_a_scan_of_every_piece():
+    """The first-axis index returns exactly the pieces a full scan finds: grids, slabs cut
+    along other axes (extents repeat), nested extents, zero-size pieces."""
+    import random
+
+    rng = random.Random(0)
+    for case in range(300):
+        rows, cols = rng.randint(1, 12), rng.randint(1, 12)
+        if case % 3 == 0:  # a regular grid
+            rs, cs = sorted(rng.sample(range(1, 40), rows - 1)), sorted(rng.sample(range(1, 40), cols - 1))
+            row_cuts, col_cuts = list(zip([0, *rs], [*rs, 40])), list(zip([0, *cs], [*cs, 40]))
+            slices = [(r, c) for r in row_cuts for c in col_cuts]
+        else:  # arbitrary boxes, overlapping extents included
+            slices = []
+            for _ in range(rng.randint(1, 30)):
+                a, b = sorted(rng.sample(range(41), 2)) if rng.random() > 0.1 else (7, 7)
+                c, d = sorted(rng.sample(range(41), 2))
+                slices.append(((a, b), (c, d)))
+        pieces = tuple(piece(s, offset=i * 64) for i, s in enumerate(dict.fromkeys(slices)))
+        leaf = LeafEntry("w", [], "array", (40, 40), "float32", pieces=pieces)
+        for _ in range(20):
+            a, b = sorted(rng.sample(range(41), 2))
+            c, d = sorted(rng.sample(range(41), 2))
+            want = ((a, b), (c, d))
+            scan = [p for p in pieces if read_plan.intersect(p.slice, want) is not None]
+            assert sorted(read_plan.overlapping(leaf, want), key=lambda p: p.offset) == sorted(scan, key=lambda p: p.offset)

@@ -118,6 +118,28 @@ class LeafEntry:
         """The pieces by their slice (a restore onto the saved sharding looks them up here)."""
         return {p.slice: p for p in self.pieces}
 
+    @functools.cached_property
+    def rows(self) -> PieceRows:
+        """The pieces grouped by their extent along the first axis (see ``read_plan.overlapping``)."""
+        groups: dict[tuple[int, int], list[PieceEntry]] = {}
+        for piece in self.pieces:
+            if piece.slice:
+                groups.setdefault(piece.slice[0], []).append(piece)
+        extents = sorted(groups)
+        disjoint = all(a[1] <= b[0] for a, b in zip(extents, extents[1:]))
+        return PieceRows([a for a, _ in extents], [b for _, b in extents], [groups[e] for e in extents], disjoint)
+
+
+@dataclasses.dataclass(frozen=True)
+class PieceRows:
+    """A leaf's pieces grouped by first-axis extent, sorted by start: a lookup touches the
+    groups that can overlap, not every piece (a pod's leaf has hundreds)."""
+
+    starts: list[int]
+    stops: list[int]
+    groups: list[list[PieceEntry]]
+    disjoint: bool  # no two extents overlap, so ``stops`` is sorted too
+
 
 @dataclasses.dataclass(frozen=True)
 class Manifest:

@@ -8,6 +8,7 @@ buffer per piece, so each piece stays aligned for a zero-copy transfer to its de
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
@@ -75,7 +76,12 @@ def overlapping(leaf: LeafEntry, want: SliceSpec) -> list[PieceEntry]:
     exact = leaf.piece_at.get(want)
     if exact is not None:
         return [exact]
-    return [p for p in leaf.pieces if intersect(p.slice, want) is not None]
+    rows, (lo, hi) = leaf.rows, want[0]
+    last = bisect.bisect_left(rows.starts, hi)  # groups starting before ``want`` ends
+    first = bisect.bisect_right(rows.stops, lo) if rows.disjoint else 0  # ...and ending after it starts
+    return [
+        p for group in rows.groups[first:last] for p in group if intersect(p.slice, want) is not None
+    ]
 
 
 def relative(region: SliceSpec, within: SliceSpec) -> tuple[slice, ...]:
