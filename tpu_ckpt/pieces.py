@@ -154,8 +154,10 @@ def array_pieces(
     mine = _my_blocks(leaf, process_index, balance or WriteBalance()) if spans_processes else None
     pieces, done = [], set()
     for shard in leaf.addressable_shards:
+        if mine is None and shard.replica_id != 0:
+            continue  # a replica: replica 0 is written
         region = index_to_slice(shard.index, shape)
-        if region in done or (shard.replica_id != 0 if mine is None else region not in mine):
+        if region in done or (mine is not None and region not in mine):
             continue
         done.add(region)
         part = region if mine is None else mine[region]
