@@ -228,6 +228,7 @@ class RelayStore:
             ) from e
         for conn in opened:
             self._connections.put(conn)
+        self._opened = opened  # closed at close() even if a caller still has one checked out
         self._pool = storage.IOPool(connections)
 
     def __enter__(self) -> RelayStore:
@@ -238,8 +239,8 @@ class RelayStore:
 
     def close(self) -> None:
         self._pool.shutdown()
-        while not self._connections.empty():
-            self._connections.get().close()
+        for conn in self._opened:
+            conn.close()
 
     def write(self, name: str, buffers: Sequence[Any]) -> concurrent.futures.Future:
         views = [memoryview(b).cast("B") for b in buffers]
