@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test test-fast bench lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The inner loop: pure and single-process tests, no emulators, notebooks or process groups.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not multiprocess and not emulator and not notebook"
 
 bench: $(STAMP)
 	$(PY) scripts/benchmark.py

@@ -47,3 +47,19 @@ def read_chars() -> int:
             if line.startswith("rchar:"):
                 return int(line.split()[1])
     raise RuntimeError("no rchar in /proc/self/io")
+
+
+def sealed(doc: dict) -> bytes:
+    """A manifest document as tpu_ckpt writes it: compact JSON ending in its own crc32c.
+
+    Tests that hand-edit a manifest re-seal it, so that what they test is the edit, not the
+    checksum (which would refuse any edit)."""
+    from tpu_ckpt.format import seal
+
+    body = {k: v for k, v in doc.items() if k != "manifest_crc32c"}
+    return seal(json.dumps(body, separators=(",", ":")).encode())
+
+
+def write_manifest(path: str, doc: dict) -> None:
+    with open(os.path.join(path, "manifest.json"), "wb") as f:
+        f.write(sealed(doc))

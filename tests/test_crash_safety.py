@@ -36,6 +36,8 @@ import pytest
 
 import tpu_ckpt as tc
 
+pytestmark = [pytest.mark.slow]
+
 WORKER = os.path.join(os.path.dirname(__file__), "crash_worker.py")
 MARKER_TIMEOUT = 120.0  # seconds: worker start-up plus two 512 MB saves on a slow shared disk
 

@@ -5,8 +5,11 @@ import subprocess
 import sys
 
 import jax
+import pytest
 
 import tpu_ckpt as tc
+
+pytestmark = [pytest.mark.notebook, pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -5,9 +5,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tpu_ckpt.read_plan import MAX_READ_BYTES
 from tpu_ckpt.restore import READ_BATCH_BYTES
 from tpu_ckpt.save import MAX_WRITES_IN_FLIGHT
+
+pytestmark = [pytest.mark.slow]
 
 SLACK = 96 << 20  # interpreter, allocator and page-table noise
 

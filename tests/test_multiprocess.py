@@ -3,9 +3,12 @@
 import os
 
 import numpy as np
+import pytest
 
 import tpu_ckpt as tc
 from tests import helpers, mp_scenarios, multiprocess
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
 def test_two_processes_save_and_restore_across_meshes(tmp_path):

@@ -6,6 +6,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+pytestmark = [pytest.mark.notebook, pytest.mark.slow]
+
 COLAB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "colab")
 NOTEBOOKS = sorted(name for name in os.listdir(COLAB) if name.endswith(".ipynb"))
 

@@ -18,6 +18,8 @@ from jax.sharding import PartitionSpec as P
 import tpu_ckpt as tc
 from tests.helpers import bits
 
+pytestmark = [pytest.mark.emulator]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -39,7 +39,11 @@ import subprocess
 import sys
 import tokenize
 
+import pytest
+
 from tests import multiprocess
+
+pytestmark = [pytest.mark.notebook, pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")

@@ -9,11 +9,14 @@ import pytest
 import tpu_ckpt as tc
 from tpu_ckpt import relay, storage
 
+SERVES = {"d.bin": 1 << 20, "short.bin": 10, "nope.safetensors": 4, "absent.json": None}
+ACCEPTS = {"d.bin", "short.bin", "still.bin", "taken", "after", "x.bin"}.__contains__
+
 
 @pytest.fixture
 def served(tmp_path):
-    store = storage.Store(storage.Location(str(tmp_path / "ckpt")))
-    server = relay.RelayServer(store, "127.0.0.1", timeout=10)
+    store = storage.open_staging(storage.Location(str(tmp_path / "ckpt")))
+    server = relay.RelayServer(store, "127.0.0.1", timeout=10, peers=1, serves=SERVES, accepts=ACCEPTS)
     client = relay.RelayStore(storage.Location("ckpt"), server.contact(), timeout=10, server_process=0)
     yield tmp_path / "ckpt", client, server.address
     client.close()
@@ -55,8 +58,8 @@ def test_a_connection_without_the_secret_is_dropped(served):
 
 
 def test_a_closed_server_is_a_checkpoint_error_not_a_hang(tmp_path):
-    store = storage.Store(storage.Location(str(tmp_path / "ckpt")))
-    server = relay.RelayServer(store, "127.0.0.1", timeout=5)
+    store = storage.open_staging(storage.Location(str(tmp_path / "ckpt")))
+    server = relay.RelayServer(store, "127.0.0.1", timeout=5, peers=1, accepts=ACCEPTS)
     client = relay.RelayStore(storage.Location("ckpt"), server.contact(), timeout=5, server_process=3)
     server.close()
     with pytest.raises(tc.CheckpointError, match="Lost the connection to process 3"):
@@ -68,14 +71,14 @@ def test_a_closed_server_is_a_checkpoint_error_not_a_hang(tmp_path):
 def test_a_connection_that_failed_mid_answer_is_never_reused(tmp_path):
     """A request that timed out leaves its answer in flight; the next request on that
     connection must fail, not read the old answer as its own."""
-    store = storage.Store(storage.Location(str(tmp_path / "ckpt")))
+    store = storage.open_staging(storage.Location(str(tmp_path / "ckpt")))
     store.write("f", [b"ffff"]).result()
 
     def slow_piece(name, offset, requester):
         time.sleep(1.0)
         return store.read(name, offset, [4])
 
-    server = relay.RelayServer(store, "127.0.0.1", timeout=10, shared=slow_piece)
+    server = relay.RelayServer(store, "127.0.0.1", timeout=10, peers=1, serves={"f": 4}, shared=slow_piece)
     client = relay.RelayStore(storage.Location("ckpt"), server.contact(), timeout=0.3, server_process=1, connections=1)
     with pytest.raises(relay.RelayConnectionError, match="Lost the connection to process 1"):
         client.shared_piece("f", 0, 4, requester=0, then=lambda chunks: None).result()
@@ -88,12 +91,14 @@ def test_a_connection_that_failed_mid_answer_is_never_reused(tmp_path):
 
 
 def test_a_queued_write_outlasts_the_timeout_while_the_server_says_it_is_queued(tmp_path):
-    store = storage.Store(storage.Location(str(tmp_path / "ckpt")))
-    server = relay.RelayServer(store, "127.0.0.1", timeout=10, write_slots=1, heartbeat=0.1)
+    store = storage.open_staging(storage.Location(str(tmp_path / "ckpt")))
+    server = relay.RelayServer(
+        store, "127.0.0.1", timeout=10, peers=1, accepts={"first", "second"}.__contains__, write_slots=1, heartbeat=0.1
+    )
     host, port = server.address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as hog:  # holds the only slot for 1.5 s
         relay._send(hog, {"secret": server.secret})
-        assert relay._receive(hog)[0] == {"ok": True}
+        assert relay._receive(hog)[0]["ok"]
         relay._send_header(hog, {"op": "write", "name": "first"}, 3)
         assert relay._receive(hog)[0] == {"go": True}
         client = relay.RelayStore(storage.Location("ckpt"), server.contact(), timeout=0.5, server_process=0)
@@ -113,8 +118,148 @@ def test_a_queued_write_outlasts_the_timeout_while_the_server_says_it_is_queued(
 def test_a_storage_error_on_the_server_names_the_file(served):
     root, client, _ = served
     (root / "taken").mkdir(parents=True)
-    with pytest.raises(tc.CheckpointError, match="IsADirectoryError") as e:
+    with pytest.raises(tc.CheckpointError, match="Is a directory") as e:
         client.write("taken", [b"x"]).result()
     assert e.value.file.endswith("taken")
     client.write("after", [b"ok"]).result()  # the connection is still in step
     assert (root / "after").read_bytes() == b"ok"
+
+
+@pytest.fixture
+def server(tmp_path):
+    store = storage.open_staging(storage.Location(str(tmp_path / "ckpt")))
+    server = relay.RelayServer(store, "127.0.0.1", timeout=10, peers=1, serves=SERVES, accepts=ACCEPTS)
+    yield server
+    server.close()
+    store.close()
+
+
+def _connect(server, hello=True):
+    host, port = server.address.rsplit(":", 1)
+    conn = socket.create_connection((host, int(port)), timeout=5)
+    if hello:
+        relay._send(conn, {"secret": server.secret})
+        assert relay._receive(conn)[0]["ok"]
+    return conn
+
+
+def _refusal(conn):
+    answer = relay._receive(conn)[0]
+    assert answer["error"]["type"] == "RelayRequestError", answer
+    return answer["error"]["message"]
+
+
+def _eventually(condition):
+    """Waits for what the server does on its own threads (the deadline only stops a hang)."""
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("name", ["../x", "/etc/passwd", "ABSOLUTE", "d.bin/../../x", "other.bin"])
+def test_a_peer_reads_only_the_files_its_operation_serves(served, tmp_path, name):
+    root, client, _ = served
+    (tmp_path / "x").write_bytes(b"outside")
+    name = str(tmp_path / "x") if name == "ABSOLUTE" else name
+    with pytest.raises(relay.RelayRequestError, match="does not serve") as e:
+        client.read_file(name)
+    assert e.value.file.endswith(name)
+    with pytest.raises(relay.RelayRequestError, match="does not serve"):
+        client.read(name, 0, [7]).result()
+    client.write("d.bin", [b"abc"]).result()  # the connections are still in step
+    assert client.read("d.bin", 0, [3]).result()[0].tobytes() == b"abc"
+
+
+@pytest.mark.parametrize("name", ["../y", "ABSOLUTE", "sub/../../y", "", ".", "manifest.json", "index-00000.json"])
+def test_a_peer_writes_only_plain_names_its_operation_accepts(tmp_path, name):
+    store = storage.open_staging(storage.Location(str(tmp_path / "ckpt")))
+    anything = relay.RelayServer(store, "127.0.0.1", timeout=10, peers=1, accepts=lambda n: "json" not in n)
+    client = relay.RelayStore(storage.Location("ckpt"), anything.contact(), timeout=10, server_process=0, connections=1)
+    name = str(tmp_path / "y") if name == "ABSOLUTE" else name
+    with pytest.raises(relay.RelayRequestError, match="does not accept") as e:
+        client.write(name, [b"evil"]).result()
+    assert e.value.file.endswith(name)
+    assert [p.name for p in tmp_path.rglob("*")] == ["ckpt"]  # nothing was written anywhere
+    client.write("fine.bin", [b"ok"]).result()  # refused before its bytes were sent: still in step
+    assert (tmp_path / "ckpt" / "fine.bin").read_bytes() == b"ok"
+    client.close()
+    anything.close()
+    store.close()
+
+
+def test_a_huge_message_length_is_refused_and_the_connection_dropped(server):
+    with _connect(server) as conn:
+        conn.sendall(relay._HEADER.pack(2**60, 0))
+        assert f"{2**60}-byte message" in _refusal(conn)
+        assert conn.recv(1) == b""
+    with _connect(server) as conn:  # a read request followed by bytes it should not have
+        relay._send_header(conn, {"op": "read_file", "name": "absent.json"}, 2**60)
+        assert "followed by" in _refusal(conn)
+        assert conn.recv(1) == b""
+    with _connect(server) as conn:  # the server is still serving
+        relay._send(conn, {"op": "read_file", "name": "absent.json"})
+        assert relay._receive(conn)[0] == {"ok": True, "missing": True}
+
+
+@pytest.mark.parametrize("request_", [
+    {"op": "write", "name": "d.bin", "size": 2**60},
+    {"op": "read", "name": "d.bin", "start": 0, "lengths": [2**60]},
+    {"op": "read", "name": "d.bin", "start": 2**60, "lengths": [1]},
+    {"op": "read", "name": "d.bin", "start": 0, "lengths": [1 << 19, 1 << 19, 1]},  # past the file's size
+    {"op": "read", "name": "d.bin", "start": 0, "lengths": [1] * (relay.MAX_RANGES + 1)},
+    {"op": "read", "name": "d.bin", "start": -1, "lengths": [1]},
+    {"op": "read", "name": "d.bin", "start": 0, "lengths": "1"},
+    {"op": "read", "name": "absent.json", "start": 0, "lengths": [1]},  # served whole only
+    {"op": "piece", "name": "d.bin", "offset": 0, "process": 0},  # no load_and_broadcast here
+    {"op": "delete", "name": "d.bin"},
+])
+def test_a_request_beyond_the_bounds_is_refused_before_any_allocation(server, request_):
+    with _connect(server) as conn:
+        request = dict(request_)
+        relay._send_header(conn, request, request.pop("size", 0))
+        _refusal(conn)
+        relay._send(conn, {"op": "read_file", "name": "absent.json"})  # still in step
+        assert relay._receive(conn)[0] == {"ok": True, "missing": True}
+
+
+def test_connections_beyond_the_cap_are_refused_until_one_ends(tmp_path):
+    store = storage.open_staging(storage.Location(str(tmp_path / "ckpt")))
+    server = relay.RelayServer(store, "127.0.0.1", timeout=10, peers=0)  # room for one client's connections
+    conns = [_connect(server) for _ in range(relay.CONNECTIONS_PER_CLIENT)]
+    with _connect(server, hello=False) as extra:
+        assert f"at most {relay.CONNECTIONS_PER_CLIENT}" in _refusal(extra)
+        assert extra.recv(1) == b""
+    conns.pop().close()
+    _eventually(lambda: len(server._handlers) < relay.CONNECTIONS_PER_CLIENT)
+    conns.append(_connect(server))  # room again
+    for conn in conns:
+        conn.close()
+    _eventually(lambda: not server._handlers)
+    server.close()
+    store.close()
+
+
+def test_an_idle_connection_is_closed_and_its_handler_ends(tmp_path):
+    store = storage.open_staging(storage.Location(str(tmp_path / "ckpt")))
+    server = relay.RelayServer(store, "127.0.0.1", timeout=10, peers=1, idle_timeout=0.2)
+    with _connect(server) as idle, _connect(server, hello=False) as silent:
+        assert idle.recv(1) == b""  # the server closed it (our own timeout would raise)
+        assert silent.recv(1) == b""  # one that never said hello, too
+    _eventually(lambda: not server._handlers)
+    server.close()
+    store.close()
+
+
+def test_a_client_replaces_a_connection_before_the_server_closes_it_idle(tmp_path):
+    store = storage.open_staging(storage.Location(str(tmp_path / "ckpt")))
+    server = relay.RelayServer(store, "127.0.0.1", timeout=10, peers=1, accepts=ACCEPTS, idle_timeout=0.4)
+    client = relay.RelayStore(storage.Location("ckpt"), server.contact(), timeout=10, server_process=0, connections=1)
+    client.write("x.bin", [b"1"]).result()
+    time.sleep(1.0)  # idle past the server's timeout: it has closed the connection
+    client.write("x.bin", [b"2"]).result()
+    assert (tmp_path / "ckpt" / "x.bin").read_bytes() == b"2"
+    assert len(client._opened) == 2  # on a new connection
+    client.close()
+    server.close()
+    store.close()

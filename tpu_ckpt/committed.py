@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from tpu_ckpt import storage
+from tpu_ckpt.decode import decode_manifest
 from tpu_ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UncommittedCheckpointError
 from tpu_ckpt.format import MANIFEST_FILE, Manifest, crc32c
 
@@ -25,7 +26,7 @@ def read_manifest(loc: storage.Location) -> Manifest:
             "interrupted or failed, so it is not restorable. Restore an earlier checkpoint.",
             file=loc.url,
         )
-    manifest = Manifest.from_json(data, where=loc.child(MANIFEST_FILE))
+    manifest = decode_manifest(data, where=loc.child(MANIFEST_FILE))
     if manifest.source is not None:
         _check_link(loc, manifest.source)
     return manifest

@@ -117,13 +117,20 @@ def _link(src: storage.Location, dst: storage.Location, subtree: str) -> str:
     if not (src.is_local and dst.is_local):
         raise ValueError("link=True works between local directories only")
     manifest = read_manifest(src)
+    if manifest.source is not None:
+        raise ValueError(f"{src.url} is itself a linked checkpoint; link to its source instead")
     prefix = subtree.strip("/")
     depth = len(prefix.split("/")) if prefix else 0
     leaves = _subtree_leaves(manifest, prefix, src.url)
     if not storage.is_empty(dst):
         raise CheckpointExistsError(f"{dst.url} already exists and is not empty; choose a new path", file=dst.url)
-    relative = os.path.relpath(os.path.abspath(src.local_path), os.path.dirname(os.path.abspath(dst.local_path)))
-    source_dir = os.path.join("..", relative)  # files are resolved from inside dst
+    src_dir, dst_dir = (os.path.abspath(loc.local_path.rstrip("/")) for loc in (src, dst))
+    if os.path.dirname(src_dir) != os.path.dirname(dst_dir):
+        raise ValueError(
+            f"link=True needs {dst.url} beside {src.url} (in the same directory): a linked checkpoint "
+            "may only name files of a sibling, so it cannot reach outside its parent directory"
+        )
+    source_dir = "../" + os.path.basename(src_dir)  # files are resolved from inside dst
     renamed = {name: os.path.join(source_dir, name) for name in manifest.files}
     linked = [
         dataclasses.replace(
@@ -145,7 +152,7 @@ def _link(src: storage.Location, dst: storage.Location, subtree: str) -> str:
         source={"path": source_dir, "manifest_crc32c": source_crc},
     )
     staging = dst.staging(uuid.uuid4().hex[:12])
-    with storage.Store(staging) as store:
+    with storage.open_staging(staging) as store:
         store.write(MANIFEST_FILE, [doc.to_json()]).result()
     storage.commit(staging, dst)
     logger.info("tpu_ckpt: linked %s to %s (%d leaves, no data copied)", dst.url, src.url, len(linked))

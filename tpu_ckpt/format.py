@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import json
 import math
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,7 @@ if TYPE_CHECKING:  # annotations only: the format itself needs no JAX
     from tpu_ckpt.pieces import SliceSpec
 
 FORMAT_NAME = "tpu_ckpt"
-FORMAT_VERSION = "1.1"
+FORMAT_VERSION = "1.2"
 MANIFEST_FILE = "manifest.json"
 
 _ML_DTYPES = {
@@ -164,39 +165,7 @@ class Manifest:
         }
         if self.source is not None:
             doc["source"] = self.source
-        return json.dumps(doc, separators=(",", ":")).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes, *, where: str) -> Manifest:
-        try:
-            doc = json.loads(data)
-        except ValueError as e:
-            raise CorruptCheckpointError(f"{where}: manifest is not valid JSON ({e})", file=where) from None
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-            raise CorruptCheckpointError(f"{where}: not a tpu_ckpt manifest", file=where)
-        version = str(doc.get("format_version", ""))
-        ours, theirs = int(FORMAT_VERSION.split(".")[0]), _major(version, where)
-        if theirs > ours:
-            raise FormatVersionError(
-                f"{where} has format version {version}, newer than this tpu_ckpt reads "
-                f"({FORMAT_VERSION}); upgrade tpu_ckpt to restore it.",
-                file=where,
-            )
-        try:
-            files = {str(name): int(size) for name, size in doc["files"]}
-            names = list(files)
-            leaves = tuple(_leaf_from_json(d, names) for d in doc["leaves"])
-            source = doc.get("source")
-            return cls(leaves, files, int(doc["process_count"]), str(doc["sharding_callback"]), version, source)
-        except (KeyError, TypeError, ValueError, IndexError) as e:
-            raise CorruptCheckpointError(f"{where}: malformed manifest ({e!r})", file=where) from None
-
-
-def _major(version: str, where: str) -> int:
-    try:
-        return int(version.split(".")[0])
-    except ValueError:
-        raise CorruptCheckpointError(f"{where}: bad format_version {version!r}", file=where) from None
+        return seal(json.dumps(doc, separators=(",", ":")).encode())
 
 
 def _leaf_to_json(leaf: LeafEntry, file_index: dict[str, int]) -> dict[str, Any]:
@@ -214,18 +183,34 @@ def _leaf_to_json(leaf: LeafEntry, file_index: dict[str, int]) -> dict[str, Any]
     return doc
 
 
-def _leaf_from_json(doc: dict[str, Any], files: list[str]) -> LeafEntry:
-    path = [(str(kind), name) for kind, name in doc["path"]]
-    if doc["kind"] == "value":
-        return LeafEntry(doc["key"], path, "value", value=doc["value"])
-    pieces = tuple(
-        PieceEntry(tuple((int(a), int(b)) for a, b in spec), files[file], int(offset), int(length), int(crc))
-        for spec, file, offset, length, crc in doc["pieces"]
-    )
-    return LeafEntry(
-        doc["key"], path, "array", tuple(int(d) for d in doc["shape"]), doc["dtype"], bool(doc["is_slot"]),
-        doc.get("sharding"), pieces,
-    )
+_SEAL = re.compile(rb',"manifest_crc32c":(0|[1-9][0-9]{0,9})}\Z')
+
+
+def seal(body: bytes) -> bytes:
+    """A JSON object with its own crc32c appended as its last field, ``manifest_crc32c``.
+
+    The checksum covers every byte of the object as it would read without that field, so a
+    reader checks it before parsing anything, and the file stays plain JSON.
+    """
+    if not body.endswith(b"}"):
+        raise ValueError("seal() takes a serialized JSON object")
+    return body[:-1] + b',"manifest_crc32c":' + str(crc32c(body)).encode() + b"}"
+
+
+def unseal(data: bytes, *, where: str) -> tuple[bytes, bool]:
+    """The JSON object a sealed file holds, checked against its crc32c, and whether it was
+    sealed at all (manifests before format 1.2 were not)."""
+    found = _SEAL.search(data)
+    if found is None:
+        return data, False
+    body = data[: found.start()] + b"}"
+    if crc32c(body) != int(found.group(1)):
+        raise CorruptCheckpointError(
+            f"{where} does not match its manifest_crc32c: the manifest is damaged or was edited "
+            "(a hand edit must be re-sealed); restore another checkpoint.",
+            file=where,
+        )
+    return body, True
 
 
 ALIGNMENT = 64

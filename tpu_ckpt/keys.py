@@ -47,11 +47,14 @@ def flatten(tree: Any, *, keep_none: bool = False) -> tuple[list[tuple[str, list
     ``keep_none`` treats ``None`` as a leaf (saving records it); otherwise ``None`` is an
     empty subtree as everywhere in JAX (a target's ``None`` reads nothing).
 
-    Raises ValueError when a name contains ``/``, which would make the key ambiguous.
+    Raises ValueError when a name contains ``/``, or when two leaves get the same key (keys
+    are strings, so ``{1: a, "1": b}`` or ``{0.1: a, np.float32(0.1): b}`` would otherwise save
+    one leaf over the other and restore the survivor into both).
     """
     is_leaf: Callable[[Any], bool] | None = (lambda x: x is None) if keep_none else None
     with_path, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
     out = []
+    seen: dict[str, tuple[Any, ...]] = {}
     for path, leaf in with_path:
         entries = path_entries(path)
         for _, name in entries:
@@ -60,8 +63,27 @@ def flatten(tree: Any, *, keep_none: bool = False) -> tuple[list[tuple[str, list
                     f"Tree key {name!r} (in {jax.tree_util.keystr(path)}) contains '/', which "
                     "tpu_ckpt uses to join key paths; rename it."
                 )
-        out.append((join(entries), entries, leaf))
+        key = join(entries)
+        first = seen.setdefault(key, path)
+        if first is not path:
+            raise ValueError(
+                f"Tree paths {_describe_path(first)} and {_describe_path(path)} both become checkpoint "
+                f"key {key!r}, so one leaf would overwrite the other; rename one of them."
+            )
+        out.append((key, entries, leaf))
     return out, treedef
+
+
+def _describe_path(path: tuple[Any, ...]) -> str:
+    """A JAX key path with each dict key's type, since keys that differ only in type
+    (``1`` and ``'1'``, ``0.1`` and ``np.float32(0.1)``) are what make keys collide."""
+    parts = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            parts.append(f"[{k.key!r} ({type(k.key).__name__})]")
+        else:
+            parts.append(jax.tree_util.keystr((k,)))
+    return "".join(parts)
 
 
 def under(key: str, prefix: str) -> bool:

@@ -17,8 +17,9 @@ import re
 from collections import Counter
 
 from tpu_ckpt import storage
+from tpu_ckpt.decode import decode_manifest
 from tpu_ckpt.errors import CheckpointError, CheckpointNotFoundError
-from tpu_ckpt.format import MANIFEST_FILE, Manifest
+from tpu_ckpt.format import MANIFEST_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def _committed(loc: storage.Location, name: str, step: int | None, files: int) -
     with storage.Store(storage.Location(where), threads=1) as store:
         data = store.read_file(MANIFEST_FILE) or b""
     try:
-        manifest = Manifest.from_json(data, where=storage.Location(where).child(MANIFEST_FILE))
+        manifest = decode_manifest(data, where=storage.Location(where).child(MANIFEST_FILE))
     except CheckpointError as e:
         return Entry(name, step, True, files, None, mtime, str(e))
     own = sum(size for file, size in manifest.files.items() if not file.startswith(".."))

@@ -8,12 +8,15 @@ spellings with different values is an error rather than a silent precedence rule
 from __future__ import annotations
 
 import inspect
+import math
+import numbers
 import re
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from tpu_ckpt.pieces import ShardingCallback
 from tpu_ckpt.policies import ShardByDevicePolicy
@@ -26,7 +29,24 @@ _TF_ALIASES = {
     "experimental_skip_slot_variables": "skip_slot_variables",
     "experimental_sharding_callback": "sharding_callback",
 }
-_UNSET: Any = object()
+
+
+class _Default:
+    """The default of a field that has a TF alias: it must be told apart from the same value
+    passed explicitly (so that ``io_device=None, experimental_io_device=2`` is a conflict),
+    yet ``help(CheckpointOptions)`` should show the value it stands for."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+_NONE: Any = _Default(None)
+_FALSE: Any = _Default(False)
 _LOCALHOST = re.compile(r"^/job:localhost(/replica:0)?(/task:0)?(/device:[A-Za-z_]+:\d+)?$")
 _WORKER = re.compile(r"^/job:worker(/replica:\d+)?/task:(\d+)(/device:[A-Za-z_]+:\d+)?$")
 
@@ -48,13 +68,19 @@ class CheckpointOptions:
         that names the processes which did not arrive.
       load_and_broadcast: on a multi-process restore, read each piece several processes
         need once (on one of them) and send it to the others over TCP instead of having
-        each read it from storage (see ``shared_reads.py``). Ignored with ``io_device``,
-        where one process reads everything anyway.
+        each read it from storage (see ``shared_reads.py``). Refused together with
+        ``io_device``, where one process already reads everything once.
 
     TF spellings (``experimental_io_device``, ``experimental_write_callbacks``,
     ``experimental_skip_slot_variables``, ``experimental_sharding_callback``, and the
     deprecated ``experimental_enable_async_checkpoint``) are accepted as keywords and
     readable as attributes.
+
+    Flags must be ``bool`` (a numpy bool too): ``enable_async="no"`` is a ``TypeError``, not
+    ``True``. Options compare equal when their fields do (sharding callbacks: the same object,
+    or the same class, description and attributes), hash accordingly (so they are unhashable
+    when a write callback is), and survive ``copy``, ``deepcopy`` and serialisation by
+    ``__reduce__`` (the last when their callbacks serialise).
     """
 
     __slots__ = (
@@ -72,46 +98,51 @@ class CheckpointOptions:
 
     def __init__(
         self,
-        io_device: int | jax.Device | str | None = _UNSET,
-        enable_async: bool = _UNSET,
-        write_callbacks: Sequence[WriteCallback] | None = _UNSET,
-        skip_slot_variables: bool = _UNSET,
-        sharding_callback: ShardingCallback | None = _UNSET,
+        io_device: int | jax.Device | str | None = _NONE,
+        enable_async: bool = False,
+        write_callbacks: Sequence[WriteCallback] | None = _NONE,
+        skip_slot_variables: bool = _FALSE,
+        sharding_callback: ShardingCallback | None = _NONE,
         coordination_timeout: float = 300.0,
         load_and_broadcast: bool = False,
         *,
-        experimental_io_device: int | jax.Device | str | None = _UNSET,
-        experimental_enable_async_checkpoint: bool = _UNSET,
-        experimental_write_callbacks: Sequence[WriteCallback] | None = _UNSET,
-        experimental_skip_slot_variables: bool = _UNSET,
-        experimental_sharding_callback: ShardingCallback | None = _UNSET,
+        experimental_io_device: int | jax.Device | str | None = _NONE,
+        experimental_enable_async_checkpoint: bool = _FALSE,
+        experimental_write_callbacks: Sequence[WriteCallback] | None = _NONE,
+        experimental_skip_slot_variables: bool = _FALSE,
+        experimental_sharding_callback: ShardingCallback | None = _NONE,
     ):
-        given = {
-            "io_device": (io_device, experimental_io_device, None),
-            "write_callbacks": (write_callbacks, experimental_write_callbacks, None),
-            "skip_slot_variables": (skip_slot_variables, experimental_skip_slot_variables, False),
-            "sharding_callback": (sharding_callback, experimental_sharding_callback, None),
-        }
-        values = {name: _merge(name, new, old, default) for name, (new, old, default) in given.items()}
-        if experimental_enable_async_checkpoint is not _UNSET:
+        skip_slots = _merge(
+            "skip_slot_variables",
+            _check_flag("skip_slot_variables", skip_slot_variables),
+            _check_flag("experimental_skip_slot_variables", experimental_skip_slot_variables),
+        )
+        io = parse_io_device(_merge("io_device", io_device, experimental_io_device))
+        share = _check_flag("load_and_broadcast", load_and_broadcast)
+        if share and io is not None:
+            raise ValueError(
+                f"CheckpointOptions got load_and_broadcast=True with io_device={io}: with io_device, "
+                f"process {io} already reads every piece once and sends it on; drop load_and_broadcast."
+            )
+        deprecated_async = _check_flag("experimental_enable_async_checkpoint", experimental_enable_async_checkpoint)
+        if not isinstance(deprecated_async, _Default):
             warnings.warn(
                 "experimental_enable_async_checkpoint is deprecated; use enable_async instead.",
                 DeprecationWarning,
                 stacklevel=2,
             )
         # TF's rule: the deprecated flag OR enable_async.
-        async_flag = bool(
-            (experimental_enable_async_checkpoint if experimental_enable_async_checkpoint is not _UNSET else False)
-            or (enable_async if enable_async is not _UNSET else False)
-        )
+        async_flag = _check_flag("enable_async", enable_async) or deprecated_async is True
+        callbacks = _merge("write_callbacks", write_callbacks, experimental_write_callbacks)
+        policy = _merge("sharding_callback", sharding_callback, experimental_sharding_callback)
         set_ = object.__setattr__
-        set_(self, "io_device", parse_io_device(values["io_device"]))
+        set_(self, "io_device", io)
         set_(self, "enable_async", async_flag)
-        set_(self, "write_callbacks", _check_callbacks(values["write_callbacks"]))
-        set_(self, "skip_slot_variables", bool(values["skip_slot_variables"]))
-        set_(self, "sharding_callback", _check_sharding_callback(values["sharding_callback"]))
+        set_(self, "write_callbacks", _check_callbacks(callbacks))
+        set_(self, "skip_slot_variables", skip_slots)
+        set_(self, "sharding_callback", _check_sharding_callback(policy))
         set_(self, "coordination_timeout", _check_timeout(coordination_timeout))
-        set_(self, "load_and_broadcast", bool(load_and_broadcast))
+        set_(self, "load_and_broadcast", share)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"CheckpointOptions is immutable; build a new one (tried to set {name!r})")
@@ -135,6 +166,25 @@ class CheckpointOptions:
         fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__)
         return f"CheckpointOptions({fields})"
 
+    def __reduce__(self) -> tuple[type[CheckpointOptions], tuple[Any, ...]]:
+        # The immutable __setattr__ forbids the default slot-by-slot restore, so copies and
+        # unpickling go through the constructor (and its validation) instead.
+        return CheckpointOptions, tuple(getattr(self, name) for name in self.__slots__)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CheckpointOptions):
+            return NotImplemented
+        return self._plain_fields() == other._plain_fields() and _same_policy(
+            self.sharding_callback, other.sharding_callback
+        )
+
+    def __hash__(self) -> int:
+        policy = self.sharding_callback
+        return hash((self._plain_fields(), type(policy), policy.description))
+
+    def _plain_fields(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self.__slots__ if name != "sharding_callback")
+
 
 
 def io_process(options: CheckpointOptions, process_count: int) -> int | None:
@@ -154,14 +204,34 @@ def wants_path(callback: WriteCallback) -> bool:
     return _positional_capacity(callback)[1] >= 1
 
 
-def _merge(name: str, new: Any, old: Any, default: Any) -> Any:
-    if new is not _UNSET and old is not _UNSET and new is not old and new != old:
+def _merge(name: str, new: Any, old: Any) -> Any:
+    """One field from its two spellings; a default (``_Default``) counts as not given."""
+    if isinstance(new, _Default):
+        return old.value if isinstance(old, _Default) else old
+    if not isinstance(old, _Default) and new is not old and new != old:
         raise ValueError(
             f"CheckpointOptions got both {name}={new!r} and experimental_{name}={old!r}; pass only one."
         )
-    if new is not _UNSET:
-        return new
-    return default if old is _UNSET else old
+    return new
+
+
+def _check_flag(name: str, value: Any) -> Any:
+    """A flag as ``bool``, since truthiness would turn ``"false"`` into ``True``; a default
+    passes through unchanged, for :func:`_merge` to tell it from an explicit ``False``."""
+    if isinstance(value, _Default):
+        return value
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"CheckpointOptions {name} must be True or False, got {value!r} of type {type(value).__name__}.")
+    return bool(value)
+
+
+def _same_policy(a: ShardingCallback, b: ShardingCallback) -> bool:
+    """Built-in policies are plain configuration, so a copy or an equally built one is the
+    same policy; one keeping its configuration outside ``__dict__`` is left to its own ``==``."""
+    if a is b or a == b:
+        return True
+    config = getattr(a, "__dict__", None)
+    return type(a) is type(b) and a.description == b.description and config is not None and config == getattr(b, "__dict__", None)
 
 
 def parse_io_device(value: Any) -> int | None:
@@ -231,6 +301,8 @@ def _check_sharding_callback(callback: Any) -> ShardingCallback:
 
 
 def _check_timeout(timeout: Any) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"coordination_timeout must be a positive number of seconds, got {timeout!r}")
+    if isinstance(timeout, (bool, np.bool_)) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"coordination_timeout must be a number of seconds, got {timeout!r} of type {type(timeout).__name__}")
+    if not (timeout > 0 and math.isfinite(timeout)):
+        raise ValueError(f"coordination_timeout must be a positive, finite number of seconds, got {timeout!r}")
     return float(timeout)

@@ -20,8 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-SliceSpec = tuple[tuple[int, int], ...]
-"""Where a piece sits in its global array: one ``(start, stop)`` pair per dimension."""
+from tpu_ckpt.slices import SliceSpec
 
 Shard = dict[str, dict[SliceSpec, Any]]
 """One data file: ``{checkpoint_key: {slice_spec: array}}``."""

@@ -5,9 +5,10 @@ addressable-device index of the target sharding, or the whole array for numpy), 
 pieces that overlap them (each at most once, adjacent ones coalesced, every one crc-checked),
 assemble host buffers and place them on the target devices. Resharding to another mesh,
 device count or to numpy is the same code path. Reads go in batches of about
-``READ_BATCH_BYTES`` so host memory stays at the target's bytes plus one batch. Local data
-files are mapped, not read (``storage.Store(map_files=True)``): a piece a device holds whole
-goes to JAX as the file's own pages, with no allocation and no copy on CPU.
+``READ_BATCH_BYTES`` so host memory stays at the target's bytes plus one batch. Pieces are
+read into fresh aligned arrays (never mapped: a restored array must not follow later edits
+of its file); a piece a device holds whole goes to JAX as that array, with no further copy
+on CPU.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import numpy as np
 
 from tpu_ckpt import distributed, keys, read_plan, relay, shared_reads, storage
 from tpu_ckpt.committed import read_manifest
+from tpu_ckpt.decode import decode_manifest
 from tpu_ckpt.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -158,14 +160,14 @@ def _open(
     io = io_process(options, count)
     if count == 1 or (io is None and not options.load_and_broadcast):
         manifest = read_manifest(loc)
-        with storage.Store(loc, map_files=True) as store:
+        with storage.Store(loc) as store:
             yield store, manifest, None
         return
     coord = distributed.Coordinator(f"restore {loc.url}", options.coordination_timeout)
     try:
         if io is None:
             manifest = read_manifest(loc)
-            with storage.Store(loc, map_files=True) as store:
+            with storage.Store(loc) as store:
                 yield store, manifest, coord
         elif coord.me == io:
             with _serve(loc, coord) as (store, manifest):
@@ -191,8 +193,11 @@ def _serve(loc: storage.Location, coord: distributed.Coordinator) -> Iterator[tu
     except CheckpointError as error:
         coord.publish("serve", "error " + json.dumps(relay.error_to_json(error)))
         raise
-    with storage.Store(loc, map_files=True) as store:
-        server = relay.RelayServer(store, distributed.relay_host(), coord.timeout)
+    with storage.Store(loc) as store:
+        server = relay.RelayServer(
+            store, distributed.relay_host(), coord.timeout, peers=coord.count - 1,
+            serves={MANIFEST_FILE: None, **manifest.files},
+        )
         try:
             coord.publish("serve", "ok " + server.contact())
             yield store, manifest
@@ -212,7 +217,7 @@ def _relayed(
         data = store.read_file(MANIFEST_FILE)
         if data is None:
             raise UncommittedCheckpointError(f"{loc.url} lost its {MANIFEST_FILE} during the restore", file=loc.url)
-        yield store, Manifest.from_json(data, where=loc.child(MANIFEST_FILE))
+        yield store, decode_manifest(data, where=loc.child(MANIFEST_FILE))
 
 
 def _restore_from(
@@ -255,7 +260,7 @@ def _piece_source(
     coord: distributed.Coordinator | None,
 ) -> Iterator[shared_reads.StoreReads]:
     """Storage, or with ``load_and_broadcast`` storage and the other processes."""
-    if coord is None or not options.load_and_broadcast or options.io_device is not None:
+    if coord is None or not options.load_and_broadcast:
         yield shared_reads.StoreReads(store)
         return
     wants = [w for w in wanted if isinstance(w, _Want)]

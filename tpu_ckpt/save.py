@@ -19,8 +19,10 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import os
+import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -31,6 +33,7 @@ import numpy as np
 
 from tpu_ckpt import distributed, keys, relay, storage
 from tpu_ckpt.background import WRITER, SaveResult
+from tpu_ckpt.decode import decode_manifest
 from tpu_ckpt.errors import CheckpointError, CheckpointExistsError
 from tpu_ckpt.format import (
     MANIFEST_FILE,
@@ -45,8 +48,9 @@ from tpu_ckpt.format import (
 from tpu_ckpt.gc_pause import gc_paused
 from tpu_ckpt.options import CheckpointOptions, io_process, wants_path
 from tpu_ckpt.pieces import Shard, ShardableTensor, WriteBalance, array_pieces, describe_sharding
+from tpu_ckpt.slices import tiling_problem
 from tpu_ckpt.slots import SlotPredicate, slot_keys
-from tpu_ckpt.validation import tiling_problem, validate_shards
+from tpu_ckpt.validation import validate_shards
 
 logger = logging.getLogger(__name__)
 
@@ -150,11 +154,19 @@ class _Job:
             )
         token = uuid.uuid4().hex[:12]
         self.staging = self.final.staging(token)
-        self.store = storage.Store(self.staging)
-        if relayed and coord.count > 1:
-            self.server = relay.RelayServer(self.store, distributed.relay_host(), timeout)
-            token = f"{token} {self.server.contact()}"
-        coord.publish("start", token)
+        self.store = storage.open_staging(self.staging)
+        try:
+            if relayed and coord.count > 1:
+                self.server = relay.RelayServer(
+                    self.store, distributed.relay_host(), timeout, peers=coord.count - 1,
+                    accepts=functools.partial(_sent_by_another, leader=self.leader, count=coord.count),
+                )
+                token = f"{token} {self.server.contact()}"
+            coord.publish("start", token)
+        except BaseException:
+            self.close()
+            storage.remove(self.staging)  # nobody else knows its name: nobody else would remove it
+            raise
 
     def snapshot(self) -> None:
         """Replaces every piece by a host copy, so no device buffer is referenced any more.
@@ -280,7 +292,7 @@ def _write_shards(store: storage.Store | relay.RelayStore, shards: Sequence[Shar
         # Wait for a free slot *before* bringing this file's pieces to the host.
         while len(in_flight) >= MAX_WRITES_IN_FLIGHT:
             _finish(in_flight.popleft(), store)
-        name = f"d{me:05d}-{number:05d}.safetensors"
+        name = _data_file(me, number)
         items = [(key, spec, array) for key, by_slice in shard.items() for spec, array in by_slice.items()]
         buffers = [_host_bytes(array) for _, _, array in items]
         layout = safetensors_layout(
@@ -308,8 +320,25 @@ def _finish(pending: tuple[str, Any], store: storage.Store) -> None:
         raise CheckpointError(f"Writing {where} failed: {e}", file=where) from e
 
 
+def _data_file(process: int, number: int) -> str:
+    return f"d{process:05d}-{number:05d}.safetensors"
+
+
 def _index_file(process: int) -> str:
     return f"index-{process:05d}.json"
+
+
+_SENT_FILE = re.compile(r"d(\d{5,9})-\d{5,9}\.safetensors|index-(\d{5,9})\.json")
+
+
+def _sent_by_another(name: str, leader: int, count: int) -> bool:
+    """What the io_device leader's relay accepts: the data files and index of another
+    process of this job (as ``_data_file`` and ``_index_file`` name them), nothing else."""
+    match = _SENT_FILE.fullmatch(name)
+    if match is None:
+        return False
+    process = int(match[1] or match[2])
+    return process != leader and process < count
 
 
 def _index_to_json(index: dict[str, list[PieceEntry]], files: dict[str, int]) -> bytes:
@@ -334,7 +363,7 @@ def _commit(
         if process == leader:
             continue
         name = _index_file(process)
-        theirs = Manifest.from_json(store.read_file(name) or b"", where=staging.child(name))
+        theirs = decode_manifest(store.read_file(name) or b"", where=staging.child(name), complete=False)
         files.update(theirs.files)
         for leaf in theirs.leaves:
             index.setdefault(leaf.key, []).extend(leaf.pieces)
@@ -347,6 +376,7 @@ def _commit(
     for leaf in leaves:
         _check_covered(leaf)
     manifest = Manifest(leaves, dict(sorted(files.items())), coord.count, options.sharding_callback.description)
+    store.check_written(manifest.files)
     store.write(MANIFEST_FILE, [manifest.to_json()]).result()
     storage.commit(staging, final)
 

@@ -98,7 +98,9 @@ class SharedReads(StoreReads):
         self.plan = the_plan
         mine = {pid: pieces[pid] for pid, reader in the_plan.readers.items() if reader == coord.me}
         self._cache = _ReadOnce(store, mine, the_plan.needers)
-        self._server = relay.RelayServer(store, distributed.relay_host(), coord.timeout, shared=self._cache.take)
+        self._server = relay.RelayServer(
+            store, distributed.relay_host(), coord.timeout, peers=coord.count - 1, shared=self._cache.take
+        )
         self._peers: dict[int, relay.RelayStore] = {}
         self._lock = threading.Lock()
         try:

@@ -10,10 +10,10 @@ exists at the final location.
 Object stores go through tensorstore kvstores. Local files do not: measured here,
 tensorstore's kvstore holds two extra copies of every value it writes (a 512 MB write peaks
 at +1 GB of RSS) and three while reading one, and it only accepts ``bytes``. Writing local
-files with ``os.writev`` straight from the arrays' buffers costs no copy at all. Restores map
-local files (``Store(map_files=True)``, see ``_can_map``): a piece is then the page cache's
-own pages, which JAX's CPU backend adopts without a copy; other readers ``preadv`` into
-fresh aligned arrays.
+files with ``os.writev`` straight from the arrays' buffers costs no copy at all. Reads
+``preadv`` into fresh aligned arrays, which JAX's CPU backend adopts without a copy, through
+``safe_reads``, which trusts no file or name it is given: no FIFO, device or oversized
+manifest, nothing outside the checkpoint, and never a mapping a later edit could change.
 
 All kvstores share one process-wide tensorstore context: AWS credentials and the request
 limits are then set up once per process, not once per Store. Where settings come from:
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import mmap
+import errno
 import os
 import queue
 import shutil
@@ -55,7 +55,9 @@ from urllib.parse import urlparse
 import numpy as np
 import tensorstore as ts
 
+from tpu_ckpt import safe_reads
 from tpu_ckpt.errors import CheckpointError, CorruptCheckpointError
+from tpu_ckpt.safe_reads import ALIGNMENT, IOV_MAX, advance, aligned_empty  # noqa: F401 - ALIGNMENT: for callers
 
 # Retries of transient gcs and s3 request failures, by tensorstore (see module docstring).
 RETRIES = {"max_retries": 8, "initial_delay": "1s", "max_delay": "32s"}
@@ -165,17 +167,12 @@ class Store:
     transfers in flight. Call :meth:`close` (or use ``with``) when done.
     """
 
-    def __init__(self, loc: Location, *, threads: int = 8, map_files: bool = False):
-        """``map_files``: read local files by mapping them (see ``_can_map``), for a restore,
-        whose arrays then are the file's pages. Streaming readers (verify, diff) keep the
-        default, so what they have checked leaves their memory."""
+    def __init__(self, loc: Location, *, threads: int = 8):
         self.location = loc
         self._pool = IOPool(threads)
         # Object stores: the bucket's root and this directory's key prefix (see module docstring).
         self._kv, self._prefix = (None, "") if loc.is_local else _open_kvstore(loc)
         self._root = os.path.abspath(loc.local_path) if loc.is_local else ""
-        self._maps: dict[str, np.ndarray] | None = {} if map_files and loc.is_local and _can_map(self._root) else None
-        self._maps_lock = threading.Lock()
 
     def __enter__(self) -> Store:
         return self
@@ -185,8 +182,6 @@ class Store:
 
     def close(self) -> None:
         self._pool.shutdown()
-        if self._maps:
-            self._maps.clear()  # a mapping lives on only in the arrays that still use it
 
     def write(self, name: str, buffers: Sequence[Any]) -> concurrent.futures.Future:
         """Starts writing one whole file from ``buffers`` (bytes-like); resolves once durable."""
@@ -202,12 +197,11 @@ class Store:
 
         Resolves to one writable uint8 array per length (one read request for all of them),
         after running ``then`` on them in the IO thread (e.g. checksums, which thereby run in
-        parallel). With ``map_files``, local files on a local file system are mapped: the arrays
-        are copy-on-write views of the page cache, aligned where the file's offsets are (every
-        piece, since format 1.1). Otherwise they are fresh 64-byte-aligned arrays. Fails with
-        :class:`CorruptCheckpointError` when the file is missing or too short.
+        parallel). The arrays are fresh and 64-byte aligned: nothing done to the file later
+        changes them. Fails with :class:`CorruptCheckpointError` when the file is missing,
+        too short, not a regular file, or named outside the checkpoint (``safe_reads``).
         """
-        reader = self._read_kv if self._kv is not None else self._read_mapped if self._maps is not None else self._read_local
+        reader = self._read_kv if self._kv is not None else self._read_local
 
         def read_and_then() -> list[np.ndarray]:
             chunks = reader(name, start, lengths)
@@ -217,16 +211,21 @@ class Store:
 
         return self._pool.submit(read_and_then)
 
-    def read_file(self, name: str) -> bytes | None:
-        """A whole small file (the manifest), or None when it does not exist."""
+    def read_file(self, name: str, max_bytes: int = safe_reads.MAX_WHOLE_FILE_BYTES) -> bytes | None:
+        """A whole small file (the manifest), or None when it does not exist.
+
+        A local file larger than ``max_bytes`` is refused before it is read (a manifest
+        symlinked to ``/dev/zero`` is refused as a device); an object store serves the whole
+        object, then it is refused."""
         if self._kv is None:
-            try:
-                with open(os.path.join(self._root, name), "rb") as f:
-                    return f.read()
-            except FileNotFoundError:
-                return None
-        result = self._wait(self._kv.read(self._prefix + name), "Reading", name)
-        return None if result.state == "missing" else result.value
+            return safe_reads.read_whole(safe_reads.confine(self._root, name), max_bytes)
+        result = self._wait(self._kv.read(self._key(name)), "Reading", name)
+        if result.state == "missing":
+            return None
+        if len(result.value) > max_bytes:
+            where = self.location.child(name)
+            raise CorruptCheckpointError(f"{where} is {len(result.value)} bytes, more than {max_bytes}", file=where)
+        return result.value
 
     def list(self) -> list[str]:
         """Every file under the directory, as paths relative to it."""
@@ -254,6 +253,42 @@ class Store:
         for name, done in deletes:
             self._wait(done, "Deleting", name)
 
+    def check_written(self, sizes: dict[str, int]) -> None:
+        """Raises unless every file of ``sizes`` is here, each with that many bytes.
+
+        What a save checks just before it commits: a staging area emptied or removed while
+        the save ran (``tpu-ckpt gc`` at the wrong moment, another job cleaning the same
+        directory) must not be committed as a checkpoint without its data. One stat per file
+        on a local disk; one listing on an object store, whose listings carry no sizes (a
+        kvstore write stores the whole object or nothing, so there only absence can happen).
+        """
+        if self._kv is None:
+            wrong = []
+            for name, size in sizes.items():
+                path = os.path.join(self._root, name)
+                try:
+                    found = os.stat(path).st_size
+                except FileNotFoundError:
+                    found = None
+                except OSError as e:
+                    raise _failed("Checking", path, e) from e
+                if found != size:
+                    wrong.append((name, found, size))
+        else:
+            present = set(self.list())
+            wrong = [(name, None, size) for name, size in sizes.items() if name not in present]
+        if wrong:
+            name, found, size = wrong[0]
+            where = self.location.child(name)
+            what = "is missing" if found is None else f"holds {found} bytes, not the {size} written"
+            more = f" (and {len(wrong) - 1} more files)" if len(wrong) > 1 else ""
+            raise CheckpointError(
+                f"{where} {what}{more}: the staging area {self.location.url} changed while the save ran "
+                "(`tpu-ckpt gc`, or another job cleaning the same directory?). Nothing was committed; "
+                "keep such cleanups away from running saves and save again.",
+                file=where,
+            )
+
     def _wait(self, future: Any, doing: str, name: str) -> Any:
         """The result of a kvstore operation; its failure as a CheckpointError naming the object
         (tensorstore raises ValueError, or NotImplementedError, for whatever went wrong)."""
@@ -264,81 +299,37 @@ class Store:
             raise CheckpointError(f"{doing} {where} failed: {e}", file=where) from e
 
     def _write_local(self, name: str, buffers: Sequence[Any]) -> None:
+        """Creates no directory: a staging area removed under a running save must make its
+        next write fail, not come back holding part of the files (see ``open_staging``)."""
         path = os.path.join(self._root, name)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
-            while views:
-                written = os.writev(fd, views[:_IOV_MAX])
-                views = _advance(views, written)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
+                while views:
+                    written = os.writev(fd, views[:IOV_MAX])
+                    views = advance(views, written)
+                os.fsync(fd)
+            finally:
+                os.close(fd)  # a network file system may report a lost write only here
+        except OSError as e:
+            raise _failed("Writing", path, e) from e
 
     def _read_local(self, name: str, start: int, lengths: Sequence[int]) -> list[np.ndarray]:
-        path = os.path.join(self._root, name)
-        out = [aligned_empty(n) for n in lengths]
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"data file {path} is missing", file=path) from None
-        try:
-            views, offset, stop = [memoryview(a) for a in out if a.size], start, start + sum(lengths)
-            while views:
-                n = os.preadv(fd, views[:_IOV_MAX], offset)
-                if n == 0:
-                    raise CorruptCheckpointError(
-                        f"{path} is truncated: it ends at byte {offset}, before {stop}", file=path
-                    )
-                views, offset = _advance(views, n), offset + n
-        finally:
-            os.close(fd)
-        return out
+        return safe_reads.read_ranges(safe_reads.confine(self._root, name), start, lengths)
 
-    def _read_mapped(self, name: str, start: int, lengths: Sequence[int]) -> list[np.ndarray]:
-        """Views of the file's pages in the page cache: no allocation, no copy (see ``_can_map``).
-        Falls back to reading when the file cannot be mapped (e.g. out of file descriptors:
-        each mapping holds one for as long as arrays use it)."""
-        data = self._mapping(name)
-        if data is None:
-            return self._read_local(name, start, lengths)
-        stop = start + sum(lengths)
-        if data.size < stop:
-            path = os.path.join(self._root, name)
-            raise CorruptCheckpointError(f"{path} is truncated: it ends at byte {data.size}, before {stop}", file=path)
-        out, offset = [], start
-        for n in lengths:
-            out.append(data[offset : offset + n])
-            offset += n
-        return out
-
-    def _mapping(self, name: str) -> np.ndarray | None:
-        """The whole file, mapped copy-on-write once per Store; None if it cannot be mapped."""
-        with self._maps_lock:
-            if name not in self._maps:
-                path = os.path.join(self._root, name)
-                try:
-                    fd = os.open(path, os.O_RDONLY)
-                except FileNotFoundError:
-                    raise CorruptCheckpointError(f"data file {path} is missing", file=path) from None
-                except OSError:
-                    return None
-                try:
-                    size = os.fstat(fd).st_size
-                    mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else b""
-                except (OSError, ValueError):
-                    return None
-                finally:
-                    os.close(fd)
-                self._maps[name] = np.frombuffer(mapped, np.uint8)
-            return self._maps[name]
+    def _key(self, name: str) -> str:
+        """The object-store key of file ``name``; refuses names that lead out of the prefix
+        (an HTTP layer may resolve ``..`` in a URL)."""
+        if safe_reads.escapes(name):
+            raise safe_reads.outside_error(self.location.url, name)
+        return self._prefix + name
 
     def _read_kv(self, name: str, start: int, lengths: Sequence[int]) -> list[np.ndarray]:
         where = self.location.child(name)
         stop = start + sum(lengths)
         try:
-            result = self._kv.read(self._prefix + name, byte_range=slice(start, stop)).result()
+            result = self._kv.read(self._key(name), byte_range=slice(start, stop)).result()
         except ValueError as e:
             if "OUT_OF_RANGE" not in str(e):
                 raise CheckpointError(f"Reading {where} failed: {e}", file=where) from e
@@ -354,69 +345,6 @@ class Store:
             out[-1][:] = data[offset : offset + n]
             offset += n
         return out
-
-
-ALIGNMENT = 64
-
-# File systems whose files may be mapped: local ones, where a mapped page is the page
-# cache's own. A network or FUSE file system can turn a failed read into SIGBUS.
-_MAPPABLE = {"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "tmpfs", "ramfs", "overlay"}
-
-
-def _can_map(path: str) -> bool:
-    """Whether local reads may map files instead of copying them into fresh memory.
-
-    A mapped read costs neither an allocation (a restore's arrays are otherwise fresh pages
-    the kernel must zero, and find: transparent huge pages stall on compaction) nor a copy.
-    Checkpoint files are never modified in place once written (deleting one leaves mapped
-    pages valid), which is what makes this safe. ``TPU_CKPT_MMAP=0`` turns it off.
-    """
-    if os.environ.get("TPU_CKPT_MMAP", "1") == "0":
-        return False
-    return _file_system(path) in _MAPPABLE
-
-
-def _file_system(path: str) -> str:
-    """The type of the file system holding ``path`` (its longest mount point prefix)."""
-    path = os.path.realpath(path)
-    best, kind = "", ""
-    try:
-        with open("/proc/self/mounts") as mounts:
-            for line in mounts:
-                fields = line.split()
-                if len(fields) < 3:
-                    continue
-                point = fields[1].replace("\\040", " ")
-                inside = path == point or path.startswith(point.rstrip("/") + "/")
-                if inside and len(point) > len(best):
-                    best, kind = point, fields[2]
-    except OSError:
-        return ""
-    return kind
-
-
-def aligned_empty(nbytes: int) -> np.ndarray:
-    """An uninitialised uint8 array whose data starts on a 64-byte boundary.
-
-    JAX's CPU backend adopts such host buffers without copying (``device_put`` aliases them),
-    so a restore onto CPU devices costs no copy beyond the read itself.
-    """
-    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
-    skip = -raw.ctypes.data % ALIGNMENT
-    return raw[skip : skip + nbytes]
-
-
-_IOV_MAX = 1024
-
-
-def _advance(views: list[memoryview], written: int) -> list[memoryview]:
-    """Drops the first ``written`` bytes from a list of buffers (writev may write partially)."""
-    while views and written >= len(views[0]):
-        written -= len(views[0])
-        views = views[1:]
-    if views and written:
-        views = [views[0][written:], *views[1:]]
-    return views
 
 
 def _open_kvstore(loc: Location) -> tuple[Any, str]:
@@ -453,6 +381,18 @@ def has_staging_leftover(loc: Location) -> bool:
     return os.path.isdir(parent) and any(n.startswith(name + ".tmp-") for n in os.listdir(parent))
 
 
+def open_staging(loc: Location) -> Store:
+    """A Store for a new staging area, whose local directory (and any missing parent) is
+    created here and only here: writes create no directory (see ``Store._write_local``)."""
+    if loc.is_local:
+        path = os.path.abspath(loc.local_path)
+        try:
+            os.makedirs(path)
+        except OSError as e:
+            raise _failed("Creating the staging directory", path, e) from e
+    return Store(loc)
+
+
 def remove(loc: Location) -> None:
     """Deletes everything at ``loc`` (a failed save's staging area)."""
     with Store(loc) as store:
@@ -474,12 +414,37 @@ def commit(staging: Location, final: Location) -> None:
         os.rename(src, dst)
     except OSError as e:
         raise CheckpointError(f"Could not commit checkpoint {dst}: rename from {src} failed: {e}", file=dst) from e
-    _fsync_dir(os.path.dirname(os.path.abspath(dst)) or ".")
+    try:
+        _fsync_dir(os.path.dirname(os.path.abspath(dst)) or ".")
+    except CheckpointError:
+        shutil.rmtree(dst, ignore_errors=True)  # a save that raises leaves no checkpoint behind
+        raise
 
 
 def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise _failed("Syncing the directory", path, e) from e
+
+
+def _failed(doing: str, path: str, error: OSError) -> CheckpointError:
+    """An OSError of a save's storage as a CheckpointError naming the file and the system's
+    reason: ``os.writev`` and ``os.fsync`` name neither (a bare ``[Errno 28]``)."""
+    reason = error.strerror or str(error)
+    code = errno.errorcode.get(error.errno or 0)
+    if code:
+        reason = f"{reason} ({code})"
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        advice = "free space there or save elsewhere"
+    elif error.errno == errno.EFBIG:
+        advice = "raise the file size limit (`ulimit -f`) or save elsewhere"
+    elif error.errno == errno.ENOENT:
+        advice = "something removed the staging area while the save ran (`tpu-ckpt gc`, another job's cleanup?)"
+    else:
+        advice = "check that file system"
+    return CheckpointError(f"{doing} {path} failed: {reason}. Nothing was committed: {advice}, then save again.", file=path)

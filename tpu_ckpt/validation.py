@@ -9,8 +9,6 @@ inside one piece, must not overlap, and must cover every piece exactly.
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import math
 import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -18,17 +16,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from tpu_ckpt import slices
 from tpu_ckpt.errors import InvalidShardsError
-from tpu_ckpt.pieces import ShardableTensor, SliceSpec
-
-_MAX_GRID_CELLS = 1 << 20
-"""Above this many cells the exact-cover check sweeps slices instead of counting on a grid."""
+from tpu_ckpt.pieces import ShardableTensor
+from tpu_ckpt.slices import SliceSpec
 
 _MAX_LISTED = 5
 """How many uncovered pieces an error lists by name."""
-
-_Coverage = tuple[tuple[SliceSpec, SliceSpec] | None, bool]
-"""``(two overlapping slices or None, whether part of the piece is left uncovered)``."""
 
 
 @dataclasses.dataclass
@@ -45,30 +39,13 @@ def validate_shards(
     shardable_tensors: Sequence[ShardableTensor],
     description: str,
     *,
-    max_grid_cells: int = _MAX_GRID_CELLS,
+    max_grid_cells: int = slices.MAX_GRID_CELLS,
 ) -> None:
     """Raises ``InvalidShardsError`` unless ``shards`` covers every piece exactly once, unaltered.
 
     Empty shards are allowed (the caller drops them).
     """
     _Validator(description, shardable_tensors, max_grid_cells).run(shards)
-
-
-def tiling_problem(shape: Sequence[int], slices: Sequence[SliceSpec]) -> str | None:
-    """Why ``slices`` do not cover an array of ``shape`` exactly once, or None when they do.
-
-    The last check before a commit: each process validated its own pieces, but only the
-    merged pieces of all processes show a block written twice or by nobody. Processes that
-    disagree on who writes a block produce the same slice twice, or too few or too many
-    elements, so both are checked (in O(pieces): no geometry, which a pod's million pieces
-    could not afford).
-    """
-    if len(set(slices)) != len(slices):
-        return "a block was written by more than one process"
-    covered, total = sum(map(_volume, slices)), math.prod(shape)
-    if covered != total:
-        return f"the processes wrote pieces covering {covered} of its {total} elements"
-    return None
 
 
 class _Validator:
@@ -160,8 +137,8 @@ class _Validator:
         """Every piece must be covered by the slices filed under it, with no overlap."""
         uncovered: list[tuple[str, SliceSpec]] = []
         for key, leaf in self.leaves.items():
-            for piece, slices in leaf.pieces.items():
-                overlap, missing = _cover(piece, slices, self.max_grid_cells)
+            for piece, filed in leaf.pieces.items():
+                overlap, missing = slices.cover(piece, filed, self.max_grid_cells)
                 if overlap is not None:
                     raise self.error(f"checkpoint key {key!r}: slices {overlap[0]} and {overlap[1]} overlap", key=key)
                 if missing:
@@ -208,78 +185,8 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _contains(outer: SliceSpec, inner: SliceSpec) -> bool:
-    return all(a <= c and d <= b for (a, b), (c, d) in zip(outer, inner))
-
-
 def _containing_piece(spec: SliceSpec, pieces: Mapping[SliceSpec, Any]) -> SliceSpec | None:
     """The input piece that holds ``spec`` (pieces of one leaf are disjoint, as array_pieces makes them)."""
     if spec in pieces:
         return spec
-    return next((piece for piece in pieces if _contains(piece, spec)), None)
-
-
-def _volume(spec: SliceSpec) -> int:
-    return math.prod(b - a for a, b in spec)
-
-
-def _cover(piece: SliceSpec, slices: list[SliceSpec], max_grid_cells: int) -> _Coverage:
-    """Whether the slices filed under ``piece`` overlap or leave part of it uncovered.
-
-    All ``slices`` lie inside ``piece`` and are distinct (duplicates were rejected earlier), so a
-    scalar piece is covered exactly when any slice was filed under it. So is an empty piece, which
-    stops a policy from dropping zero-size arrays the way TF's does.
-    """
-    if not slices:
-        return None, True
-    if not piece or _volume(piece) == 0 or slices == [piece]:  # the common case: the piece, whole
-        return None, False
-    boxes = np.array(slices, dtype=np.int64).reshape(len(slices), len(piece), 2)
-    bounds = [np.unique(np.concatenate([piece[d], boxes[:, d].ravel()])) for d in range(len(piece))]
-    if math.prod(len(b) - 1 for b in bounds) <= max_grid_cells:
-        return _cover_on_grid(bounds, boxes, slices)
-    overlap = _first_overlap(slices)
-    return overlap, overlap is None and sum(map(_volume, slices)) != _volume(piece)
-
-
-def _cover_on_grid(bounds: list[np.ndarray], boxes: np.ndarray, slices: list[SliceSpec]) -> _Coverage:
-    """Counts how often each cell between consecutive slice boundaries is covered (coordinate compression).
-
-    Each box adds +-1 at its 2**rank corners of a difference array, whose running sums along
-    every axis are the counts, so the work is vectorised over all boxes at once.
-    """
-    rank = len(bounds)
-    lo = np.stack([np.searchsorted(b, boxes[:, d, 0]) for d, b in enumerate(bounds)], axis=1)
-    hi = np.stack([np.searchsorted(b, boxes[:, d, 1]) for d, b in enumerate(bounds)], axis=1)
-    counts = np.zeros([len(b) for b in bounds], dtype=np.int64)
-    for corner in itertools.product((0, 1), repeat=rank):
-        index = tuple(hi[:, d] if upper else lo[:, d] for d, upper in enumerate(corner))
-        np.add.at(counts, index, (-1) ** sum(corner))
-    for d in range(rank):
-        counts = np.cumsum(counts, axis=d)
-    counts = counts[(slice(0, -1),) * rank]
-    doubled = np.argwhere(counts > 1)
-    if len(doubled):
-        point = np.array([b[i] for b, i in zip(bounds, doubled[0])])
-        inside = np.all((boxes[:, :, 0] <= point) & (point < boxes[:, :, 1]), axis=1)
-        first, second = np.flatnonzero(inside)[:2]
-        return (slices[first], slices[second]), False
-    return None, bool((counts == 0).any())
-
-
-def _first_overlap(slices: list[SliceSpec]) -> tuple[SliceSpec, SliceSpec] | None:
-    """Two overlapping non-empty slices, by a sweep along the axis with the most distinct starts."""
-    boxes = [s for s in slices if _volume(s) > 0]
-    axis = max(range(len(boxes[0])), key=lambda d: len({s[d][0] for s in boxes})) if boxes else 0
-    active: list[SliceSpec] = []
-    for box in sorted(boxes, key=lambda s: s[axis][0]):
-        active = [other for other in active if other[axis][1] > box[axis][0]]
-        hit = next((other for other in active if _intersects(other, box)), None)
-        if hit is not None:
-            return hit, box
-        active.append(box)
-    return None
-
-
-def _intersects(x: SliceSpec, y: SliceSpec) -> bool:
-    return all(max(a, c) < min(b, d) for (a, b), (c, d) in zip(x, y))
+    return next((piece for piece in pieces if slices.contains(piece, spec)), None)

@@ -1,9 +1,9 @@
 """verify(): read every byte of a checkpoint and report everything that is wrong with it.
 
 A restore stops at the first bad piece; a verifier is asked "is this checkpoint sound, and
-if not, what exactly is broken", so it collects every problem: an uncommitted or unreadable
-manifest, pieces inconsistent with their leaf, missing and truncated data files, and every
-piece whose crc32c does not match. Reads go through storage.Store in coalesced ranges (as a
+if not, what exactly is broken", so it collects every problem: an uncommitted, unreadable or
+inconsistent manifest (the checks of ``decode.py``, exactly those a restore makes), missing
+and truncated data files, and every piece whose crc32c does not match. Reads go through storage.Store in coalesced ranges (as a
 restore's), a bounded number of bytes in flight, with the checksums computed in the IO
 threads so they run in parallel.
 """
@@ -15,7 +15,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
-import math
 import os
 import posixpath
 from collections.abc import Callable, Iterator
@@ -30,7 +29,7 @@ from tpu_ckpt.errors import (
     CorruptCheckpointError,
     UncommittedCheckpointError,
 )
-from tpu_ckpt.format import MANIFEST_FILE, Manifest, PieceEntry, crc32c, dtype_from_name, tensor_name
+from tpu_ckpt.format import Manifest, PieceEntry, crc32c, tensor_name
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +86,7 @@ def verify(
         if type(e) is CheckpointNotFoundError and e.file == loc.url:
             raise
         return Report(loc.url, 0, 0, 0, [_manifest_problem(loc, e)])
-    problems = _layout_problems(loc, manifest)
+    problems: list[Problem] = []
     pieces = [(leaf.key, p) for leaf in manifest.leaves for p in leaf.pieces]
     absent = _missing_files(loc, manifest)
     problems += [
@@ -104,27 +103,6 @@ def verify(
 def _manifest_problem(loc: storage.Location, error: CheckpointError) -> Problem:
     kind = "uncommitted" if isinstance(error, UncommittedCheckpointError) else "manifest"
     return Problem(kind, error.file or loc.url, detail=str(error))
-
-
-def _layout_problems(loc: storage.Location, manifest: Manifest) -> list[Problem]:
-    """Pieces whose size disagrees with their slice or their file, or that do not cover their leaf."""
-    where = loc.child(MANIFEST_FILE)
-    problems = []
-    for leaf in manifest.leaves:
-        if leaf.kind != "array":
-            continue
-        itemsize = dtype_from_name(leaf.dtype).itemsize
-        for p in leaf.pieces:
-            if p.length != _count(p.slice) * itemsize or p.offset + p.length > manifest.files[p.file]:
-                detail = f"piece {tensor_name('', p.slice)} does not fit its slice or its file {p.file}"
-                problems.append(Problem("manifest", where, (leaf.key,), detail))
-        if sum(_count(p.slice) for p in leaf.pieces) != math.prod(leaf.shape):
-            problems.append(Problem("manifest", where, (leaf.key,), f"its pieces do not cover its shape {list(leaf.shape)}"))
-    return problems
-
-
-def _count(spec: tuple[tuple[int, int], ...]) -> int:
-    return math.prod(b - a for a, b in spec)
 
 
 def _missing_files(loc: storage.Location, manifest: Manifest) -> set[str]:

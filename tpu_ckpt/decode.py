@@ -1,0 +1,301 @@
+"""Decoding a manifest from bytes we do not trust.
+
+A manifest decides what a restore allocates, which files it opens and which bytes it hands
+back as an array, so nothing in it is used before it is checked: first its crc32c (format
+1.2 and later), then every field's type and range, then the layout as a whole (file indexes,
+byte ranges inside their file and disjoint from each other, lengths equal to element count
+times item size, pieces tiling their leaf, keys distinct and consistent with their paths).
+Sizes are checked against each other before anything proportional to one is allocated. A
+damaged manifest is a :class:`CorruptCheckpointError` naming the file and the field.
+
+Per-process index files, written during a save, use the same form and the same checks,
+except that a process's pieces need not tile a leaf (``complete=False``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from tpu_ckpt import keys, slices
+from tpu_ckpt.errors import CorruptCheckpointError, FormatVersionError
+from tpu_ckpt.format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    LeafEntry,
+    Manifest,
+    PieceEntry,
+    dtype_from_name,
+    unseal,
+)
+
+MAX_RANK = 64
+MAX_INT = (1 << 63) - 1  # every size, offset and dimension fits a signed 64-bit integer
+_PATH_KINDS = frozenset({"dict", "attr", "seq"})
+_VALUE_TYPES = (bool, int, float, str, type(None))
+_FIRST_SEALED = (1, 2)
+
+
+def decode_manifest(data: bytes, *, where: str, complete: bool = True) -> Manifest:
+    """The manifest in ``data`` (the bytes of ``where``), checked throughout (see module docstring)."""
+    body, sealed = unseal(data, where=where)
+    doc = _parse_json(body, where)
+    version = _version(doc, where)
+    if not sealed and version >= _FIRST_SEALED:
+        raise CorruptCheckpointError(
+            f"{where}: format {'.'.join(map(str, version))} manifests end with a manifest_crc32c field, "
+            "and this one does not: it is damaged or was edited by hand.",
+            file=where,
+        )
+    manifest = _Decoder(where, complete).manifest(doc, ".".join(map(str, version)))
+    _check_layout(manifest, where, complete)
+    return manifest
+
+
+def _parse_json(body: bytes, where: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError) as e:  # RecursionError: nesting too deep to be ours
+        raise CorruptCheckpointError(f"{where}: manifest is not valid JSON ({str(e)[:200]})", file=where) from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(f"{where}: not a tpu_ckpt manifest", file=where)
+    return doc
+
+
+def _version(doc: dict[str, Any], where: str) -> tuple[int, int]:
+    text = doc.get("format_version")
+    parts = text.split(".") if isinstance(text, str) else []
+    if len(parts) != 2 or not all(p.isdigit() and len(p) <= 4 for p in parts):
+        raise CorruptCheckpointError(f"{where}: bad format_version {_short(text)}", file=where)
+    major, minor = int(parts[0]), int(parts[1])
+    if major > int(FORMAT_VERSION.split(".")[0]):
+        raise FormatVersionError(
+            f"{where} has format version {text}, newer than this tpu_ckpt reads "
+            f"({FORMAT_VERSION}); upgrade tpu_ckpt to restore it.",
+            file=where,
+        )
+    return major, minor
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class _Decoder:
+    """Builds the manifest's objects from its JSON, refusing any field of the wrong type or range."""
+
+    def __init__(self, where: str, complete: bool):
+        self.where = where
+        self.complete = complete  # an index file's leaves carry their key, not their path
+
+    def fail(self, field: str, problem: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{self.where}: field {field} {problem}; the checkpoint is damaged, restore another one.",
+            file=self.where,
+        )
+
+    def int(self, value: Any, field: str, hi: int = MAX_INT) -> int:
+        if type(value) is not int or not 0 <= value <= hi:
+            raise self.fail(field, f"must be an integer in [0, {hi}], got {_short(value)}")
+        return value
+
+    def str(self, value: Any, field: str) -> str:
+        if type(value) is not str:
+            raise self.fail(field, f"must be a string, got {_short(value)}")
+        return value
+
+    def list(self, value: Any, field: str, length: int | None = None) -> list[Any]:
+        if type(value) is not list or (length is not None and len(value) != length):
+            wanted = "a list" if length is None else f"a list of {length}"
+            raise self.fail(field, f"must be {wanted}, got {_short(value)}")
+        return value
+
+    def manifest(self, doc: dict[str, Any], version: str) -> Manifest:
+        files = self.files(doc.get("files"))
+        names = list(files)
+        raw_leaves = self.list(doc.get("leaves"), "leaves")
+        leaves = tuple(self.leaf(d, f"leaves[{i}]", names, len(raw_leaves)) for i, d in enumerate(raw_leaves))
+        return Manifest(
+            leaves, files, self.int(doc.get("process_count"), "process_count", 1 << 31),
+            self.str(doc.get("sharding_callback"), "sharding_callback"), version, self.source(doc.get("source")),
+        )
+
+    def files(self, value: Any) -> dict[str, int]:
+        files: dict[str, int] = {}
+        for i, item in enumerate(self.list(value, "files")):
+            name, size = self.list(item, f"files[{i}]", 2)
+            name = self.str(name, f"files[{i}] (name)")
+            if name in files:
+                raise self.fail(f"files[{i}]", f"repeats the file name {name!r}")
+            files[name] = self.int(size, f"files[{i}] (size)")
+        return files
+
+    def source(self, value: Any) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        if type(value) is not dict:
+            raise self.fail("source", f"must be an object, got {_short(value)}")
+        path = self.str(value.get("path"), "source.path")
+        parts = path.split("/")
+        if len(parts) != 2 or parts[0] != ".." or parts[1] in ("", ".", ".."):
+            raise self.fail("source.path", f"must name a sibling checkpoint as '../<name>', got {path!r}")
+        return {"path": path, "manifest_crc32c": self.int(value.get("manifest_crc32c"), "source.manifest_crc32c", 0xFFFFFFFF)}
+
+    def leaf(self, doc: Any, field: str, files: Sequence[str], leaf_count: int) -> LeafEntry:
+        if type(doc) is not dict:
+            raise self.fail(field, f"must be an object, got {_short(doc)}")
+        key = self.str(doc.get("key"), f"{field}.key")
+        field = f"{field} (key {_short(key)})"
+        path = [self.path_entry(e, f"{field}.path[{j}]", leaf_count) for j, e in enumerate(self.list(doc.get("path"), f"{field}.path"))]
+        if (path or self.complete) and keys.join(path) != key:
+            raise self.fail(f"{field}.key", f"{key!r} does not match its path {path}")
+        kind = doc.get("kind")
+        if kind == "value":
+            value = doc.get("value")
+            if not isinstance(value, _VALUE_TYPES):
+                raise self.fail(f"{field}.value", f"must be a bool, number, string or null, got {_short(value)}")
+            return LeafEntry(key, path, "value", value=value)
+        if kind != "array":
+            raise self.fail(f"{field}.kind", f"must be 'array' or 'value', got {_short(kind)}")
+        raw = self.list(doc.get("pieces"), f"{field}.pieces")
+        if not self.complete:  # an index file: pieces of leaves whose shape the leader knows
+            pieces = tuple(self.explain_piece(p, f"{field}.pieces[{j}]", None, 0, files) for j, p in enumerate(raw))
+            return LeafEntry(key, path, "array", pieces=pieces)
+        return self.array_leaf(doc, field, key, path, raw, files)
+
+    def array_leaf(self, doc: dict[str, Any], field: str, key: str, path: list[Any], raw: list[Any], files: Sequence[str]) -> LeafEntry:
+        shape = tuple(self.int(n, f"{field}.shape") for n in self.list(doc.get("shape"), f"{field}.shape"))
+        if len(shape) > MAX_RANK or math.prod(shape) > MAX_INT:
+            raise self.fail(f"{field}.shape", f"is not a shape an array can have: {_short(list(shape))}")
+        dtype = self.str(doc.get("dtype"), f"{field}.dtype")
+        itemsize = dtype_from_name(dtype).itemsize
+        if type(doc.get("is_slot")) is not bool:
+            raise self.fail(f"{field}.is_slot", f"must be true or false, got {_short(doc.get('is_slot'))}")
+        sharding = doc.get("sharding")
+        if sharding is not None and type(sharding) is not dict:
+            raise self.fail(f"{field}.sharding", f"must be an object or null, got {_short(sharding)}")
+        pieces = tuple(self.piece(p, f"{field}.pieces[{j}]", shape, itemsize, files) for j, p in enumerate(raw))
+        return LeafEntry(key, path, "array", shape, dtype, doc["is_slot"], sharding, pieces)
+
+    def path_entry(self, entry: Any, field: str, leaf_count: int) -> tuple[str, Any]:
+        kind, name = self.list(entry, field, 2)
+        if kind not in _PATH_KINDS:
+            raise self.fail(field, f"has an unknown kind {_short(kind)}")
+        if kind == "seq":  # an index bounded by the leaves, so rebuilding lists stays small
+            return kind, self.int(name, field, max(leaf_count - 1, 0))
+        if kind == "dict" and type(name) is int:
+            return kind, name
+        if "/" in self.str(name, field):  # save refuses such names: "/" joins a key's entries
+            raise self.fail(field, f"has a name containing '/': {_short(name)}")
+        return kind, name
+
+    def piece(self, item: Any, field: str, shape: tuple[int, ...], itemsize: int, files: Sequence[str]) -> PieceEntry:
+        """One piece, checked inline: a manifest has millions. Only a bad piece takes the slow
+        path, which names exactly what is wrong with it."""
+        try:
+            raw, file, offset, length, crc = item
+            spec = tuple((a, b) for a, b in raw)
+            ok = (
+                type(item) is list and type(raw) is list and len(spec) == len(shape)
+                and all(type(a) is int and type(b) is int and 0 <= a <= b <= n for (a, b), n in zip(spec, shape))
+                and type(file) is int and type(offset) is int and type(length) is int and type(crc) is int
+                and 0 <= file < len(files) and 0 <= offset <= MAX_INT and 0 <= crc <= 0xFFFFFFFF
+                and length == math.prod(b - a for a, b in spec) * itemsize and (length > 0 or crc == 0)
+            )
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            return self.explain_piece(item, field, shape, itemsize, files)
+        return PieceEntry(spec, files[file], offset, length, crc)
+
+    def explain_piece(
+        self, item: Any, field: str, shape: tuple[int, ...] | None, itemsize: int, files: Sequence[str]
+    ) -> PieceEntry:
+        """A piece checked field by field; ``shape`` None: its leaf is not known here."""
+        spec, file, offset, length, crc = self.list(item, field, 5)
+        pairs = self.list(spec, f"{field} (slice)", None if shape is None else len(shape))
+        spec = tuple(
+            (self.int(a, f"{field} (slice)"), self.int(b, f"{field} (slice)"))
+            for a, b in (self.list(pair, f"{field} (slice)", 2) for pair in pairs)
+        )
+        bounds = shape if shape is not None else (MAX_INT,) * len(spec)
+        if not all(a <= b <= n for (a, b), n in zip(spec, bounds)):
+            raise self.fail(field, f"has slice {list(spec)} outside the leaf's shape {list(bounds)}")
+        file = self.int(file, f"{field} (file index)", len(files) - 1)
+        length = self.int(length, f"{field} (length)")
+        if shape is not None and length != slices.volume(spec) * itemsize:
+            raise self.fail(field, f"has length {length}, but its slice {list(spec)} holds {slices.volume(spec) * itemsize} bytes")
+        crc = self.int(crc, f"{field} (crc32c)", 0xFFFFFFFF)
+        if length == 0 and crc != 0:
+            raise self.fail(field, "is empty but has a non-zero crc32c")
+        return PieceEntry(spec, files[file], self.int(offset, f"{field} (offset)"), length, crc)
+
+
+def _check_layout(manifest: Manifest, where: str, complete: bool) -> None:
+    """What no single field shows: names, byte ranges and keys against each other."""
+    linked = manifest.source["path"] if manifest.source else None
+    for name in manifest.files:
+        problem = _file_name_problem(name, linked)
+        if problem:
+            raise CorruptCheckpointError(f"{where}: data file name {name!r} {problem}", file=where)
+    _check_keys(manifest, where)
+    _check_byte_ranges(manifest, where)
+    if complete:
+        for leaf in manifest.leaves:
+            problem = leaf.kind == "array" and slices.tiling_problem(leaf.shape, [p.slice for p in leaf.pieces])
+            if problem:
+                raise CorruptCheckpointError(
+                    f"{where}: the pieces of key {leaf.key!r} do not tile its shape: {problem}", key=leaf.key, file=where
+                )
+
+
+def _file_name_problem(name: str, linked: str | None) -> str | None:
+    """Names stay inside the checkpoint: plain relative paths, or, in a linked checkpoint,
+    ``../<sibling>/...`` under its source."""
+    parts = name.split("/")
+    if linked is not None and name.startswith(linked + "/"):
+        parts = parts[2:]
+    if not name or "\x00" in name or "\\" in name or any(p in ("", ".", "..") for p in parts):
+        return "is not a plain relative path inside the checkpoint"
+    return None
+
+
+def _check_byte_ranges(manifest: Manifest, where: str) -> None:
+    """Every piece lies inside its file, and no two share a byte (so each read is checked
+    against its own crc32c: a range read once serves exactly one piece)."""
+    by_file: dict[str, list[tuple[int, int, str]]] = {}
+    for leaf in manifest.leaves:
+        for p in leaf.pieces:
+            if p.length:
+                by_file.setdefault(p.file, []).append((p.offset, p.offset + p.length, leaf.key))
+    for file, ranges in by_file.items():
+        ranges.sort()
+        size = manifest.files[file]
+        if ranges[-1][1] > size or any(a[1] > b[0] for a, b in zip(ranges, ranges[1:])):
+            bad = next((r for r in ranges if r[1] > size), None) or next(a for a, b in zip(ranges, ranges[1:]) if a[1] > b[0])
+            raise CorruptCheckpointError(
+                f"{where}: a piece of key {bad[2]!r} at bytes [{bad[0]}, {bad[1]}) of {file} overlaps another "
+                f"piece or runs past the file's {size} bytes",
+                key=bad[2], file=where,
+            )
+
+
+def _check_keys(manifest: Manifest, where: str) -> None:
+    """Keys are distinct, and no leaf sits inside another (a tree could not hold both)."""
+    seen: set[str] = set()
+    inner: set[str] = set()
+    for leaf in manifest.leaves:
+        if leaf.key in seen:
+            raise CorruptCheckpointError(f"{where}: key {leaf.key!r} appears twice", key=leaf.key, file=where)
+        seen.add(leaf.key)
+        if leaf.path:
+            parts = leaf.key.split("/")
+            inner.update("/".join(parts[:i]) for i in range(1, len(parts)))
+    clash = next((k for k in seen if k in inner), None)
+    if clash is None and "" in seen and len(seen) > 1:
+        clash = ""
+    if clash is not None:
+        raise CorruptCheckpointError(f"{where}: key {clash!r} is both a leaf and a subtree", key=clash, file=where)
