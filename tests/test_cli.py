@@ -20,6 +20,8 @@ from jax.sharding import PartitionSpec as P
 import tpu_ckpt as tc
 from tests.helpers import leaf, manifest
 
+pytestmark = [pytest.mark.slow]  # every test runs the command in a fresh interpreter
+
 TPU_CKPT = os.path.join(os.path.dirname(sys.executable), "tpu-ckpt")
 COMMANDS = ("ls", "inspect", "verify", "diff", "gc")
 
@@ -249,6 +251,7 @@ def _read_all(fd: int) -> str:
 
 
 
+@pytest.mark.emulator
 def test_ls_verify_and_gc_work_on_object_store_urls(bucket, mesh42):
     """Through the GCS and S3 emulators of tests/object_stores.py (the subprocess inherits
     the environment that points tensorstore at them)."""

@@ -195,6 +195,7 @@ def test_single_bit_flips_of_a_manifest_never_restore_wrong_data(tmp_path):
     assert outcomes["refused"] >= 1900, outcomes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["offset_2_64", "huge_list_index", "infinite_dimension"])
 def test_the_command_line_reports_a_malformed_manifest_without_a_traceback(ckpt, name):
     import subprocess

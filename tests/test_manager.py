@@ -362,6 +362,7 @@ jax.distributed.shutdown()
 """
 
 
+@pytest.mark.multiprocess
 def test_processes_agree_on_the_preemption_step_through_jax(tmp_path):
     """Two real processes save asynchronously every 10 steps, keeping 2. Only the second
     process gets SIGTERM, and both stop and save at the same step."""

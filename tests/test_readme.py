@@ -230,6 +230,7 @@ def test_readme_multi_host_blocks_run_in_two_processes(tmp_path):
         assert r.returncode == 0 and r.result is not None and r.result["ok"], r.output
 
 
+@pytest.mark.emulator
 def test_readme_object_store_blocks_run_against_moto(tmp_path, s3_server):
     try:
         s3_server.create_bucket("ckpts")  # what the README's shell lines do

@@ -162,7 +162,7 @@ class _Decoder:
             raise self.fail(f"{field}.kind", f"must be 'array' or 'value', got {_short(kind)}")
         raw = self.list(doc.get("pieces"), f"{field}.pieces")
         if not self.complete:  # an index file: pieces of leaves whose shape the leader knows
-            pieces = tuple(self.explain_piece(p, f"{field}.pieces[{j}]", None, 0, files) for j, p in enumerate(raw))
+            pieces = tuple(self.piece(p, f"{field}.pieces[{j}]", None, 0, files) for j, p in enumerate(raw))
             return LeafEntry(key, path, "array", pieces=pieces)
         return self.array_leaf(doc, field, key, path, raw, files)
 
@@ -192,18 +192,23 @@ class _Decoder:
             raise self.fail(field, f"has a name containing '/': {_short(name)}")
         return kind, name
 
-    def piece(self, item: Any, field: str, shape: tuple[int, ...], itemsize: int, files: Sequence[str]) -> PieceEntry:
+    def piece(
+        self, item: Any, field: str, shape: tuple[int, ...] | None, itemsize: int, files: Sequence[str]
+    ) -> PieceEntry:
         """One piece, checked inline: a manifest has millions. Only a bad piece takes the slow
-        path, which names exactly what is wrong with it."""
+        path, which names exactly what is wrong with it. ``shape`` None: an index file's piece,
+        whose leaf only the leader knows."""
         try:
             raw, file, offset, length, crc = item
             spec = tuple((a, b) for a, b in raw)
+            bounds = shape if shape is not None else (MAX_INT,) * len(spec)
             ok = (
-                type(item) is list and type(raw) is list and len(spec) == len(shape)
-                and all(type(a) is int and type(b) is int and 0 <= a <= b <= n for (a, b), n in zip(spec, shape))
+                type(item) is list and type(raw) is list and len(spec) == len(bounds)
+                and all(type(a) is int and type(b) is int and 0 <= a <= b <= n for (a, b), n in zip(spec, bounds))
                 and type(file) is int and type(offset) is int and type(length) is int and type(crc) is int
                 and 0 <= file < len(files) and 0 <= offset <= MAX_INT and 0 <= crc <= 0xFFFFFFFF
-                and length == math.prod(b - a for a, b in spec) * itemsize and (length > 0 or crc == 0)
+                and 0 <= length <= MAX_INT and (length > 0 or crc == 0)
+                and (shape is None or length == math.prod(b - a for a, b in spec) * itemsize)
             )
         except (TypeError, ValueError):
             ok = False

@@ -113,10 +113,14 @@ def _plan(path: str | os.PathLike[str], tree: Any, options: CheckpointOptions, i
     return job
 
 
-def _explain(coord: distributed.Coordinator, error: BaseException) -> None:
-    """A lost relay connection usually means the other process failed: raise its reason."""
+def _explain(coord: distributed.Coordinator, error: BaseException, leader: int | None = None) -> None:
+    """Raises the failure of another process that caused ``error``: a lost relay connection
+    usually means the other process failed; a write fails once the leader, having given up,
+    removed the staging area (writes create no directory)."""
     if isinstance(error, relay.RelayConnectionError):
         coord.raise_if_another_failed("save", grace=2.0)
+    elif leader is not None and coord.me != leader and coord.abandoned(leader):
+        coord.raise_if_another_failed("save")
 
 
 @dataclasses.dataclass
@@ -216,7 +220,7 @@ class _Job:
                 coord.report_failure(error)
                 if coord.me != self.leader and coord.abandoned(self.leader):
                     self.abandon(error)  # the leader gave up uncommitted: remove what we wrote since
-            _explain(coord, error)
+            _explain(coord, error, self.leader)
             raise
         finally:
             self.close()
