@@ -232,6 +232,32 @@ def io_device_save_and_restore(directory: str, io: str) -> dict:
     }
 
 
+def save_to_unshared_local_disks(directory: str) -> dict:
+    """Each process in its own directory (its host's local disk) saves to the same relative
+    path without io_device; then a checkpoint only process 0's disk holds (saved with
+    io_device=0) is restored with load_and_broadcast."""
+    me = jax.process_index()
+    local = os.path.join(directory, f"host{me}")
+    os.makedirs(local)
+    os.chdir(local)
+    tree = {"w": _global_array(_job_mesh(), P("data", "model"), BIG), "step": 1}  # 4 MiB per process
+    out = {"process": me}
+    before = _bytes_written()
+    try:
+        tc.save("ckpt", tree, options=tc.CheckpointOptions(coordination_timeout=60))
+        out["save_error"] = None
+    except tc.CheckpointError as e:
+        out.update(save_error=type(e).__name__, save_message=str(e))
+    out["bytes_written_by_save"] = _bytes_written() - before
+    tc.save("only_on_0", tree, options=tc.CheckpointOptions(io_device=0, coordination_timeout=60))
+    try:
+        tc.restore("only_on_0", options=tc.CheckpointOptions(load_and_broadcast=True, coordination_timeout=60))
+        out["restore_error"] = None
+    except tc.CheckpointError as e:
+        out.update(restore_error=type(e).__name__, restore_message=str(e))
+    return out
+
+
 def save_restore_many_processes(directory: str) -> dict:
     """Any number of processes: save on the job mesh, restore onto the reversed one, and
     report the bytes each process wrote for a tree dominated by replicated arrays; then an

@@ -81,11 +81,13 @@ def test_ls_lists_steps_leftovers_sizes_and_file_counts(run_dir):
     assert table["step_1"][3:6] == [f"{size / 1e3:.1f}", "KB", str(files)]
     link = os.path.getsize(run_dir / "serving" / "manifest.json")  # a link's data is its source's
     assert table["serving"][:6] == ["-", "serving", "committed", f"{link / 1e3:.1f}", "KB", "1"]
-    assert table["step_3"][:5] == ["-", "step_3", "uncommitted", "-", "1"] and table["step_3"][5].endswith("s")
-    assert table["step_4.tmp-0a1b2c"][:5] == ["-", "step_4.tmp-0a1b2c", "uncommitted", "-", "2"]  # has a manifest, still staging
+    # A leftover's size is that of its files: a partial data file, and a manifest still staging.
+    assert table["step_3"][:6] == ["-", "step_3", "uncommitted", "7", "B", "1"] and table["step_3"][6].endswith("s")
+    staged = 7 + os.path.getsize(run_dir / "step_4.tmp-0a1b2c" / "manifest.json")
+    assert table["step_4.tmp-0a1b2c"][:6] == ["-", "step_4.tmp-0a1b2c", "uncommitted", f"{staged / 1e3:.1f}", "KB", "2"]
     entries = {e["name"]: e for e in json.loads(tpu_ckpt("ls", run_dir, "--json").stdout)}
     assert entries["step_2"]["step"] == 2 and entries["step_2"]["nbytes"] == size and entries["step_2"]["files"] == files
-    assert entries["step_4.tmp-0a1b2c"]["committed"] is False
+    assert entries["step_4.tmp-0a1b2c"]["committed"] is False and entries["step_4.tmp-0a1b2c"]["nbytes"] == staged
 
 
 def test_inspect_shows_the_tree_with_slot_flags(run_dir):
@@ -163,7 +165,8 @@ def changed(run_dir, mesh24):
 def test_diff_values_finds_exactly_the_leaf_that_differs(run_dir, changed):
     result = tpu_ckpt("diff", run_dir / "step_1", changed, "--values")
     assert result.returncode == 1 and result.stderr == ""
-    assert result.stdout.splitlines() == ["~  params/w  data differs", "1 difference"]  # NaNs in params/b are equal
+    # w[5, 2] was 22, is -1; the NaNs in params/b are equal.
+    assert result.stdout.splitlines() == ["~  params/w  data differs in 1 of 32 elements, max abs diff 23", "1 difference"]
     same = tpu_ckpt("diff", run_dir / "step_1", run_dir / "step_2", "--values")
     assert same.returncode == 0 and same.stdout == "no differences\n"
 
@@ -191,7 +194,10 @@ def test_gc_dry_run_removes_nothing(run_dir):
     before = sorted(os.listdir(run_dir))
     result = tpu_ckpt("gc", run_dir, "--dry-run")
     assert result.returncode == 0
-    assert result.stdout.splitlines() == ["would remove step_3 (uncommitted, 1 file)", "would remove step_4.tmp-0a1b2c (uncommitted, 2 files)"]
+    staged = f'{(7 + os.path.getsize(run_dir / "step_4.tmp-0a1b2c" / "manifest.json")) / 1e3:.1f} KB'
+    assert result.stdout.splitlines() == [
+        "would remove step_3 (uncommitted, 1 file, 7 B)", f"would remove step_4.tmp-0a1b2c (uncommitted, 2 files, {staged})",
+    ]
     assert sorted(os.listdir(run_dir)) == before
 
 
@@ -199,7 +205,7 @@ def test_gc_removes_leftovers_only(run_dir, tmp_path):
     directory = tmp_path / "run"
     shutil.copytree(run_dir, directory)
     result = tpu_ckpt("gc", directory)
-    assert result.returncode == 0 and result.stdout.splitlines()[0] == "removed step_3 (uncommitted, 1 file)"
+    assert result.returncode == 0 and result.stdout.splitlines()[0] == "removed step_3 (uncommitted, 1 file, 7 B)"
     assert sorted(os.listdir(directory)) == ["notes", "serving", "step_1", "step_2"]
     assert tc.CheckpointManager(directory).all_steps() == [1, 2]
     assert tpu_ckpt("verify", directory / "step_2").returncode == 0
@@ -215,13 +221,69 @@ def test_a_missing_path_is_one_line_no_traceback(command, tmp_path):
     assert result.stderr.count("\n") == 1
 
 
-def test_a_directory_of_checkpoints_given_as_one_names_them(run_dir):
-    result = tpu_ckpt("inspect", run_dir)
-    assert result.returncode == 2
+def test_a_directory_of_checkpoints_given_to_diff_is_named_as_such(run_dir):
+    """The library's own message (tests/test_manager_dirs.py), not "an interrupted save"."""
+    result = tpu_ckpt("diff", run_dir, run_dir / "step_1")
+    assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == (
-        f"tpu-ckpt: error: {run_dir} is a directory of checkpoints, not a checkpoint; name one of them, "
-        f"e.g. {run_dir}/step_2 (see `tpu-ckpt ls {run_dir}`)\n"
+        f"tpu-ckpt: error: {run_dir} is a directory of checkpoints, not a checkpoint: it holds step_1, step_2, serving. "
+        f'Name one of them, e.g. tc.restore("{run_dir}/step_2") or tc.CheckpointManager("{run_dir}").restore(2).\n'
     )
+
+
+def test_inspect_of_a_manager_directory_shows_its_latest_step(run_dir):
+    result = tpu_ckpt("inspect", run_dir)
+    assert result.returncode == 0
+    assert result.stdout == tpu_ckpt("inspect", run_dir / "step_2").stdout
+    assert result.stderr == f"tpu-ckpt: {run_dir} is a directory of checkpoints; showing the latest, {run_dir}/step_2\n"
+    assert json.loads(tpu_ckpt("inspect", run_dir, "--json").stdout)["path"] == f"{run_dir}/step_2"
+
+
+def test_verify_of_a_manager_directory_verifies_every_checkpoint_in_it(run_dir, tmp_path):
+    result = tpu_ckpt("verify", run_dir)
+    assert result.returncode == 0 and result.stderr == ""
+    lines = result.stdout.splitlines()
+    assert [line.split(":")[:2] for line in lines[:3]] == [["ok", f" {run_dir}/{name}"] for name in ("step_1", "step_2", "serving")]
+    assert lines[3:] == [f"ok: all 3 checkpoints in {run_dir}"]
+    directory = tmp_path / "run"
+    shutil.copytree(run_dir, directory)
+    piece = leaf(directory / "step_2", "params/w")["pieces"][0]
+    os.truncate(directory / "step_2" / piece["file"], piece["offset"] + 1)
+    result = tpu_ckpt("verify", directory)
+    assert result.returncode == 1
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(f"ok: {directory}/step_1") and lines[-2].startswith(f"ok: {directory}/serving")
+    assert any(line.startswith(f"truncated: {directory}/step_2/{piece['file']}") for line in lines)
+    assert lines[-1] == f"FAILED: 1 of 3 checkpoints in {directory}: step_2"
+
+
+def test_global_flags_are_accepted_after_the_command(run_dir):
+    for args in (["-v", "verify", run_dir / "step_1"], ["verify", "-v", run_dir / "step_1"], ["verify", run_dir / "step_1", "--verbose"]):
+        result = tpu_ckpt(*args)
+        assert result.returncode == 0 and result.stdout.startswith("ok: "), args
+        assert "tpu_ckpt: verified" in result.stderr, args  # the library's log
+    assert tpu_ckpt("verify", run_dir / "step_1").stderr == ""
+    version = tpu_ckpt("ls", "--version")
+    assert version.returncode == 0 and version.stdout == f"tpu-ckpt {tc.__version__}\n"
+
+
+def test_ls_of_a_directory_without_checkpoints_fails_and_names_the_subdirectories_that_hold_some(tmp_path):
+    for name in ("a/step_1", "a/step_2", "b/step_5", "b/step_6.tmp-0a1b2c"):
+        tc.save(tmp_path / "top" / name, {"step": 1}).wait()
+    os.makedirs(tmp_path / "top" / "notes")
+    result = tpu_ckpt("ls", tmp_path / "top")
+    assert result.returncode == 1 and result.stderr == ""
+    assert [line.split() for line in result.stdout.splitlines()] == [
+        ["no", "checkpoints", "in", str(tmp_path / "top")],
+        ["these", "subdirectories", "hold", "some:"],
+        [f"{tmp_path}/top/a", "2", "checkpoints"],
+        [f"{tmp_path}/top/b", "1", "checkpoint"],  # a staging directory is no checkpoint
+    ]
+    as_json = tpu_ckpt("ls", tmp_path / "top", "--json")
+    assert as_json.returncode == 1 and json.loads(as_json.stdout) == [] and f"{tmp_path}/top/a" in as_json.stderr
+    os.makedirs(tmp_path / "empty")
+    empty = tpu_ckpt("ls", tmp_path / "empty")
+    assert empty.returncode == 1 and empty.stdout == f"no checkpoints in {tmp_path / 'empty'}\n"
 
 
 def test_progress_bar_is_drawn_on_a_terminal(run_dir):
@@ -308,4 +370,20 @@ def test_diff_compares_bits_of_every_dtype(tmp_path, mesh42):
     tc.save(tmp_path / "b", tree(0, 0.0)).wait()
     tc.save(tmp_path / "c", tree(1, -0.0)).wait()  # another NaN payload, and -0.0 == 0.0 but not bitwise
     assert diff(tmp_path / "a", tmp_path / "b", values=True) == []
-    assert [(c.kind, c.key) for c in diff(tmp_path / "a", tmp_path / "c", values=True)] == [("data", "nan"), ("data", "zero")]
+    changes = diff(tmp_path / "a", tmp_path / "c", values=True)
+    assert [(c.kind, c.key, c.differing, c.elements) for c in changes] == [("data", "nan", 1, 2), ("data", "zero", 1, 1)]
+    assert np.isnan(changes[0].max_abs_diff) and changes[1].max_abs_diff == 0.0  # -0.0 vs 0.0: other bits, same value
+
+
+def test_diff_values_counts_and_measures_across_differently_cut_pieces(tmp_path, mesh42, mesh24):
+    from tpu_ckpt.diff import diff
+
+    w = np.arange(64, dtype=np.float32).reshape(8, 8)
+    changed = w.copy()
+    changed[[0, 3, 7], [1, 4, 7]] += [0.5, -2.0, 1e3]
+    i = np.array([-128, 0, 127], np.int8)
+    tc.save(tmp_path / "a", {"w": jax.device_put(w, NamedSharding(mesh42, P("data", "model"))), "i": i}).wait()
+    tc.save(tmp_path / "b", {"w": jax.device_put(changed, NamedSharding(mesh24, P("data", "model"))), "i": i[::-1]}).wait()
+    assert [(c.key, c.differing, c.elements, c.max_abs_diff) for c in diff(tmp_path / "a", tmp_path / "b", values=True)] == [
+        ("i", 2, 3, 255.0), ("w", 3, 64, 1e3),  # 127 - -128 measured wide, not wrapped in int8
+    ]

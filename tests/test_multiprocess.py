@@ -52,7 +52,8 @@ def test_a_straggler_is_named_when_the_timeout_passes(tmp_path):
     zero = results[0].result
     assert zero["error"] == "CoordinationTimeoutError", zero
     assert zero["missing"] == [1]
-    assert "processes [1] did not reach stage 'written'" in zero["message"]
+    # The first save into a directory waits for everyone before writing, to prove they share it.
+    assert "processes [1] did not reach stage 'shared'" in zero["message"]
     assert results[1].result["error"] in ("RemoteProcessError", "CoordinationTimeoutError")
     assert os.listdir(tmp_path) == []
 
@@ -95,6 +96,22 @@ def test_io_device_one_process_does_all_the_storage_io(tmp_path):
     assert restored["step"] == 7
 
 
+def test_a_local_path_that_is_not_shared_fails_the_save_before_any_data_is_written(tmp_path):
+    results = _ok(multiprocess.run("save_to_unshared_local_disks", 2, str(tmp_path)))
+    for res in results:
+        assert res["save_error"] == "CheckpointError", res
+        message = res["save_message"]
+        assert "process 1 cannot see the staging directory" in message, message
+        assert "gs://" in message and "s3://" in message and "shared file system" in message and "io_device" in message
+        assert res["bytes_written_by_save"] < 1 << 20, res  # its 4 MiB of data: not written, not even to be removed
+        # A checkpoint on process 0's disk only: the restore names the process that cannot see it.
+        assert res["restore_error"] == "CheckpointError", res
+        assert "process 1 cannot see the checkpoint that process 0 reads" in res["restore_message"], res
+    assert os.listdir(tmp_path / "host0") == ["only_on_0"]  # nothing of "ckpt", not even its staging area
+    assert os.listdir(tmp_path / "host1") == []
+    assert not [f for _, _, names in os.walk(tmp_path / "host1") for f in names]
+
+
 def test_four_processes_save_async_and_restore_with_balanced_writes(tmp_path):
     results = _ok(multiprocess.run("save_restore_many_processes", 4, str(tmp_path)))
     assert all(r["restored_ok"] and r["needs_other_process_pieces"] for r in results), results
@@ -133,7 +150,7 @@ def test_four_processes_name_every_straggler(tmp_path):
     zero = results[0].result
     assert zero["error"] == "CoordinationTimeoutError", zero
     assert zero["missing"] == [2, 3]
-    assert "processes [2, 3] did not reach stage 'written'" in zero["message"]
+    assert "processes [2, 3] did not reach stage 'shared'" in zero["message"]
     assert os.listdir(tmp_path) == []
 
 

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+import textwrap
 import time
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -21,21 +22,16 @@ import tpu_ckpt
 from tpu_ckpt import listing, storage
 from tpu_ckpt.committed import read_manifest
 from tpu_ckpt.diff import Change, diff
-from tpu_ckpt.errors import CheckpointError, UncommittedCheckpointError
+from tpu_ckpt.errors import CheckpointError, CheckpointNotFoundError
 from tpu_ckpt.format import LeafEntry, Manifest
 from tpu_ckpt.progress import Progress
 from tpu_ckpt.verify import verify
 
 PROG = "tpu-ckpt"
 _EXIT_STATUS = (
-    "exit status: 0 ok; 1 verification failed, or the checkpoints differ; 2 a usage error, or a "
-    "path that holds no (committed) checkpoint."
+    "exit status: 0 ok; 1 verification failed, the checkpoints differ, or ls found nothing; 2 a "
+    "usage error, or a path that holds no (committed) checkpoint."
 )
-
-
-class UserError(Exception):
-    """A mistake in what was asked (a wrong path, a directory for a checkpoint): one line on
-    stderr, no traceback."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -48,9 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return status
     except KeyboardInterrupt:
         return 130
-    except UncommittedCheckpointError as e:
-        _error(_directory_hint(e.file) or str(e))
-    except (UserError, CheckpointError, OSError, ValueError) as e:
+    except (CheckpointError, OSError, ValueError) as e:
         if isinstance(e, BrokenPipeError):  # `tpu-ckpt inspect X | head`: the reader left
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 1
@@ -68,17 +62,29 @@ def _parser() -> argparse.ArgumentParser:
         description="Look at, verify, compare and clean up tpu_ckpt checkpoints. Paths are local "
         "directories or gs:// and s3:// URLs, with the environment tpu_ckpt itself reads.",
         epilog=_EXIT_STATUS,
+        parents=[_global_flags()],
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what the library does")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {tpu_ckpt.__version__}")
+    parser.set_defaults(verbose=False)
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     for add in (_add_ls, _add_inspect, _add_verify, _add_diff, _add_gc):
         add(commands)
     return parser
 
 
+def _global_flags() -> argparse.ArgumentParser:
+    """The flags every command takes as well, so that they may come before the command or
+    after it (`tpu-ckpt verify -v X`). Unset, they are left out of the namespace (SUPPRESS):
+    a command's parser must not overwrite what was given before the command."""
+    flags = argparse.ArgumentParser(add_help=False)
+    flags.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log what the library does")
+    flags.add_argument("--version", action="version", version=f"{PROG} {tpu_ckpt.__version__}")
+    return flags
+
+
 def _command(commands: Any, name: str, summary: str, description: str, exits: str) -> argparse.ArgumentParser:
-    return commands.add_parser(name, help=summary, description=description, epilog=f"exit status: {exits}")
+    return commands.add_parser(
+        name, help=summary, description=description, epilog=f"exit status: {exits}", parents=[_global_flags()]
+    )
 
 
 # ls
@@ -89,8 +95,9 @@ def _add_ls(commands: Any) -> None:
         commands, "ls", "list the checkpoints in a directory",
         "List the checkpoints directly under DIR (a CheckpointManager directory, or any directory holding "
         "checkpoints) and the uncommitted leftovers of interrupted saves: step, state, size, file count and "
-        "age (local directories only).",
-        "0 listed; 2 DIR does not exist or is a checkpoint itself.",
+        "age (local directories only; a leftover's size is that of its files, unknown on object stores). "
+        "When DIR holds none, the subdirectories that do are suggested.",
+        "0 listed; 1 DIR holds no checkpoints and no leftovers; 2 DIR does not exist or is a checkpoint itself.",
     )
     p.add_argument("dir", metavar="DIR", help="a directory or gs:// / s3:// prefix")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -101,9 +108,10 @@ def _ls(args: argparse.Namespace) -> int:
     entries = listing.scan(args.dir)
     if args.json:
         print(json.dumps([dataclasses.asdict(e) for e in entries], indent=2))
-    elif not entries:
-        print(f"no checkpoints in {args.dir}")
-    else:
+    if not entries:
+        _nothing_in(args.dir, file=sys.stderr if args.json else sys.stdout)
+        return 1
+    if not args.json:
         now = time.time()
         rows = [
             [_or_dash(e.step), e.name, _state(e), _or_dash(e.nbytes, _size), str(e.files), _or_dash(e.mtime, lambda t: _age(now - t))]
@@ -114,6 +122,18 @@ def _ls(args: argparse.Namespace) -> int:
             if e.error:
                 print(f"{e.name}: {e.error}")
     return 0
+
+
+def _nothing_in(directory: str, file: Any) -> None:
+    """Says that ``directory`` holds no checkpoints, and which of its subdirectories do: the
+    usual slip is naming the directory above a CheckpointManager's."""
+    print(f"no checkpoints in {directory}", file=file)
+    below = listing.nested(directory)
+    if below:
+        print("these subdirectories hold some:", file=file)
+        location = storage.location(directory)
+        rows = [[location.child(name), _plural(count, "checkpoint")] for name, count in below.items()]
+        print(textwrap.indent(_table(rows), "  "), file=file)
 
 
 def _state(entry: listing.Entry) -> str:
@@ -129,17 +149,26 @@ def _add_inspect(commands: Any) -> None:
     p = _command(
         commands, "inspect", "show a checkpoint's tree",
         "Show the tree saved in a checkpoint, from its manifest alone (no data is read): each leaf's key, "
-        "shape, dtype, saved sharding, whether it is an optimizer slot, and its size.",
+        "shape, dtype, saved sharding, whether it is an optimizer slot, and its size. Given a directory of "
+        "checkpoints (a CheckpointManager's), shows its latest step and says so on stderr.",
         "0 shown; 2 PATH holds no committed checkpoint.",
     )
-    p.add_argument("path", metavar="PATH", help="a checkpoint (directory or URL)")
+    p.add_argument("path", metavar="PATH", help="a checkpoint, or a directory of them (directory or URL)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=_inspect)
 
 
 def _inspect(args: argparse.Namespace) -> int:
     loc = storage.location(args.path)
-    manifest = read_manifest(loc)
+    try:
+        manifest = read_manifest(loc)
+    except CheckpointNotFoundError as e:
+        steps = {step: name for name, step in _checkpoints_under(args.path, e).items() if step is not None}
+        if not steps:
+            raise
+        loc = storage.Location(loc.child(steps[max(steps)]))
+        print(f"{PROG}: {args.path} is a directory of checkpoints; showing the latest, {loc.url}", file=sys.stderr)
+        manifest = read_manifest(loc)
     if args.json:
         print(json.dumps(_inspect_json(loc.url, manifest), indent=2))
         return 0
@@ -210,27 +239,42 @@ def _add_verify(commands: Any) -> None:
         commands, "verify", "check every data file and every piece's crc32c",
         "Read every byte of a checkpoint, in parallel, and check that the manifest is committed and "
         "readable, that every data file exists and is long enough, and every piece's crc32c. Lists "
-        "everything that is wrong, not only the first problem.",
+        "everything that is wrong, not only the first problem. Given a directory of checkpoints (a "
+        "CheckpointManager's), verifies every checkpoint in it, one after the other (its uncommitted "
+        "leftovers are not checkpoints: see ls and gc).",
         "0 sound; 1 something is wrong (uncommitted included); 2 PATH holds nothing at all.",
     )
-    p.add_argument("path", metavar="PATH", help="a checkpoint (directory or URL)")
+    p.add_argument("path", metavar="PATH", help="a checkpoint, or a directory of them (directory or URL)")
     p.set_defaults(run=_verify)
 
 
 def _verify(args: argparse.Namespace) -> int:
+    try:
+        return 0 if _verify_one(args.path) else 1
+    except CheckpointNotFoundError as e:
+        names = list(_checkpoints_under(args.path, e))
+    location = storage.location(args.path)
+    failed = [name for name in names if not _verify_one(location.child(name))]
+    if failed:
+        print(f"FAILED: {len(failed)} of {_plural(len(names), 'checkpoint')} in {args.path}: {', '.join(failed)}")
+        return 1
+    print(f"ok: all {_plural(len(names), 'checkpoint')} in {args.path}")
+    return 0
+
+
+def _verify_one(path: str) -> bool:
+    """Verifies one checkpoint, printing its problems and a summary line; whether it is sound."""
     started = time.perf_counter()
     with Progress("verifying") as bar:
-        report = verify(args.path, progress=bar)
-    if any(p.kind == "uncommitted" for p in report.problems) and (hint := _directory_hint(args.path)):
-        raise UserError(hint)
+        report = verify(path, progress=bar)
     for problem in report.problems:
         print(problem)
     summary = f"{report.path}: {report.leaves} leaves, {report.pieces} pieces, {_size(report.nbytes)}"
     if report.ok:
         print(f"ok: {summary} checked in {time.perf_counter() - started:.1f}s")
-        return 0
-    print(f"FAILED: {summary}: {_plural(len(report.problems), 'problem')}")
-    return 1
+    else:
+        print(f"FAILED: {summary}: {_plural(len(report.problems), 'problem')}")
+    return report.ok
 
 
 # diff
@@ -240,7 +284,8 @@ def _add_diff(commands: Any) -> None:
     p = _command(
         commands, "diff", "compare two checkpoints",
         "Compare checkpoint B with checkpoint A: keys added (+) and removed (-), shape, dtype and saved "
-        "value changes (~), and with --values the arrays whose data differ (bit for bit: NaN equals NaN). "
+        "value changes (~), and with --values the arrays whose data differ (bit for bit: NaN equals NaN), "
+        "each with how many elements differ and the largest absolute difference among them. "
         "Data is compared a piece at a time, so memory stays bounded.",
         "0 no differences; 1 differences found; 2 A or B holds no committed checkpoint, or a piece read "
         "for --values is corrupt (run verify).",
@@ -263,7 +308,11 @@ def _diff(args: argparse.Namespace) -> int:
 
 def _change_row(change: Change) -> list[str]:
     sign = {"added": "+", "removed": "-"}.get(change.kind, "~")
-    described = {"added": change.after, "removed": change.before, "data": "data differs"}
+    data = (
+        f"data differs in {change.differing} of {_plural(change.elements, 'element')}, "
+        f"max abs diff {change.max_abs_diff:.6g}"
+    )
+    described = {"added": change.after, "removed": change.before, "data": data}
     return [sign, change.key, described.get(change.kind, f"{change.kind} {change.before} -> {change.after}")]
 
 
@@ -293,26 +342,24 @@ def _gc(args: argparse.Namespace) -> int:
         listing.remove_leftovers(args.dir, [e.name for e in leftovers])
     verb = "would remove" if args.dry_run else "removed"
     for e in leftovers:
-        print(f"{verb} {e.name} (uncommitted, {_plural(e.files, 'file')})")
+        size = "" if e.nbytes is None else f", {_size(e.nbytes)}"
+        print(f"{verb} {e.name} (uncommitted, {_plural(e.files, 'file')}{size})")
     return 0
 
 
 # shared
 
 
-def _directory_hint(path: str | None) -> str | None:
-    """For a path given as a checkpoint that is really a directory of them, which to name."""
+def _checkpoints_under(path: str, error: CheckpointNotFoundError) -> dict[str, int | None]:
+    """The checkpoints in ``path``, named as one checkpoint, which failed with ``error``:
+    a directory of them is handled by the command; anything else re-raises ``error``."""
     try:
-        committed = [e for e in listing.scan(path) if e.committed] if path else []
-    except (CheckpointError, OSError, ValueError):
-        return None
-    if not committed:
-        return None
-    latest = max(committed, key=lambda e: -1 if e.step is None else e.step)
-    return (
-        f"{path} is a directory of checkpoints, not a checkpoint; name one of them, e.g. "
-        f"{storage.Location(path).child(latest.name)} (see `{PROG} ls {path}`)"
-    )
+        found = listing.checkpoints_in(path) if type(error) is CheckpointNotFoundError else {}
+    except (CheckpointError, OSError):
+        found = {}
+    if not found:
+        raise error
+    return found
 
 
 def _table(rows: list[list[str]], right: Collection[int] = ()) -> str:

@@ -6,9 +6,9 @@ Shared by restore, export and the command line (verify, diff, ls).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, NoReturn
 
-from tpu_ckpt import storage
+from tpu_ckpt import listing, storage
 from tpu_ckpt.decode import decode_manifest
 from tpu_ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UncommittedCheckpointError
 from tpu_ckpt.format import MANIFEST_FILE, Manifest, crc32c
@@ -18,18 +18,42 @@ def read_manifest(loc: storage.Location) -> Manifest:
     """The committed manifest at ``loc``; a typed error if there is none or it is unusable."""
     with storage.Store(loc, threads=1) as store:
         data = store.read_file(MANIFEST_FILE)
+        files = store.list() if data is None else []
     if data is None:
-        if storage.is_empty(loc) and not storage.has_staging_leftover(loc):
-            raise CheckpointNotFoundError(f"No checkpoint at {loc.url}", file=loc.url)
-        raise UncommittedCheckpointError(
-            f"{loc.url} holds an uncommitted checkpoint (no {MANIFEST_FILE}): its save was "
-            "interrupted or failed, so it is not restorable. Restore an earlier checkpoint.",
-            file=loc.url,
-        )
+        _raise_missing(loc, files)
     manifest = decode_manifest(data, where=loc.child(MANIFEST_FILE))
     if manifest.source is not None:
         _check_link(loc, manifest.source)
     return manifest
+
+
+def _raise_missing(loc: storage.Location, files: list[str]) -> NoReturn:
+    """Why there is no manifest, told from one listing of ``loc``: nothing there, an
+    interrupted save, or a directory of checkpoints (a CheckpointManager's) named instead of
+    one of them, which is not an interrupted save and must not be reported as one."""
+    found = listing.checkpoints(files)
+    if found:
+        raise CheckpointNotFoundError(_directory_of_checkpoints(loc, found), file=loc.url)
+    if not files and storage.is_empty(loc) and not storage.has_staging_leftover(loc):
+        raise CheckpointNotFoundError(f"No checkpoint at {loc.url}", file=loc.url)
+    raise UncommittedCheckpointError(
+        f"{loc.url} holds an uncommitted checkpoint (no {MANIFEST_FILE}): its save was "
+        "interrupted or failed, so it is not restorable. Restore an earlier checkpoint.",
+        file=loc.url,
+    )
+
+
+def _directory_of_checkpoints(loc: storage.Location, found: dict[str, int | None]) -> str:
+    names = list(found)
+    shown = ", ".join(names if len(names) <= 6 else [*names[:3], "...", *names[-2:]])
+    counted = "" if len(names) <= 6 else f" ({len(names)} checkpoints)"
+    steps = {step: name for name, step in found.items() if step is not None}
+    latest = steps[max(steps)] if steps else names[-1]
+    manager = f' or tc.CheckpointManager("{loc.url}").restore({max(steps)})' if steps else ""
+    return (
+        f"{loc.url} is a directory of checkpoints, not a checkpoint: it holds {shown}{counted}. "
+        f'Name one of them, e.g. tc.restore("{loc.child(latest)}"){manager}.'
+    )
 
 
 def _check_link(loc: storage.Location, source: dict[str, Any]) -> None:

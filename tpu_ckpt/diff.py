@@ -36,6 +36,9 @@ class Change:
     key: str
     before: str = ""  # the leaf in ``a``, described (e.g. ``float32[8, 4]``) where it matters
     after: str = ""  # the same in ``b``
+    differing: int = 0  # data: how many of the leaf's elements differ (bit for bit)
+    elements: int = 0  # data: how many elements the leaf has
+    max_abs_diff: float = 0.0  # data: the largest |b - a| among those that differ; NaN if one is NaN
 
 
 def diff(
@@ -98,33 +101,34 @@ def _data_changes(
     pairs: list[tuple[LeafEntry, LeafEntry]],
     progress: Callable[[int, int], None] | None,
 ) -> list[Change]:
-    """The leaves whose data differ. Two IO threads per checkpoint suffice: a piece of ``a``
-    and the pieces of ``b`` it overlaps are read at once, and nothing more (more threads
-    would only leave more freed buffers in the allocator's per-thread arenas)."""
+    """The leaves whose data differ, each compared to the end to count its differences. Two
+    IO threads per checkpoint suffice: a piece of ``a`` and the pieces of ``b`` it overlaps
+    are read at once, and nothing more (more threads would only leave more freed buffers in
+    the allocator's per-thread arenas)."""
     report = progress or (lambda done, total: None)
     total, done = sum(a.nbytes for a, _ in pairs), 0
     changes = []
     with storage.Store(loc_a, threads=2) as store_a, storage.Store(loc_b, threads=2) as store_b:
         for a, b in pairs:
-            leaf_start = done
-            for equal, nbytes in _compared_pieces(store_a, a, store_b, b):
-                if not equal:
-                    changes.append(Change("data", a.key))
-                    break
+            differing, largest = 0, 0.0
+            for count, biggest, nbytes in _compared_pieces(store_a, a, store_b, b):
+                differing += count
+                largest = float(np.maximum(largest, biggest))  # NaN, once met, stays
                 done += nbytes
                 report(done, total)
-            done = leaf_start + a.nbytes
-            report(done, total)
+            if differing:
+                changes.append(Change("data", a.key, differing=differing, elements=math.prod(a.shape), max_abs_diff=largest))
     return changes
 
 
 def _compared_pieces(
     store_a: storage.Store, a: LeafEntry, store_b: storage.Store, b: LeafEntry
-) -> Iterator[tuple[bool, int]]:
-    """Compares one leaf a piece of ``a`` at a time, yielding (equal, bytes) for each. A piece
-    of ``b`` is kept only while pieces of ``a`` still to come overlap it (``a``'s pieces go
-    in slice order, so that is few)."""
-    raw = np.dtype(f"V{dtype_from_name(a.dtype).itemsize}")  # compare bits, whatever the dtype
+) -> Iterator[tuple[int, float, int]]:
+    """Compares one leaf a piece of ``a`` at a time, yielding (elements that differ, their
+    largest |b - a|, bytes) for each. A piece of ``b`` is kept only while pieces of ``a``
+    still to come overlap it (``a``'s pieces go in slice order, so that is few)."""
+    dtype = dtype_from_name(a.dtype)
+    raw = np.dtype(f"V{dtype.itemsize}")  # compare bits, whatever the dtype
     plan = [(p, read_plan.overlapping(b, p.slice)) for p in sorted(a.pieces, key=lambda p: p.slice) if p.length]
     uses = collections.Counter(q for _, overlaps in plan for q in overlaps)
     held: dict[PieceEntry, np.ndarray] = {}
@@ -132,15 +136,32 @@ def _compared_pieces(
         wanted = {q: _start(store_b, b.key, q) for q in overlaps if q not in held}
         mine = _array(_start(store_a, a.key, piece), a.key, piece, raw)
         held.update((q, _array(future, b.key, q, raw)) for q, future in wanted.items())
-        equal = True
+        differing, largest = 0, 0.0
         for q in overlaps:
             common = read_plan.intersect(piece.slice, q.slice)
             if common is not None:
-                equal = equal and np.array_equal(mine[read_plan.relative(common, piece.slice)], held[q][read_plan.relative(common, q.slice)])
+                count, biggest = _differences(
+                    mine[read_plan.relative(common, piece.slice)], held[q][read_plan.relative(common, q.slice)], dtype
+                )
+                differing += count
+                largest = float(np.maximum(largest, biggest))  # NaN, once met, stays
             uses[q] -= 1
             if not uses[q]:
                 del held[q]
-        yield equal, piece.length
+        yield differing, largest, piece.length
+
+
+def _differences(mine: np.ndarray, theirs: np.ndarray, dtype: np.dtype) -> tuple[int, float]:
+    """How many elements' bits differ, and the largest |theirs - mine| among them (0 for
+    -0.0 against 0.0, NaN where either is NaN). Only the differing elements are widened, so
+    equal data costs one boolean mask."""
+    differs = mine != theirs
+    count = int(np.count_nonzero(differs))
+    if not count:
+        return 0, 0.0
+    wide = np.complex128 if np.issubdtype(dtype, np.complexfloating) else np.float64
+    before, after = (x[differs].view(dtype).astype(wide) for x in (mine, theirs))
+    return count, float(np.max(np.abs(after - before)))
 
 
 def _start(store: storage.Store, key: str, piece: PieceEntry) -> concurrent.futures.Future:

@@ -137,8 +137,7 @@ class Coordinator:
         connection closed) a moment before the peer could say why."""
         deadline = time.monotonic() + grace
         while True:
-            failures = self._entries(_ERROR) if self._client is not None else {}
-            failures.pop(self.me, None)
+            failures = self._failures()
             if failures or time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
@@ -165,10 +164,14 @@ class Coordinator:
         deadline = time.monotonic() + self.timeout
         delay = 0.001
         while True:
+            # Failures first: a value its sender published before reporting a failure is then
+            # seen, and counts (what it waited for came, even if someone failed since).
+            failed = bool(self._failures())
             arrived = self._entries(stage)
-            if expected <= arrived.keys():  # what it waited for came, even if someone failed since
+            if expected <= arrived.keys():
                 return {p: arrived[p] for p in expected}
-            self.raise_if_another_failed(stage)
+            if failed:
+                self.raise_if_another_failed(stage)
             if time.monotonic() > deadline:
                 missing = sorted(expected - arrived.keys())
                 raise CoordinationTimeoutError(
@@ -180,6 +183,11 @@ class Coordinator:
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
+
+    def _failures(self) -> dict[int, str]:
+        failures = self._entries(_ERROR) if self._client is not None else {}
+        failures.pop(self.me, None)
+        return failures
 
     def _entries(self, stage: str) -> dict[int, str]:
         entries = self._client.key_value_dir_get(f"{self.prefix}/{stage}/")

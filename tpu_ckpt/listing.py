@@ -10,11 +10,11 @@ user's own files and directories) is neither listed nor removed.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
 import re
-from collections import Counter
 
 from tpu_ckpt import storage
 from tpu_ckpt.decode import decode_manifest
@@ -45,7 +45,8 @@ class Entry:
     step: int | None  # the step a CheckpointManager sees it as, if any
     committed: bool
     files: int  # files stored under it
-    nbytes: int | None  # data files + manifest, from the manifest; None if uncommitted or unreadable
+    nbytes: int | None  # committed: data files + manifest, from the manifest; a leftover: its files
+    # on a local disk; None if unreadable, or a leftover on an object store
     mtime: float | None  # commit time (manifest mtime) or last change; local directories only
     error: str | None = None  # why a manifest that exists could not be read
 
@@ -56,6 +57,45 @@ def scan(directory: str | os.PathLike[str]) -> list[Entry]:
     Raises CheckpointNotFoundError for a local directory that does not exist, and
     CheckpointError when ``directory`` is itself a checkpoint.
     """
+    loc, files = _listed(directory)
+    listing = parse_listing(files)
+    under: dict[str, list[str]] = collections.defaultdict(list)
+    for path in files:
+        top, inside, rest = path.partition("/")
+        if inside:
+            under[top].append(rest)
+    leftovers = set(listing.leftovers) | {top for top in under if STAGING.fullmatch(top)}
+    entries = [_committed(loc, name, step, len(under[name])) for name, step in checkpoints(files).items()]
+    entries += [_leftover(loc, name, under[name]) for name in leftovers]
+    return sorted(entries, key=lambda e: (e.step is None, e.step or 0, e.name))
+
+
+def checkpoints(files: list[str]) -> dict[str, int | None]:
+    """The checkpoints directly under a directory, given every file under it: name -> the
+    step a CheckpointManager sees it as (None if it sees none), by step then name."""
+    steps = {name: step for step, name in parse_listing(files).committed.items()}
+    named = {top for top, _, rest in (path.partition("/") for path in files) if rest == MANIFEST_FILE and not STAGING.fullmatch(top)}
+    return {name: steps.get(name) for name in sorted(named, key=lambda n: (n not in steps, steps.get(n, 0), n))}
+
+
+def checkpoints_in(directory: str | os.PathLike[str]) -> dict[str, int | None]:
+    """:func:`checkpoints` of ``directory``, from one listing and no manifest read."""
+    return checkpoints(_listed(directory)[1])
+
+
+def nested(directory: str | os.PathLike[str]) -> dict[str, int]:
+    """The subdirectories of ``directory`` that hold checkpoints themselves, with how many:
+    where to look when ``directory`` holds none (one listing, no manifest read)."""
+    found: dict[str, set[str]] = collections.defaultdict(set)
+    for path in _listed(directory)[1]:
+        parts = path.split("/")
+        if len(parts) == 3 and parts[2] == MANIFEST_FILE and not any(STAGING.fullmatch(p) for p in parts[:2]):
+            found[parts[0]].add(parts[1])
+    return {name: len(found[name]) for name in sorted(found)}
+
+
+def _listed(directory: str | os.PathLike[str]) -> tuple[storage.Location, list[str]]:
+    """The directory and every file under it; typed errors when it is none, or a checkpoint."""
     loc = storage.location(directory)
     if loc.is_local and not os.path.isdir(loc.local_path):
         raise CheckpointNotFoundError(f"{loc.url} is not a directory", file=loc.url)
@@ -66,15 +106,7 @@ def scan(directory: str | os.PathLike[str]) -> list[Entry]:
             f"{loc.url} is a checkpoint, not a directory of checkpoints; try `tpu-ckpt inspect {loc.url}`",
             file=loc.url,
         )
-    listing = parse_listing(files)
-    steps = {name: step for step, name in listing.committed.items()}
-    parts = [path.partition("/") for path in files]
-    counts = Counter(top for top, inside, _ in parts if inside)
-    committed = {top for top, _, rest in parts if rest == MANIFEST_FILE and not STAGING.fullmatch(top)}
-    leftovers = set(listing.leftovers) | {top for top in counts if STAGING.fullmatch(top)}
-    entries = [_committed(loc, name, steps.get(name), counts[name]) for name in committed]
-    entries += [Entry(name, None, False, counts[name], None, _mtime(loc, name)) for name in leftovers]
-    return sorted(entries, key=lambda e: (e.step is None, e.step or 0, e.name))
+    return loc, files
 
 
 def remove_leftovers(directory: str | os.PathLike[str], names: list[str]) -> None:
@@ -97,6 +129,20 @@ def _committed(loc: storage.Location, name: str, step: int | None, files: int) -
         return Entry(name, step, True, files, None, mtime, str(e))
     own = sum(size for file, size in manifest.files.items() if not file.startswith(".."))
     return Entry(name, step, True, files, own + len(data), mtime)
+
+
+def _leftover(loc: storage.Location, name: str, files: list[str]) -> Entry:
+    """A leftover's entry; its size is what its files take on a local disk (object store
+    listings carry no sizes, and reading every object to learn one would cost too much)."""
+    nbytes = sum(_local_size(loc, name, file) for file in files) if loc.is_local else None
+    return Entry(name, None, False, len(files), nbytes, _mtime(loc, name))
+
+
+def _local_size(loc: storage.Location, *parts: str) -> int:
+    try:
+        return os.lstat(os.path.join(loc.local_path, *parts)).st_size
+    except FileNotFoundError:  # removed since the listing
+        return 0
 
 
 def _mtime(loc: storage.Location, *parts: str) -> float | None:

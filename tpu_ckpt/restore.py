@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpu_ckpt import distributed, keys, read_plan, relay, shared_reads, storage
+from tpu_ckpt import distributed, keys, read_plan, relay, shared_reads, shared_storage, storage
 from tpu_ckpt.committed import read_manifest
 from tpu_ckpt.decode import decode_manifest
 from tpu_ckpt.errors import (
@@ -166,7 +166,7 @@ def _open(
     coord = distributed.Coordinator(f"restore {loc.url}", options.coordination_timeout)
     try:
         if io is None:
-            manifest = read_manifest(loc)
+            manifest = shared_storage.read_manifest_everywhere(coord, loc)
             with storage.Store(loc) as store:
                 yield store, manifest, coord
         elif coord.me == io:

@@ -142,7 +142,7 @@ def read_ranges(path: str, start: int, lengths: Sequence[int]) -> list[np.ndarra
         if size < stop:
             raise CorruptCheckpointError(f"{path} is truncated: it ends at byte {size}, before {stop}", file=path)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # exact reads: no readahead (module docstring)
-        out = [aligned_empty(n) for n in lengths]
+        out = _buffers(lengths)
         views, offset = [memoryview(a) for a in out if a.size], start
         while views:
             n = os.preadv(fd, views[:IOV_MAX], offset)
@@ -152,6 +152,16 @@ def read_ranges(path: str, start: int, lengths: Sequence[int]) -> list[np.ndarra
         return out
     finally:
         os.close(fd)
+
+
+def _buffers(lengths: Sequence[int]) -> list[np.ndarray]:
+    if os.environ.get("ONEBUF") == "1" and all(n % ALIGNMENT == 0 for n in lengths[:-1]):
+        whole, out, at = aligned_empty(sum(lengths)), [], 0
+        for n in lengths:
+            out.append(whole[at : at + n])
+            at += n
+        return out
+    return [aligned_empty(n) for n in lengths]
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:

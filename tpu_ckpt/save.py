@@ -20,6 +20,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
+import json
 import logging
 import os
 import re
@@ -31,7 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from tpu_ckpt import distributed, keys, relay, storage
+from tpu_ckpt import distributed, keys, relay, shared_storage, storage
 from tpu_ckpt.background import WRITER, SaveResult
 from tpu_ckpt.decode import decode_manifest
 from tpu_ckpt.errors import CheckpointError, CheckpointExistsError
@@ -140,13 +141,17 @@ class _Job:
 
     def open_staging(self, relayed: bool) -> None:
         """The leader checks the destination and names the staging area (serving it to the
-        others when they write through it); the others learn its name, or where to connect."""
+        others when they write through it); the others learn its name, or where to connect.
+        Before anyone writes, the processes prove they all see a local staging directory
+        (see ``shared_storage.py``): the leader decides when, so every process takes part."""
         coord, timeout = self.coord, self.options.coordination_timeout
         if coord.me != self.leader:
-            token, _, contact = coord.receive("start", self.leader).partition(" ")
-            self.staging = self.final.staging(token)
-            if contact:
-                self.store = relay.RelayStore(self.staging, contact, timeout, self.leader)
+            start = json.loads(coord.receive("start", self.leader))
+            self.staging = self.final.staging(start["token"])
+            if start["prove_shared"]:
+                shared_storage.prove_staging(coord, self.final, self.staging, self.leader)
+            if start["contact"]:
+                self.store = relay.RelayStore(self.staging, start["contact"], timeout, self.leader)
             else:
                 self.store = storage.Store(self.staging)
             return
@@ -159,14 +164,18 @@ class _Job:
         token = uuid.uuid4().hex[:12]
         self.staging = self.final.staging(token)
         self.store = storage.open_staging(self.staging)
+        prove = not relayed and shared_storage.unproved(self.final, coord.count)
         try:
+            contact = ""
             if relayed and coord.count > 1:
                 self.server = relay.RelayServer(
                     self.store, distributed.relay_host(), timeout, peers=coord.count - 1,
                     accepts=functools.partial(_sent_by_another, leader=self.leader, count=coord.count),
                 )
-                token = f"{token} {self.server.contact()}"
-            coord.publish("start", token)
+                contact = self.server.contact()
+            coord.publish("start", json.dumps({"token": token, "contact": contact, "prove_shared": prove}))
+            if prove:
+                shared_storage.prove_staging(coord, self.final, self.staging, self.leader)
         except BaseException:
             self.close()
             storage.remove(self.staging)  # nobody else knows its name: nobody else would remove it
