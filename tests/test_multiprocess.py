@@ -109,7 +109,6 @@ def test_a_local_path_that_is_not_shared_fails_the_save_before_any_data_is_writt
         assert "process 1 cannot see the checkpoint that process 0 reads" in res["restore_message"], res
     assert os.listdir(tmp_path / "host0") == ["only_on_0"]  # nothing of "ckpt", not even its staging area
     assert os.listdir(tmp_path / "host1") == []
-    assert not [f for _, _, names in os.walk(tmp_path / "host1") for f in names]
 
 
 def test_four_processes_save_async_and_restore_with_balanced_writes(tmp_path):
