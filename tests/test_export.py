@@ -114,3 +114,17 @@ def test_script_draws_a_progress_bar_on_a_terminal(training, tmp_path):
     os.close(leader)
     assert proc.returncode == 0
     assert b"copying [########################################]" in chunks
+
+
+def test_a_link_outside_its_sources_directory_is_refused(training, tmp_path):
+    """A linked checkpoint names only ``../<sibling>/<file>`` (FORMAT.md), so a reader can
+    confine every name; a link anywhere else would need ``../../...``."""
+    with pytest.raises(ValueError, match="beside"):
+        tc.export_for_serving(training, tmp_path / "deeper" / "serve", link=True)
+    assert not (tmp_path / "deeper" / "serve").exists()
+
+
+def test_a_link_to_a_link_is_refused(training, tmp_path):
+    tc.export_for_serving(training, tmp_path / "serve", link=True)
+    with pytest.raises(ValueError, match="itself a linked checkpoint"):
+        tc.export_for_serving(tmp_path / "serve", tmp_path / "serve2", link=True, subtree="")

@@ -55,10 +55,10 @@ def confine(root: str, name: str) -> str:
     if not escapes(name):
         return os.path.join(root, os.path.normpath(name))
     parts = os.path.normpath(name).split(os.sep)
-    if len(parts) == 3 and parts[0] == os.pardir and not escapes(os.path.join(*parts[1:])):
-        path = os.path.normpath(os.path.join(root, *parts))
-        if os.path.isfile(os.path.join(os.path.dirname(path), _MANIFEST)):
-            return path
+    if len(parts) >= 3 and parts[0] == os.pardir and not escapes(os.path.join(*parts[2:])):
+        sibling = os.path.join(os.path.dirname(root.rstrip(os.sep)), parts[1])
+        if parts[1] != os.pardir and os.path.isfile(os.path.join(sibling, _MANIFEST)):
+            return os.path.join(sibling, *parts[2:])
     raise outside_error(root, name)
 
 
@@ -142,7 +142,7 @@ def read_ranges(path: str, start: int, lengths: Sequence[int]) -> list[np.ndarra
         if size < stop:
             raise CorruptCheckpointError(f"{path} is truncated: it ends at byte {size}, before {stop}", file=path)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # exact reads: no readahead (module docstring)
-        out = _buffers(lengths)
+        out = [aligned_empty(n) for n in lengths]
         views, offset = [memoryview(a) for a in out if a.size], start
         while views:
             n = os.preadv(fd, views[:IOV_MAX], offset)
@@ -152,16 +152,6 @@ def read_ranges(path: str, start: int, lengths: Sequence[int]) -> list[np.ndarra
         return out
     finally:
         os.close(fd)
-
-
-def _buffers(lengths: Sequence[int]) -> list[np.ndarray]:
-    if os.environ.get("ONEBUF") == "1" and all(n % ALIGNMENT == 0 for n in lengths[:-1]):
-        whole, out, at = aligned_empty(sum(lengths)), [], 0
-        for n in lengths:
-            out.append(whole[at : at + n])
-            at += n
-        return out
-    return [aligned_empty(n) for n in lengths]
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:
