@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench lint clean
+.PHONY: demo test test-fast bench lint wheel clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,5 +28,9 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check tpu_ckpt tests scripts
 
+# dist/tpu_ckpt-<version>-py3-none-any.whl, for machines without a clone (the notebooks' first cell).
+wheel: $(STAMP)
+	$(PY) -m pip wheel --quiet --no-deps --wheel-dir dist .
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info

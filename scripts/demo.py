@@ -84,7 +84,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default=None, help="working directory (default: a fresh temp dir, removed after)")
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--every", type=int, default=50, help="save every N steps")
+    parser.add_argument("--every", type=int, default=50, help="save the steps that are multiples of N")
     args = parser.parse_args()
     root = args.dir or tempfile.mkdtemp(prefix="tpu_ckpt_demo_")
     ckpts = os.path.join(root, "ckpts")
@@ -97,7 +97,10 @@ def main() -> None:
 
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=AUTO)
     interrupted_at = args.steps * 2 // 3
-    with tc.CheckpointManager(ckpts, max_to_keep=3, save_interval_steps=args.every, options=options) as manager:
+    # Multiples of --every (Orbax's cadence): an interruption at a multiple loses no step, where
+    # TF's rule (steps 1, 1 + every, ...) would resume up to every - 1 steps back.
+    cadence = {"save_interval_steps": args.every, "save_on_multiples": True}
+    with tc.CheckpointManager(ckpts, max_to_keep=3, **cadence, options=options) as manager:
         train(manager, new_state(mesh), 1, interrupted_at, x, y, blocked)
     print(f"-- interrupted at step {interrupted_at}; committed steps on disk: {tc.CheckpointManager(ckpts).all_steps()}")
 
@@ -105,16 +108,17 @@ def main() -> None:
     abstract = jax.tree_util.tree_map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding_for(other, a)), new_state(other)
     )
-    with tc.CheckpointManager(ckpts, max_to_keep=3, save_interval_steps=args.every, options=options) as manager:
+    with tc.CheckpointManager(ckpts, max_to_keep=3, **cadence, options=options) as manager:
         started = time.perf_counter()
-        state = manager.restore(None, abstract).replace(apply_fn=MLP().apply, tx=optax.adamw(1e-3))
+        state = manager.restore(abstract).replace(apply_fn=MLP().apply, tx=optax.adamw(1e-3))
         restore_s = time.perf_counter() - started
         resumed_from = int(state.step)
         print(f"-- resumed from step {resumed_from} onto mesh (2, 4) in {restore_s * 1e3:.1f} ms")
         state, loss = train(manager, state, resumed_from + 1, args.steps, x, y, blocked)
+        manager.wait_until_finished()  # latest_step() counts committed steps only
         if manager.latest_step() != args.steps:
             manager.save(args.steps, state, force=True)  # the final state, whatever the interval
-        manager.wait_until_finished()
+            manager.wait_until_finished()
         kept = manager.all_steps()
 
     latest = os.path.join(ckpts, f"step_{kept[-1]}")

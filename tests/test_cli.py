@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import jax
+import ml_dtypes
 import numpy as np
 import optax
 import pytest
@@ -23,7 +24,8 @@ from tests.helpers import leaf, manifest
 pytestmark = [pytest.mark.slow]  # every test runs the command in a fresh interpreter
 
 TPU_CKPT = os.path.join(os.path.dirname(sys.executable), "tpu-ckpt")
-COMMANDS = ("ls", "inspect", "verify", "diff", "gc")
+READ_ONLY = ("ls", "inspect", "verify", "diff", "gc")
+COMMANDS = (*READ_ONLY, "export")
 
 
 def tpu_ckpt(*args) -> subprocess.CompletedProcess:
@@ -210,6 +212,64 @@ def test_gc_removes_leftovers_only(run_dir, tmp_path):
     assert tc.CheckpointManager(directory).all_steps() == [1, 2]
     assert tpu_ckpt("verify", directory / "step_2").returncode == 0
     assert tpu_ckpt("gc", directory).stdout == f"no leftovers in {directory}\n"
+
+
+NO_JAX = """
+import json, sys
+from tpu_ckpt import cli
+status = cli.main(json.loads(sys.argv[1]))
+print("STATUS", status, "JAX", "jax" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("command", READ_ONLY)
+def test_the_read_only_commands_never_import_jax(run_dir, command):
+    """JAX's import is most of a second; these commands read manifests and bytes only."""
+    args = {
+        "ls": [run_dir], "inspect": [run_dir / "step_1"], "verify": [run_dir / "step_1"],
+        "diff": [run_dir / "step_1", run_dir / "step_2", "--values"], "gc": [run_dir, "--dry-run"],
+    }[command]
+    result = subprocess.run(
+        [sys.executable, "-c", NO_JAX, json.dumps([command, *map(str, args)])], capture_output=True, text=True, timeout=120
+    )
+    assert result.stdout.splitlines()[-1] == "STATUS 0 JAX False", result.stdout + result.stderr
+
+
+def test_export_writes_params_only(run_dir, tmp_path):
+    result = tpu_ckpt("export", run_dir / "step_1", tmp_path / "serving", "--dtype", "bfloat16", "--max-shard-size", 64)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"wrote {tmp_path / 'serving'}: 0.0 MB in ")  # 64 + 8 B of bfloat16
+    out = tc.restore(tmp_path / "serving")
+    assert set(out) == {"w", "b"} and out["w"].dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(out["w"].astype(np.float32), np.arange(32, dtype=np.float32).reshape(8, 4))
+    assert len(manifest(tmp_path / "serving")["files"]) > 1  # re-cut into files of at most 64 bytes
+
+
+def test_export_link_copies_no_data(run_dir, tmp_path):
+    source = tmp_path / "step_2"
+    shutil.copytree(run_dir / "step_2", source)
+    result = tpu_ckpt("export", source, tmp_path / "serving", "--link", "-v")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"wrote {tmp_path / 'serving'}: a link to {source}, no data copied in ")
+    assert "linked" in result.stderr  # -v: the library's log
+    assert os.listdir(tmp_path / "serving") == ["manifest.json"]
+    assert set(tc.restore(tmp_path / "serving")) == {"w", "b"}
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--subtree", "nope"], "subtree 'nope' is not in checkpoint"),
+        (["--dtype", "int8"], "dtype must be a float type"),
+        (["--dtype", "nonsense"], "--dtype 'nonsense' is not a dtype"),
+        (["--link", "--dtype", "bfloat16"], "cannot also change the dtype"),
+    ],
+)
+def test_export_errors_are_one_line(run_dir, tmp_path, args, message):
+    result = tpu_ckpt("export", run_dir / "step_1", tmp_path / "serving", *args)
+    assert result.returncode == 2 and result.stdout == "" and result.stderr.count("\n") == 1
+    assert result.stderr.startswith("tpu-ckpt: error: ") and message in result.stderr
+    assert not os.path.exists(tmp_path / "serving")
 
 
 @pytest.mark.parametrize("command", ["ls", "inspect", "verify", "diff"])

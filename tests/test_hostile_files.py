@@ -32,7 +32,7 @@ def data_file(path) -> str:
     return str(path / name)
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(30, method="thread")  # a hang ends the run: a blocked read cannot be interrupted
 def test_a_fifo_data_file_is_refused_at_once(ckpt):
     path = data_file(ckpt)
     os.unlink(path)
@@ -44,7 +44,7 @@ def test_a_fifo_data_file_is_refused_at_once(ckpt):
     assert not report.ok and [p.where for p in report.problems] == [path]
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(30, method="thread")  # a hang ends the run: a blocked read cannot be interrupted
 def test_a_fifo_manifest_is_refused_at_once(ckpt):
     os.unlink(ckpt / "manifest.json")
     os.mkfifo(ckpt / "manifest.json")
@@ -54,7 +54,7 @@ def test_a_fifo_manifest_is_refused_at_once(ckpt):
     assert not verify(ckpt).ok
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(30, method="thread")  # a hang ends the run: a blocked read cannot be interrupted
 def test_a_manifest_linked_to_a_device_is_refused(ckpt):
     os.unlink(ckpt / "manifest.json")
     os.symlink("/dev/zero", ckpt / "manifest.json")
@@ -63,7 +63,7 @@ def test_a_manifest_linked_to_a_device_is_refused(ckpt):
     assert e.value.file == str(ckpt / "manifest.json")
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(30, method="thread")  # a hang ends the run: a blocked read cannot be interrupted
 def test_a_huge_manifest_is_refused_before_it_is_read(ckpt):
     """A sparse 2 GiB file: reading it would take 2 GiB of memory."""
     with storage.Store(storage.location(ckpt)) as store:

@@ -1,8 +1,10 @@
-"""tpu-ckpt: look at, check, compare and clean up checkpoints from a shell.
+"""tpu-ckpt: look at, check, compare, clean up and export checkpoints from a shell.
 
-The commands only read (gc also deletes leftovers), so they need no accelerator and no
-JAX devices. This module is the only one of the package that prints; the work is done by
-listing.py, verify.py and diff.py, which report through return values and logging.
+The commands but export only read (gc also deletes leftovers), so they need no accelerator
+and no JAX devices, and they never import JAX: they start in a fraction of a second. Only
+export, which restores and saves arrays, imports it. This module is the only one of the
+package that prints; the work is done by listing.py, verify.py, diff.py and export.py,
+which report through return values and logging.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import textwrap
 import time
 from collections.abc import Collection, Sequence
 from typing import Any
+
+import numpy as np
 
 import tpu_ckpt
 from tpu_ckpt import listing, storage
@@ -59,14 +63,14 @@ def _error(message: str) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="Look at, verify, compare and clean up tpu_ckpt checkpoints. Paths are local "
+        description="Look at, verify, compare, clean up and export tpu_ckpt checkpoints. Paths are local "
         "directories or gs:// and s3:// URLs, with the environment tpu_ckpt itself reads.",
         epilog=_EXIT_STATUS,
         parents=[_global_flags()],
     )
     parser.set_defaults(verbose=False)
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
-    for add in (_add_ls, _add_inspect, _add_verify, _add_diff, _add_gc):
+    for add in (_add_ls, _add_inspect, _add_verify, _add_diff, _add_gc, _add_export):
         add(commands)
     return parser
 
@@ -94,8 +98,9 @@ def _add_ls(commands: Any) -> None:
     p = _command(
         commands, "ls", "list the checkpoints in a directory",
         "List the checkpoints directly under DIR (a CheckpointManager directory, or any directory holding "
-        "checkpoints) and the uncommitted leftovers of interrupted saves: step, state, size, file count and "
-        "age (local directories only; a leftover's size is that of its files, unknown on object stores). "
+        "checkpoints) and the uncommitted leftovers of interrupted saves: step, state, size, file count, "
+        "age (local directories only; a leftover's size is that of its files, unknown on object stores) "
+        "and the metrics saved with each checkpoint, if any. "
         "When DIR holds none, the subdirectories that do are suggested.",
         "0 listed; 1 DIR holds no checkpoints and no leftovers; 2 DIR does not exist or is a checkpoint itself.",
     )
@@ -117,7 +122,12 @@ def _ls(args: argparse.Namespace) -> int:
             [_or_dash(e.step), e.name, _state(e), _or_dash(e.nbytes, _size), str(e.files), _or_dash(e.mtime, lambda t: _age(now - t))]
             for e in entries
         ]
-        print(_table([["STEP", "NAME", "STATE", "SIZE", "FILES", "AGE"], *rows], right={0, 3, 4, 5}))
+        header = ["STEP", "NAME", "STATE", "SIZE", "FILES", "AGE"]
+        if any(e.metrics for e in entries):  # saved with metrics=...: the column best-k retention ranks by
+            header.append("METRICS")
+            for row, e in zip(rows, entries):
+                row.append(" ".join(f"{k}={v if isinstance(v, int) else format(v, '.6g')}" for k, v in (e.metrics or {}).items()) or "-")
+        print(_table([header, *rows], right={0, 3, 4, 5}))
         for e in entries:
             if e.error:
                 print(f"{e.name}: {e.error}")
@@ -345,6 +355,62 @@ def _gc(args: argparse.Namespace) -> int:
         size = "" if e.nbytes is None else f", {_size(e.nbytes)}"
         print(f"{verb} {e.name} (uncommitted, {_plural(e.files, 'file')}{size})")
     return 0
+
+
+# export
+
+
+def _add_export(commands: Any) -> None:
+    p = _command(
+        commands, "export", "write a params-only serving checkpoint",
+        "Write the SUBTREE of training checkpoint SRC (its params; optimizer slots are never read) as "
+        "checkpoint DST, which restores without a target. --link writes only a manifest pointing at SRC's "
+        "data files (local directories, DST beside SRC); a restore checks that SRC still exists unchanged.",
+        "0 written; 2 SRC holds no committed checkpoint or no SUBTREE, DST exists, or the options conflict.",
+    )
+    export_arguments(p)
+    p.set_defaults(run=export)
+
+
+def export_arguments(parser: argparse.ArgumentParser) -> None:
+    """The export options, shared with scripts/export_for_serving.py."""
+    parser.add_argument("src", metavar="SRC", help="the training checkpoint (directory or URL)")
+    parser.add_argument("dst", metavar="DST", help="where to write the serving checkpoint (must not exist)")
+    parser.add_argument("--subtree", default="params", help="key path of the params (default: params)")
+    parser.add_argument("--dtype", default=None, help="cast float leaves, e.g. bfloat16")
+    parser.add_argument("--max-shard-size", type=int, default=None, metavar="BYTES", help="bytes per data file")
+    parser.add_argument("--link", action="store_true", help="reuse SRC's data files; copy nothing")
+
+
+def export(args: argparse.Namespace) -> int:
+    """Runs an export parsed by :func:`export_arguments`; errors propagate to the caller,
+    which words them its own way."""
+    from tpu_ckpt.export import export_for_serving  # JAX: paid by this command only
+
+    started = time.perf_counter()
+    with Progress("copying") as bar:
+        path = export_for_serving(
+            args.src, args.dst, subtree=args.subtree, dtype=_dtype(args.dtype),
+            max_shard_size=args.max_shard_size, link=args.link, progress=bar,
+        )
+    if args.link:
+        what = f"a link to {args.src}, no data copied"
+    else:
+        arrays = read_manifest(storage.location(path)).leaves  # the same answer on a disk and in a bucket
+        what = f"{sum(leaf.nbytes for leaf in arrays if leaf.kind == 'array') / 1e6:.1f} MB"
+    print(f"wrote {path}: {what} in {time.perf_counter() - started:.2f}s")
+    return 0
+
+
+def _dtype(name: str | None) -> np.dtype | None:
+    """``--dtype`` as a numpy dtype (ml_dtypes, imported by format.py, adds bfloat16 and the
+    float8 types): an unknown name is one line of error, not numpy's TypeError."""
+    if name is None:
+        return None
+    try:
+        return np.dtype(name)
+    except TypeError:
+        raise ValueError(f"--dtype {name!r} is not a dtype; use a float type such as bfloat16 or float16") from None
 
 
 # shared

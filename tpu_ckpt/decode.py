@@ -24,6 +24,9 @@ from tpu_ckpt.errors import CorruptCheckpointError, FormatVersionError
 from tpu_ckpt.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
+    MAX_INT,
+    MAX_METRICS,
+    MIN_INT,
     LeafEntry,
     Manifest,
     PieceEntry,
@@ -32,7 +35,6 @@ from tpu_ckpt.format import (
 )
 
 MAX_RANK = 64
-MAX_INT = (1 << 63) - 1  # every size, offset and dimension fits a signed 64-bit integer
 _PATH_KINDS = frozenset({"dict", "attr", "seq"})
 _VALUE_TYPES = (bool, int, float, str, type(None))
 _FIRST_SEALED = (1, 2)
@@ -121,6 +123,7 @@ class _Decoder:
         return Manifest(
             leaves, files, self.int(doc.get("process_count"), "process_count", 1 << 31),
             self.str(doc.get("sharding_callback"), "sharding_callback"), version, self.source(doc.get("source")),
+            self.metrics(doc.get("metrics")),
         )
 
     def files(self, value: Any) -> dict[str, int]:
@@ -143,6 +146,17 @@ class _Decoder:
         if len(parts) != 2 or parts[0] != ".." or parts[1] in ("", ".", ".."):
             raise self.fail("source.path", f"must name a sibling checkpoint as '../<name>', got {path!r}")
         return {"path": path, "manifest_crc32c": self.int(value.get("manifest_crc32c"), "source.manifest_crc32c", 0xFFFFFFFF)}
+
+    def metrics(self, value: Any) -> dict[str, float | int] | None:
+        """Numbers by name; ``ls`` shows them and retention ranks steps by them."""
+        if value is None:
+            return None
+        if type(value) is not dict or len(value) > MAX_METRICS:
+            raise self.fail("metrics", f"must be an object of at most {MAX_METRICS} numbers, got {_short(value)}")
+        for name, number in value.items():
+            if type(number) is not float and not (type(number) is int and MIN_INT <= number <= MAX_INT):
+                raise self.fail(f"metrics[{_short(name)}]", f"must be a number (not a bool), got {_short(number)}")
+        return value
 
     def leaf(self, doc: Any, field: str, files: Sequence[str], leaf_count: int) -> LeafEntry:
         if type(doc) is not dict:

@@ -13,7 +13,7 @@ import functools
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import crc32c as _crc32c
@@ -29,6 +29,8 @@ if TYPE_CHECKING:  # annotations only: the format itself needs no JAX
 FORMAT_NAME = "tpu_ckpt"
 FORMAT_VERSION = "1.2"
 MANIFEST_FILE = "manifest.json"
+MAX_METRICS = 1000  # a manifest's metrics are few numbers (a loss, an accuracy), never a log
+MIN_INT, MAX_INT = -(1 << 63), (1 << 63) - 1
 
 _ML_DTYPES = {
     name: np.dtype(getattr(ml_dtypes, name))
@@ -39,6 +41,7 @@ _ML_DTYPES = {
     )
     if hasattr(ml_dtypes, name)
 }
+_ML_FLOATS = frozenset(name for name in _ML_DTYPES if "float" in name)
 _NUMPY_DTYPES = {
     np.dtype(t).name: np.dtype(t)
     for t in (
@@ -150,6 +153,7 @@ class Manifest:
     sharding_callback: str
     version: str = FORMAT_VERSION
     source: dict[str, Any] | None = None  # a linked checkpoint: {"path", "manifest_crc32c"}
+    metrics: dict[str, float | int] | None = None  # e.g. {"loss": 0.25}: what best-k retention ranks
 
     def to_json(self) -> bytes:
         # Pieces name their file by its index in "files": a manifest lists tens of thousands
@@ -165,7 +169,50 @@ class Manifest:
         }
         if self.source is not None:
             doc["source"] = self.source
+        if self.metrics is not None:
+            doc["metrics"] = self.metrics
         return seal(json.dumps(doc, separators=(",", ":")).encode())
+
+
+def metric_values(metrics: Mapping[str, Any]) -> dict[str, float | int]:
+    """``metrics`` as a manifest holds them: Python numbers by name.
+
+    A loss fresh from a jitted step is a 0-d JAX or numpy array, so any real scalar is
+    accepted and converted; a bool is refused, being a flag rather than a measure. Checked
+    when a save starts, so a manifest that its own reader would refuse is never committed.
+    """
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"metrics must be a dict of name -> number, got a {type(metrics).__name__}")
+    if len(metrics) > MAX_METRICS:
+        raise ValueError(f"metrics holds {len(metrics)} numbers; a checkpoint stores at most {MAX_METRICS}")
+    values: dict[str, float | int] = {}
+    for name, value in metrics.items():
+        if type(name) is not str:
+            raise TypeError(f"metric names must be strings, got {_abridged(name)}")
+        values[name] = _metric_value(name, value)
+    return values
+
+
+def _metric_value(name: str, value: Any) -> float | int:
+    try:
+        array = None if isinstance(value, (bool, str)) else np.asarray(value)
+    except (TypeError, ValueError):  # a ragged sequence, say
+        array = None
+    if array is not None and array.shape == ():
+        if array.dtype.kind in ("i", "u") and MIN_INT <= int(array) <= MAX_INT:
+            return int(array)
+        if array.dtype.kind == "f" or array.dtype.name in _ML_FLOATS:
+            return float(array)
+    raise TypeError(
+        f"metric {name!r} must be a number (an int or float, or a numpy/JAX scalar; integers within "
+        f"64 bits), got {_abridged(value)}"
+    )
+
+
+def _abridged(value: Any) -> str:
+    """A value for an error message: a pytree's repr runs to kilobytes."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"a {type(value).__name__} ({text[:40]}...)"
 
 
 def _leaf_to_json(leaf: LeafEntry, file_index: dict[str, int]) -> dict[str, Any]:

@@ -7,6 +7,9 @@ equally named tree (a ``TrainState`` from a dict, NNX state from Linen) just wor
 
 Besides the joined string we keep each entry's kind (``dict``/``attr``/``seq``), so a
 checkpoint restored without a target comes back as nested dicts and lists.
+
+JAX is imported inside the functions that walk a pytree, not at module level: the manifest
+decoder needs ``join``, and the command line reads manifests without paying JAX's import.
 """
 
 from __future__ import annotations
@@ -14,13 +17,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import jax
-
 PathEntry = tuple[str, Any]  # ("dict", key) | ("attr", name) | ("seq", index)
 
 
 def path_entries(path: tuple[Any, ...]) -> list[PathEntry]:
     """Turns a ``jax.tree_util`` key path into ``(kind, name)`` entries."""
+    import jax
+
     entries: list[PathEntry] = []
     for k in path:
         if isinstance(k, jax.tree_util.DictKey):
@@ -51,6 +54,8 @@ def flatten(tree: Any, *, keep_none: bool = False) -> tuple[list[tuple[str, list
     are strings, so ``{1: a, "1": b}`` or ``{0.1: a, np.float32(0.1): b}`` would otherwise save
     one leaf over the other and restore the survivor into both).
     """
+    import jax
+
     is_leaf: Callable[[Any], bool] | None = (lambda x: x is None) if keep_none else None
     with_path, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
     out = []
@@ -77,6 +82,8 @@ def flatten(tree: Any, *, keep_none: bool = False) -> tuple[list[tuple[str, list
 def _describe_path(path: tuple[Any, ...]) -> str:
     """A JAX key path with each dict key's type, since keys that differ only in type
     (``1`` and ``'1'``, ``0.1`` and ``np.float32(0.1)``) are what make keys collide."""
+    import jax
+
     parts = []
     for k in path:
         if isinstance(k, jax.tree_util.DictKey):

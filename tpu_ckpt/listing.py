@@ -49,6 +49,7 @@ class Entry:
     # on a local disk; None if unreadable, or a leftover on an object store
     mtime: float | None  # commit time (manifest mtime) or last change; local directories only
     error: str | None = None  # why a manifest that exists could not be read
+    metrics: dict[str, float | int] | None = None  # as saved with the checkpoint (its manifest)
 
 
 def scan(directory: str | os.PathLike[str]) -> list[Entry]:
@@ -128,7 +129,7 @@ def _committed(loc: storage.Location, name: str, step: int | None, files: int) -
     except CheckpointError as e:
         return Entry(name, step, True, files, None, mtime, str(e))
     own = sum(size for file, size in manifest.files.items() if not file.startswith(".."))
-    return Entry(name, step, True, files, own + len(data), mtime)
+    return Entry(name, step, True, files, own + len(data), mtime, metrics=manifest.metrics)
 
 
 def _leftover(loc: storage.Location, name: str, files: list[str]) -> Entry:

@@ -1,16 +1,18 @@
 """CheckpointManager: numbered checkpoints of a training loop in one directory.
 
-A loop calls ``save(step, tree)`` every step. The manager writes a checkpoint once
-``save_interval_steps`` have passed. It keeps the newest ``max_to_keep`` checkpoints, plus
-one every ``keep_checkpoint_every_n_hours`` (TensorFlow's rules), and it tells the loop when
-the job is being preempted.
+A loop calls ``save(step, tree)`` every step. The manager writes a checkpoint when its
+save rules say so (cadence.py: TensorFlow's interval, Orbax's multiples, or continuous
+saving). It keeps the newest ``max_to_keep`` checkpoints, one every
+``keep_checkpoint_every_n_hours``, and the ``keep_best`` best by a metric (retention.py), and
+it tells the loop when the job is being preempted.
 
 The directory is the source of truth. Each committed checkpoint is a directory ``step_<n>``
 directly under it, and it counts as committed once its manifest exists (see storage.py).
 There is no state file, so a new manager (after a restart, or on another host) sees exactly
 the committed steps, and a crash can never leave a state file and the checkpoints
-disagreeing. The manager itself remembers only the last step it saved or restored (for the
-interval) and the save in flight.
+disagreeing. Metrics live in each step's manifest for the same reason. The manager itself
+remembers only the last step it saved or restored (for the interval), the save in flight,
+and the scores of the steps whose manifests it has read (a committed manifest never changes).
 
 Retention and the removal of uncommitted leftovers run as a write callback of each save.
 They therefore run after that save is committed: on the background thread for asynchronous
@@ -29,21 +31,23 @@ import functools
 import json
 import logging
 import math
+import numbers
 import operator
 import os
-import signal
-import threading
 import time
-from collections.abc import Callable, Mapping
-from types import FrameType, TracebackType
+from collections.abc import Mapping
+from types import TracebackType
 from typing import Any
 
-from tpu_ckpt import distributed, storage
+from tpu_ckpt import distributed, retention, storage
 from tpu_ckpt.background import SaveResult
-from tpu_ckpt.errors import CheckpointExistsError, CheckpointNotFoundError
-from tpu_ckpt.format import MANIFEST_FILE
+from tpu_ckpt.cadence import Cadence, check_step
+from tpu_ckpt.committed import read_manifest
+from tpu_ckpt.errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
+from tpu_ckpt.format import MANIFEST_FILE, metric_values
 from tpu_ckpt.listing import Listing, parse_listing
 from tpu_ckpt.options import CheckpointOptions
+from tpu_ckpt.preemption import PreemptionWatch
 from tpu_ckpt.restore import restore
 from tpu_ckpt.save import save
 
@@ -67,6 +71,18 @@ class CheckpointManager:
       save_interval_steps: ``save`` writes only when ``step`` is at least this many steps
         past the last step this manager saved or restored (TF's ``checkpoint_interval``).
         A manager's first save is always due, as in TF.
+      save_on_multiples: instead, write the steps that are multiples of
+        ``save_interval_steps`` (Orbax's rule: 0, 10, 20, ...), past the last step saved
+        or restored. A job interrupted at a multiple then loses no step.
+      save_interval_seconds: continuous saving (Orbax's ``ContinuousCheckpointingPolicy``):
+        also require that this manager's last save has finished (with ``enable_async``,
+        that it is no longer writing in the background) and that at least this many
+        seconds have passed since it started, or since the last ``restore``. 0: save
+        whenever no save is in flight. In a multi-process job the io process decides for all.
+      keep_best, best_fn, best_mode: also keep the ``keep_best`` steps whose
+        ``best_fn(metrics)`` is highest (``best_mode="max"``) or lowest (``"min"``), the
+        metrics being those given to ``save``. Steps without metrics, or scored NaN, are
+        kept by the other rules only. See retention.py for how the rules combine.
       options: the :class:`CheckpointOptions` for every save (``enable_async`` included).
         They are also the default for ``restore``.
 
@@ -81,19 +97,28 @@ class CheckpointManager:
         max_to_keep: int | None = 5,
         keep_checkpoint_every_n_hours: float | None = None,
         save_interval_steps: int = 1,
+        save_on_multiples: bool = False,
+        save_interval_seconds: float | None = None,
+        keep_best: int | None = None,
+        best_fn: retention.BestFn | None = None,
+        best_mode: str = "max",
         options: CheckpointOptions | None = None,
     ):
         self._location = storage.location(directory)
         self.directory = self._location.url
-        self.max_to_keep = _check_max_to_keep(max_to_keep)
-        self.keep_checkpoint_every_n_hours = _check_hours(keep_checkpoint_every_n_hours, self._location)
-        self.save_interval_steps = _check_interval(save_interval_steps)
+        self._retention = retention.Retention.checked(
+            self._location, max_to_keep, keep_checkpoint_every_n_hours, keep_best, best_fn, best_mode
+        )
+        self.max_to_keep = max_to_keep
+        self.keep_checkpoint_every_n_hours = self._retention.every_n_hours
+        self._cadence = Cadence(save_interval_steps, save_on_multiples, save_interval_seconds)
+        self.save_interval_steps = save_interval_steps
         self._options = options if options is not None else CheckpointOptions()
         self._pending: SaveResult | None = None
-        self._last_step: int | None = None  # saved or restored; None: the next save is due
+        self._scores: dict[str, float | None] = {}  # step directory -> its best_fn score
         # TF's last_preserved_timestamp, which TF reads from its state file (see Args).
         self._preserved_since = time.time() - 1 if self.latest_step() is None else -math.inf
-        self._watching_sigterm = False
+        self._preemption = PreemptionWatch()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -101,9 +126,11 @@ class CheckpointManager:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
 
-    def save(self, step: int, tree: Any, *, force: bool = False) -> bool:
-        """Saves ``tree`` as step ``step`` if the interval says so, or if ``force`` is set.
+    def save(self, step: int, tree: Any, *, metrics: Mapping[str, Any] | None = None, force: bool = False) -> bool:
+        """Saves ``tree`` as step ``step`` if :meth:`should_save` says so, or if ``force`` is set.
 
+        ``metrics`` (name -> number, e.g. ``{"loss": loss}``) are stored in the step's
+        manifest: ``tpu-ckpt ls`` shows them, and ``keep_best`` ranks steps by them.
         Returns whether a save was started. With asynchronous options the save is started
         but not yet committed; it is committed once :meth:`wait_until_finished` returns.
         A save first waits for the one before it and raises that one's failure, if any.
@@ -114,9 +141,13 @@ class CheckpointManager:
           CheckpointExistsError: step ``step`` is already committed. Checkpoints are never
             overwritten.
         """
-        step = _check_step(step)
-        if not force and not self._due(step):
+        step = check_step(step, "save(step, tree)")
+        if not force and not self.should_save(step):
             return False
+        metrics = None if metrics is None else metric_values(metrics)
+        score = None
+        if metrics is not None and self._retention.best_fn is not None:
+            score = retention.score(self._retention.best_fn, metrics, step)  # a broken best_fn fails here
         self.wait_until_finished()
         listing = self._list()
         if step in listing.committed:
@@ -129,20 +160,52 @@ class CheckpointManager:
         if name in listing.leftovers and distributed.process_index() == self._leader():
             # An interrupted save of this step, written in place (object stores): in the way.
             self._remove(name, "an uncommitted leftover of an earlier save of this step")
-        self._pending = save(self._location.child(name), tree, options=self._save_options(step))
-        self._last_step = step
+        retain = functools.partial(self._after_commit, step, name, score)
+        options = self._options.replace(write_callbacks=(*self._options.write_callbacks, retain))
+        self._pending = save(self._location.child(name), tree, options=options, metrics=metrics)
+        self._cadence.counts_from(step)
         return True
 
-    def restore(self, step: int | None = None, target: Any = None, *, options: CheckpointOptions | None = None) -> Any:
+    def should_save(self, step: int) -> bool:
+        """Whether :meth:`save` would write ``step`` now (without ``force``): see cadence.py.
+
+        With ``save_interval_seconds`` in a multi-process job this is collective (the io
+        process decides for all, as the others' clocks and background writes differ), so
+        every process must call it, or ``save``, at the same steps.
+        """
+        step = check_step(step, "should_save(step)")
+        if not self._cadence.steps_due(step):
+            return False
+        if self._cadence.every_seconds is None:
+            return True
+        in_flight = self._pending is not None and not self._pending.done()
+        if distributed.process_count() == 1:
+            return self._cadence.time_due(in_flight)
+        coord = distributed.Coordinator(f"should_save({step}) in {self.directory}", self._options.coordination_timeout)
+        if coord.me != self._leader():
+            return coord.receive("due", self._leader()) == "yes"
+        due = self._cadence.time_due(in_flight)
+        coord.publish("due", "yes" if due else "no")
+        return due
+
+    def restore(self, step: Any = None, target: Any = None, *, options: CheckpointOptions | None = None) -> Any:
         """Restores step ``step`` (``None``: the latest committed one). See :func:`tpu_ckpt.restore`.
 
-        First waits for a save in flight, and raises its failure like
-        :meth:`wait_until_finished`. The restored step then counts as the last saved step
-        for ``save_interval_steps``, as after TF's ``restore_or_initialize``.
+        ``restore(target)``, Orbax's habit, is ``restore(None, target)``: a first argument
+        that is no integer is the target. First waits for a save in flight, and raises its
+        failure like :meth:`wait_until_finished`. The restored step then counts as the last
+        saved step for the save rules, as after TF's ``restore_or_initialize``.
 
         Raises:
           CheckpointNotFoundError: no committed checkpoint, or none for ``step``.
         """
+        if step is not None and not _names_a_step(step):
+            if target is not None:
+                raise TypeError(
+                    f"restore() got a {type(step).__name__} as its step, and a target: call "
+                    "restore(target) for the latest step, or restore(step, target) with an integer step."
+                )
+            step, target = None, step
         self.wait_until_finished()
         committed = self._list().committed
         if step is None:
@@ -150,7 +213,7 @@ class CheckpointManager:
                 raise CheckpointNotFoundError(f"No committed checkpoint in {self.directory}", file=self.directory)
             step = max(committed)
         else:
-            step = _check_step(step)
+            step = check_step(step, "restore(step, target)")
             if step not in committed:
                 raise CheckpointNotFoundError(
                     f"No committed checkpoint for step {step} in {self.directory}; "
@@ -159,7 +222,7 @@ class CheckpointManager:
                 )
         options = options if options is not None else self._options
         tree = restore(self._location.child(committed[step]), target, options=options)
-        self._last_step = step
+        self._cadence.counts_from(step)
         return tree
 
     def latest_step(self) -> int | None:
@@ -181,9 +244,7 @@ class CheckpointManager:
         try:
             self.wait_until_finished()
         finally:
-            if self._watching_sigterm:
-                _SIGTERM.unwatch()
-                self._watching_sigterm = False
+            self._preemption.close()
 
     def reached_preemption(self, step: int) -> bool:
         """Whether the job is being preempted and ``step`` is where every process saves and exits.
@@ -201,61 +262,38 @@ class CheckpointManager:
                 manager.wait_until_finished()
                 break
         """
-        step = _check_step(step)
-        if distributed.preemption_sync_available():
-            return distributed.reached_preemption_sync_point(step)
-        if distributed.process_count() > 1:
-            raise RuntimeError(
-                "reached_preemption needs JAX's preemption service in a multi-process job: leave "
-                "jax_enable_preemption_service on (the default) when calling jax.distributed.initialize()."
-            )
-        if not self._watching_sigterm:
-            _SIGTERM.watch()
-            self._watching_sigterm = True
-        return _SIGTERM.received
+        return self._preemption.reached(check_step(step, "reached_preemption(step)"))
 
-    def _due(self, step: int) -> bool:
-        """TF's interval rule: a step less than ``save_interval_steps`` after the last one saved
-        or restored is skipped, and so is that same step again."""
-        return self._last_step is None or step >= self._last_step + self.save_interval_steps
-
-    def _save_options(self, step: int) -> CheckpointOptions:
-        """The manager's options with retention appended to the write callbacks (after the user's)."""
-        retention = functools.partial(self._after_commit, step)
-        return self._options.replace(write_callbacks=(*self._options.write_callbacks, retention))
-
-    def _after_commit(self, step: int) -> None:
+    def _after_commit(self, step: int, name: str, score: float | None) -> None:
         """Removes leftovers and the checkpoints that retention lets go (on the leader only)."""
         if distributed.process_index() != self._leader():
             return
+        self._scores[name] = score
         listing = self._list_here()
-        for name in listing.leftovers:
-            self._remove(name, "an uncommitted leftover")
-        for old in self._expired(listing.committed, step):
-            self._remove(listing.committed[old], f"retention (max_to_keep={self.max_to_keep}, "
-                         f"keep_checkpoint_every_n_hours={self.keep_checkpoint_every_n_hours})")
+        for leftover in listing.leftovers:
+            self._remove(leftover, "an uncommitted leftover")
+        expired = self._retention.expired(
+            list(listing.committed), step, preserved_since=self._preserved_since,
+            commit_time=lambda s: self._commit_time(listing.committed[s]),
+            score=lambda s: self._score(listing.committed[s], s),
+        )
+        rules = (f"max_to_keep={self.max_to_keep}, keep_checkpoint_every_n_hours={self.keep_checkpoint_every_n_hours}, "
+                 f"keep_best={self._retention.keep_best}")
+        for old in expired:
+            self._remove(listing.committed[old], f"retention ({rules})")
 
-    def _expired(self, committed: Mapping[int, str], just_saved: int) -> list[int]:
-        """The steps that retention lets go: TF's ``_sweep``, with the directory as its state.
-
-        The just-saved step counts as the newest, even if its number is lower, so it is
-        never removed. Steps kept under the n-hour rule are older than the newest
-        ``max_to_keep``, so every sweep walks them again and keeps them again.
-        """
-        if self.max_to_keep is None:
-            return []
-        order = [s for s in sorted(committed) if s != just_saved] + [just_saved]
-        old = order[: -self.max_to_keep]
-        if self.keep_checkpoint_every_n_hours is None:
-            return old
-        expired, last_kept = [], self._preserved_since
-        for s in old:
-            committed_at = self._commit_time(committed[s])
-            if committed_at - self.keep_checkpoint_every_n_hours * 3600 >= last_kept:
-                last_kept = committed_at
-            else:
-                expired.append(s)
-        return expired
+    def _score(self, name: str, step: int) -> float | None:
+        """A step's ``best_fn`` score, from its manifest (read once). A step whose manifest
+        or score cannot be had is kept by the other rules only, and a warning says why."""
+        if name not in self._scores:
+            self._scores[name] = None
+            try:
+                metrics = read_manifest(storage.Location(self._location.child(name))).metrics
+                if metrics is not None:
+                    self._scores[name] = retention.score(self._retention.best_fn, metrics, step)
+            except (CheckpointError, TypeError) as error:
+                logger.warning("tpu_ckpt: step %d is not ranked by best_fn, so keep_best cannot keep it: %s", step, error)
+        return self._scores[name]
 
     def _commit_time(self, name: str) -> float:
         """When a step was committed: the mtime of its manifest, which is written last."""
@@ -296,84 +334,20 @@ class CheckpointManager:
         """Deletes one step directory. The manifest goes first, so an interrupted delete
         leaves an uncommitted leftover and never a committed checkpoint with files missing."""
         logger.info("tpu_ckpt: removing %s: %s", self._location.child(name), why)
+        self._scores.pop(name, None)
         with storage.Store(storage.Location(self._location.child(name)), threads=1) as store:
             with contextlib.suppress(FileNotFoundError):
                 store.delete(MANIFEST_FILE)
             store.delete_all()
 
 
-class _SigtermRecorder:
-    """Records SIGTERM instead of dying of it, while any manager watches.
-
-    There is one per process, because signals belong to the process. The first watcher
-    installs it, and the last one to stop puts back the handler it found. A Python handler
-    that was installed before it still runs on SIGTERM.
-    """
-
-    def __init__(self) -> None:
-        self.received = False
-        self._watchers = 0
-        self._previous: Callable[[int, FrameType | None], Any] | int | None = None
-
-    def watch(self) -> None:
-        if self._watchers == 0:
-            if threading.current_thread() is not threading.main_thread():
-                raise RuntimeError(
-                    "reached_preemption installs a SIGTERM handler, and Python allows that only on the "
-                    "main thread: call it there first."
-                )
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        self._watchers += 1
-
-    def unwatch(self) -> None:
-        self._watchers -= 1
-        if self._watchers == 0:
-            if signal.getsignal(signal.SIGTERM) == self._handle:  # unless someone replaced it since
-                signal.signal(signal.SIGTERM, self._previous)
-            self.received = False
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.received = True
-        if callable(self._previous):
-            self._previous(signum, frame)
-
-
-_SIGTERM = _SigtermRecorder()
-
-
-def _check_step(step: Any) -> int:
-    if isinstance(step, bool):
-        raise TypeError(f"step must be an integer, got {step!r}")
+def _names_a_step(arg: Any) -> bool:
+    """Whether ``restore``'s first argument is meant as a step (possibly a wrong one, which
+    is then refused) rather than as a target pytree."""
+    if isinstance(arg, (str, bytes, numbers.Number)):
+        return True
     try:
-        value = operator.index(step)  # int, numpy and jax integer scalars
+        operator.index(arg)
     except TypeError:
-        raise TypeError(f"step must be an integer, got {step!r} of type {type(step).__name__}") from None
-    if value < 0:
-        raise ValueError(f"step must be >= 0, got {value}")
-    return value
-
-
-def _check_max_to_keep(value: Any) -> int | None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-        raise ValueError(f"Expected a positive integer or `None` for `max_to_keep`, got {value!r}.")
-    return value
-
-
-def _check_hours(value: Any, loc: storage.Location) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"keep_checkpoint_every_n_hours must be a positive number of hours or None, got {value!r}")
-    if not loc.is_local:
-        raise ValueError(
-            f"keep_checkpoint_every_n_hours needs commit times, read from manifest mtimes on a local "
-            f"disk; {loc.url} is not local, and object stores (through tensorstore) report no "
-            "modification times. Use max_to_keep alone there."
-        )
-    return float(value)
-
-
-def _check_interval(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"save_interval_steps must be a positive integer, got {value!r}")
-    return value
+        return False
+    return True

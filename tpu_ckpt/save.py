@@ -26,7 +26,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -43,6 +43,7 @@ from tpu_ckpt.format import (
     PieceEntry,
     crc32c,
     dtype_name,
+    metric_values,
     safetensors_layout,
     tensor_name,
 )
@@ -66,6 +67,7 @@ def save(
     *,
     options: CheckpointOptions | None = None,
     is_slot: SlotPredicate | None = None,
+    metrics: Mapping[str, Any] | None = None,
 ) -> SaveResult:
     """Saves a pytree of arrays and small Python values as a checkpoint at ``path``.
 
@@ -76,17 +78,21 @@ def save(
 
     ``is_slot(key, leaf) -> bool`` replaces the rule deciding which leaves are optimizer
     slot variables (see ``slots.py``), for optimizers the rule does not recognise.
+
+    ``metrics`` (name -> number) go into the manifest, where ``tpu-ckpt ls`` shows them and
+    CheckpointManager's best-k retention ranks checkpoints by them.
     """
     options = options or CheckpointOptions()
+    metrics = None if metrics is None else metric_values(metrics)
     WRITER.settle()  # one save in flight; an unseen failure of the last one surfaces here
     if not options.enable_async:
         with gc_paused():
-            job = _plan(path, tree, options, is_slot)
+            job = _plan(path, tree, options, is_slot, metrics)
             job.write_and_commit()
         job.run_callbacks()
         return SaveResult(job.final.url)
     with gc_paused():
-        job = _plan(path, tree, options, is_slot)
+        job = _plan(path, tree, options, is_slot, metrics)
         try:
             job.snapshot()
         except BaseException as error:
@@ -95,7 +101,10 @@ def save(
     return WRITER.start(job.final.url, job.run)
 
 
-def _plan(path: str | os.PathLike[str], tree: Any, options: CheckpointOptions, is_slot: SlotPredicate | None) -> _Job:
+def _plan(
+    path: str | os.PathLike[str], tree: Any, options: CheckpointOptions, is_slot: SlotPredicate | None,
+    metrics: dict[str, float | int] | None,
+) -> _Job:
     """Everything before the first byte is written: pieces, shards, validation, staging."""
     final = storage.location(path)
     coord = distributed.Coordinator(f"save {final.url}", options.coordination_timeout)
@@ -105,7 +114,7 @@ def _plan(path: str | os.PathLike[str], tree: Any, options: CheckpointOptions, i
         entries, pieces = _describe(leaves, coord.me, slot_keys(tree, leaves, is_slot))
         shards = [s for s in options.sharding_callback(pieces) if s]
         validate_shards(shards, pieces, options.sharding_callback.description)
-        job = _Job(final, coord, entries, shards, options, len(pieces), leader=0 if io is None else io)
+        job = _Job(final, coord, entries, shards, options, len(pieces), leader=0 if io is None else io, metrics=metrics)
         job.open_staging(relayed=io is not None)
     except BaseException as error:
         coord.report_failure(error)
@@ -135,6 +144,7 @@ class _Job:
     options: CheckpointOptions
     piece_count: int
     leader: int  # checks the destination, names the staging area, commits
+    metrics: dict[str, float | int] | None = None  # for the manifest
     staging: storage.Location | None = None
     store: storage.Store | relay.RelayStore | None = None
     server: relay.RelayServer | None = None
@@ -211,7 +221,7 @@ class _Job:
             self.shards = []  # the host copies can go now
             if coord.me == self.leader:
                 coord.gather("written")
-                _commit(store, staging, self.final, coord, self.leader, self.entries, index, files, self.options)
+                _commit(store, staging, self.final, coord, self.leader, self.entries, index, files, self.options, self.metrics)
                 hands_off = True  # committed
                 coord.publish("committed")
             else:
@@ -279,6 +289,11 @@ def _describe(
             raise TypeError(
                 f"Leaf {key!r} is a {type(leaf).__name__}; a checkpoint holds arrays and Python "
                 "bool/int/float/str/None only."
+            )
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            raise TypeError(
+                f"Leaf {key!r} is a typed PRNG key ({leaf.dtype}), which has no numpy dtype to store: save "
+                "jax.random.key_data(key) instead, and rebuild the key with jax.random.wrap_key_data(data) after a restore."
             )
         try:
             name = dtype_name(leaf.dtype)
@@ -370,6 +385,7 @@ def _commit(
     index: dict[str, list[PieceEntry]],
     files: dict[str, int],
     options: CheckpointOptions,
+    metrics: dict[str, float | int] | None,
 ) -> None:
     """The leader: merges every process's index into the manifest, writes it, commits."""
     for process in range(coord.count):
@@ -388,7 +404,9 @@ def _commit(
     )
     for leaf in leaves:
         _check_covered(leaf)
-    manifest = Manifest(leaves, dict(sorted(files.items())), coord.count, options.sharding_callback.description)
+    manifest = Manifest(
+        leaves, dict(sorted(files.items())), coord.count, options.sharding_callback.description, metrics=metrics
+    )
     store.check_written(manifest.files)
     store.write(MANIFEST_FILE, [manifest.to_json()]).result()
     storage.commit(staging, final)
