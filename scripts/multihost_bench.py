@@ -49,8 +49,7 @@ def _launch(args: argparse.Namespace, directory: str) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
-           "TPU_CKPT_MMAP": "0"}  # read local files instead of mapping them, so rchar counts what is fetched
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     command = [sys.executable, __file__, "--processes", str(args.processes), "--mib", str(args.mib), "--dir", directory]
     procs = [
         subprocess.Popen([*command, "--worker", str(port), str(i)], stdout=subprocess.PIPE, text=True, env=env)

@@ -37,16 +37,35 @@ def leaf(path: str, key: str) -> dict:
 
 
 def read_chars() -> int:
-    """Bytes this process has read through read(2)-like calls so far (/proc/self/io rchar).
+    """Bytes this process has read through read(2)-like calls so far (/proc/self/io rchar):
+    what tpu_ckpt asked for, page cache or not (it never maps files)."""
+    return _proc_io("rchar")
 
-    Local restores map data files rather than read them, and mapped pages are not counted
-    here: tests that count bytes read set ``TPU_CKPT_MMAP=0`` (the read plan, which decides
-    what is fetched, is the same either way)."""
+
+def storage_reads() -> int:
+    """Bytes this process has made the kernel fetch from a block device so far
+    (/proc/self/io read_bytes): readahead included, page-cache hits not."""
+    return _proc_io("read_bytes")
+
+
+def _proc_io(field: str) -> int:
     with open("/proc/self/io") as f:
         for line in f:
-            if line.startswith("rchar:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
-    raise RuntimeError("no rchar in /proc/self/io")
+    raise RuntimeError(f"no {field} in /proc/self/io")
+
+
+def evict(path) -> None:
+    """Drops a file, or every file under a directory, from the page cache (only clean pages
+    go: tpu_ckpt fsyncs what it writes)."""
+    paths = [os.path.join(d, n) for d, _, names in os.walk(path) for n in names] if os.path.isdir(path) else [path]
+    for name in paths:
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def sealed(doc: dict) -> bytes:

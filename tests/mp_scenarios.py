@@ -341,7 +341,6 @@ def _bytes_read() -> int:
 def load_and_broadcast_restore(directory: str) -> dict:
     """A replicated-heavy checkpoint restored with and without load_and_broadcast: the bytes
     each process reads from storage (rchar counts file reads, not sockets) and the values."""
-    os.environ["TPU_CKPT_MMAP"] = "0"  # read, don't map, so that rchar counts every byte fetched
     mesh = _job_mesh()
     replicated = {f"r{i}": np.full((512, 1024), i, np.float32) for i in range(4)}
     values = {"w": GLOBAL, "big_replicated": BIG, **replicated}

@@ -4,7 +4,10 @@ stored in the manifests. Real saves, real Flax/optax states, no mocks."""
 
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 import threading
 
 import flax.linen as nn
@@ -16,6 +19,7 @@ import pytest
 from flax.training import train_state
 
 import tpu_ckpt as tc
+from tests import multiprocess
 from tpu_ckpt import cli
 from tpu_ckpt.decode import decode_manifest
 from tpu_ckpt.errors import CorruptCheckpointError
@@ -155,6 +159,55 @@ def test_continuous_saving_with_an_interval_counts_from_the_last_save_or_restore
 def test_continuous_saving_and_the_step_interval_must_both_agree(tmp_path):
     manager = tc.CheckpointManager(tmp_path, max_to_keep=None, save_interval_steps=3, save_interval_seconds=0)
     assert [step for step in range(1, 10) if manager.save(step, tree(step))] == [1, 4, 7]
+
+
+CONTINUOUS_WORKER = """
+import json, sys, time
+import jax
+import numpy as np
+
+port, count, me, directory = sys.argv[1:]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=int(count), process_id=int(me))
+import tpu_ckpt as tc
+
+slow = (lambda: time.sleep(0.05)) if int(me) == 1 else (lambda: None)  # its saves stay in flight longer
+options = tc.CheckpointOptions(enable_async=True, write_callbacks=(slow,))
+saved = []
+with tc.CheckpointManager(directory, max_to_keep=None, save_interval_seconds=0, options=options) as manager:
+    for step in range(30):
+        if manager.save(step, {"x": np.full(2, step)}):
+            saved.append(step)
+        time.sleep(0.005)
+print("SAVED", json.dumps(saved), flush=True)
+jax.distributed.shutdown()
+"""
+
+
+@pytest.mark.multiprocess
+def test_processes_agree_on_continuous_saves_though_their_saves_finish_at_different_times(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(CONTINUOUS_WORKER)
+    port = multiprocess.free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(port), "2", str(i), str(tmp_path / "ckpts")],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )
+        for i in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    found = [re.search(r"SAVED (\[.*\])", out) for out in outputs]
+    assert all(found), outputs
+    saved = [json.loads(m.group(1)) for m in found]
+    assert saved[0] == saved[1] and saved[0][0] == 0, outputs
+    assert tc.CheckpointManager(tmp_path / "ckpts").all_steps() == saved[0]
 
 
 # --- best-k retention by metrics ---
