@@ -32,12 +32,18 @@ def free_port() -> int:
 
 
 def run(scenario: str, num_processes: int, *args: str, timeout: float = 240) -> list[ProcessResult]:
+    """Runs ``mp_scenarios.<scenario>`` in every process."""
+    return run_script(WORKER, num_processes, scenario, *args, timeout=timeout)
+
+
+def run_script(script: str, num_processes: int, *args: str, timeout: float = 240) -> list[ProcessResult]:
+    """Runs ``script PORT NUM_PROCESSES PROCESS_ID *args`` in every process."""
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     procs = [
         subprocess.Popen(
-            [sys.executable, WORKER, str(port), str(num_processes), str(i), scenario, *args],
+            [sys.executable, str(script), str(port), str(num_processes), str(i), *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         )
         for i in range(num_processes)

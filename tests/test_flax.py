@@ -1,6 +1,5 @@
 """Real Flax models: Linen TrainState (AdamW, SGD momentum) and NNX, resumed after a restore."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,35 +11,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-
-X = np.random.default_rng(0).normal(size=(32, 16)).astype(np.float32)
-Y = X.sum(axis=1, keepdims=True)
-
-
-class MLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return nn.Dense(1)(nn.relu(nn.Dense(32)(x)))
-
-
-@jax.jit
-def linen_step(state, x, y):
-    def loss_fn(p):
-        return jnp.mean((state.apply_fn(p, x) - y) ** 2)
-
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), loss
-
-
-def make_state(tx):
-    model = MLP()
-    return train_state.TrainState.create(apply_fn=model.apply, params=model.init(jax.random.key(0), X[:1]), tx=tx)
+from tests.flax_mlp import X, Y, new_state, train_step
 
 
 def train(state, steps):
     losses = []
     for _ in range(steps):
-        state, loss = linen_step(state, X, Y)
+        state, loss = train_step(state, X, Y)
         losses.append(float(loss))
     return state, losses
 
@@ -48,7 +25,7 @@ def train(state, steps):
 @pytest.mark.parametrize("tx", [optax.adamw(1e-2), optax.sgd(1e-2, momentum=0.9)], ids=["adamw", "sgd_momentum"])
 @pytest.mark.parametrize("sharded", [False, True], ids=["unsharded", "sharded"])
 def test_linen_train_state_resumes_exactly(tmp_path, mesh24, tx, sharded):
-    state, _ = train(make_state(tx), 3)
+    state, _ = train(new_state(tx), 3)
     tc.save(tmp_path / "c", state)
     _, expected = train(state, 3)
 
@@ -57,7 +34,7 @@ def test_linen_train_state_resumes_exactly(tmp_path, mesh24, tx, sharded):
         sharding = NamedSharding(mesh24, P()) if sharded else None
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
-    target = jax.tree_util.tree_map(abstract, make_state(tx))
+    target = jax.tree_util.tree_map(abstract, new_state(tx))
     restored = tc.restore(tmp_path / "c", target)
     assert type(restored) is train_state.TrainState and int(restored.step) == 3
     restored = restored.replace(apply_fn=state.apply_fn, tx=state.tx)

@@ -5,8 +5,6 @@ import os
 import pathlib
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -368,22 +366,7 @@ def test_processes_agree_on_the_preemption_step_through_jax(tmp_path):
     process gets SIGTERM, and both stop and save at the same step."""
     script = tmp_path / "worker.py"
     script.write_text(PREEMPTION_WORKER)
-    port = multiprocess.free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(port), "2", str(i), str(tmp_path / "ckpts")],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        )
-        for i in range(2)
-    ]
-    try:
-        outputs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outputs = [r.output for r in multiprocess.run_script(str(script), 2, str(tmp_path / "ckpts"), timeout=120)]
     found = [re.search(r"PREEMPTED (\d+)", out) for out in outputs]
     assert all(found), outputs
     steps = {int(m.group(1)) for m in found}

@@ -4,13 +4,9 @@ stored in the manifests. Real saves, real Flax/optax states, no mocks."""
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 import threading
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,33 +16,11 @@ from flax.training import train_state
 
 import tpu_ckpt as tc
 from tests import multiprocess
+from tests.flax_mlp import X, Y, new_state, train_step
 from tpu_ckpt import cli
 from tpu_ckpt.decode import decode_manifest
 from tpu_ckpt.errors import CorruptCheckpointError
 from tpu_ckpt.format import seal, unseal
-
-X = np.random.default_rng(0).normal(size=(16, 8)).astype(np.float32)
-Y = X.sum(axis=1, keepdims=True)
-
-
-class MLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return nn.Dense(1)(nn.relu(nn.Dense(16)(x)))
-
-
-@jax.jit
-def train_step(state, x, y):
-    def loss_fn(p):
-        return jnp.mean((state.apply_fn(p, x) - y) ** 2)
-
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), loss
-
-
-def new_state():
-    model = MLP()
-    return train_state.TrainState.create(apply_fn=model.apply, params=model.init(jax.random.key(0), X[:1]), tx=optax.adamw(1e-2))
 
 
 def tree(step: int) -> dict:
@@ -66,12 +40,12 @@ def loss_manager(directory, **kwargs):
 
 
 def test_restore_takes_the_target_first_like_orbax(tmp_path):
-    state = new_state()
+    state = new_state(optax.adamw(1e-2))
     with tc.CheckpointManager(tmp_path) as manager:
         for step in (1, 2):
             state, _ = train_step(state, X, Y)
             manager.save(step, state)
-    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), new_state())
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), new_state(optax.adamw(1e-2)))
     restored = tc.CheckpointManager(tmp_path).restore(abstract)  # the latest step, into the target
     assert type(restored) is train_state.TrainState and int(restored.step) == 2
     np.testing.assert_array_equal(restored.params["params"]["Dense_0"]["kernel"], state.params["params"]["Dense_0"]["kernel"])
@@ -79,7 +53,7 @@ def test_restore_takes_the_target_first_like_orbax(tmp_path):
 
 
 def test_a_state_where_a_step_goes_is_refused_in_one_short_line(tmp_path):
-    state = new_state()
+    state = new_state(optax.adamw(1e-2))
     manager = tc.CheckpointManager(tmp_path)
     manager.save(1, state)
     with pytest.raises(TypeError) as swapped:
@@ -127,7 +101,7 @@ def test_multiples_after_a_restart_resume_at_the_next_multiple(tmp_path):
 def test_continuous_saving_skips_steps_while_an_async_save_is_in_flight(tmp_path):
     release = threading.Event()
     options = tc.CheckpointOptions(enable_async=True, write_callbacks=(lambda: release.wait(),))
-    state = new_state()
+    state = new_state(optax.adamw(1e-2))
     manager = tc.CheckpointManager(tmp_path, max_to_keep=None, save_interval_seconds=0, options=options)
     saved = []
     try:
@@ -187,22 +161,7 @@ jax.distributed.shutdown()
 def test_processes_agree_on_continuous_saves_though_their_saves_finish_at_different_times(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(CONTINUOUS_WORKER)
-    port = multiprocess.free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(port), "2", str(i), str(tmp_path / "ckpts")],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        )
-        for i in range(2)
-    ]
-    try:
-        outputs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outputs = [r.output for r in multiprocess.run_script(str(script), 2, str(tmp_path / "ckpts"), timeout=120)]
     found = [re.search(r"SAVED (\[.*\])", out) for out in outputs]
     assert all(found), outputs
     saved = [json.loads(m.group(1)) for m in found]
@@ -232,7 +191,7 @@ def test_the_step_just_saved_is_kept_however_bad_its_metric(tmp_path):
 
 
 def test_best_steps_survive_restarts_their_metrics_read_back_from_the_manifests(tmp_path):
-    state = new_state()
+    state = new_state(optax.adamw(1e-2))
     losses = {}
     with loss_manager(tmp_path, max_to_keep=1, keep_best=2) as manager:
         for step in range(1, 5):
