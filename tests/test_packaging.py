@@ -37,8 +37,14 @@ def third_party_imports() -> set[str]:
     return names - set(sys.stdlib_module_names) - {"tpu_ckpt"}
 
 
+# Orbax (and etils, its path type) is the ``orbax`` extra, imported inside orbax_interop.py's
+# functions only (tests/test_orbax_interop.py checks where).
+OPTIONAL_IMPORTS = {"orbax", "etils"}
+
+
 def test_the_core_requires_what_the_package_imports_and_nothing_else():
-    assert {_name(r) for r in PYPROJECT["dependencies"]} == third_party_imports()
+    assert {_name(r) for r in PYPROJECT["dependencies"]} == third_party_imports() - OPTIONAL_IMPORTS
+    assert [_name(r) for r in PYPROJECT["optional-dependencies"]["orbax"]] == ["orbax_checkpoint"]
 
 
 def test_flax_is_an_extra_that_the_tests_and_the_benchmark_install():

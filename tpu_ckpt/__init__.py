@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from tpu_ckpt.format import FORMAT_VERSION
     from tpu_ckpt.manager import CheckpointManager
     from tpu_ckpt.options import CheckpointOptions
+    from tpu_ckpt.orbax_interop import ImportReport, export_orbax, import_orbax
     from tpu_ckpt.pieces import ShardableTensor, ShardingCallback
     from tpu_ckpt.policies import MaxShardSizePolicy, ShardByDevicePolicy, ShardByTaskPolicy
     from tpu_ckpt.restore import ArrayMetadata, metadata, restore
@@ -53,6 +54,7 @@ _MODULE_OF = {
     "CorruptCheckpointError": "errors",
     "FORMAT_VERSION": "format",
     "FormatVersionError": "errors",
+    "ImportReport": "orbax_interop",
     "InvalidShardsError": "errors",
     "MaxShardSizePolicy": "policies",
     "RemoteProcessError": "errors",
@@ -64,6 +66,8 @@ _MODULE_OF = {
     "TargetMismatchError": "errors",
     "UncommittedCheckpointError": "errors",
     "export_for_serving": "export",
+    "export_orbax": "orbax_interop",
+    "import_orbax": "orbax_interop",
     "metadata": "restore",
     "restore": "restore",
     "save": "save",
@@ -81,6 +85,7 @@ __all__ = (
     "CorruptCheckpointError",
     "FORMAT_VERSION",
     "FormatVersionError",
+    "ImportReport",
     "InvalidShardsError",
     "MaxShardSizePolicy",
     "RemoteProcessError",
@@ -92,6 +97,8 @@ __all__ = (
     "TargetMismatchError",
     "UncommittedCheckpointError",
     "export_for_serving",
+    "export_orbax",
+    "import_orbax",
     "metadata",
     "restore",
     "save",

@@ -1,8 +1,8 @@
 """tpu-ckpt: look at, check, compare, clean up and export checkpoints from a shell.
 
-The commands but export only read (gc also deletes leftovers), so they need no accelerator
-and no JAX devices, and they never import JAX: they start in a fraction of a second. Only
-export, which restores and saves arrays, imports it. This module is the only one of the
+The commands but export, import-orbax and export-orbax only read (gc also deletes leftovers),
+so they need no accelerator and no JAX devices, and they never import JAX: they start in a
+fraction of a second. Only those three, which restore and save arrays, import it (and Orbax). This module is the only one of the
 package that prints; the work is done by listing.py, verify.py, diff.py and export.py,
 which report through return values and logging.
 """
@@ -63,14 +63,15 @@ def _error(message: str) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="Look at, verify, compare, clean up and export tpu_ckpt checkpoints. Paths are local "
+        description="Look at, verify, compare, clean up and export tpu_ckpt checkpoints, and convert Orbax "
+        "checkpoints to and from them. Paths are local "
         "directories or gs:// and s3:// URLs, with the environment tpu_ckpt itself reads.",
         epilog=_EXIT_STATUS,
         parents=[_global_flags()],
     )
     parser.set_defaults(verbose=False)
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
-    for add in (_add_ls, _add_inspect, _add_verify, _add_diff, _add_gc, _add_export):
+    for add in (_add_ls, _add_inspect, _add_verify, _add_diff, _add_gc, _add_export, _add_import_orbax, _add_export_orbax):
         add(commands)
     return parser
 
@@ -411,6 +412,74 @@ def _dtype(name: str | None) -> np.dtype | None:
         return np.dtype(name)
     except TypeError:
         raise ValueError(f"--dtype {name!r} is not a dtype; use a float type such as bfloat16 or float16") from None
+
+
+# import-orbax, export-orbax
+
+
+def _add_import_orbax(commands: Any) -> None:
+    p = _command(
+        commands, "import-orbax", "convert Orbax checkpoints into tpu_ckpt checkpoints",
+        "Convert an Orbax PyTree/Standard checkpoint SRC into tpu_ckpt checkpoint DST, or an Orbax "
+        "CheckpointManager directory SRC (steps 0/, 10/, ... holding an item such as default/) into a "
+        "tpu_ckpt CheckpointManager directory DST (step_0/, step_10/, ...); steps already in DST are "
+        "skipped. Leaves are read in batches of at most --max-batch-bytes of arrays (a larger leaf alone), "
+        "each written before the next is read. Needs pip install tpu_ckpt[orbax].",
+        "0 converted; 2 SRC holds no Orbax checkpoint, DST exists, or Orbax is not installed.",
+    )
+    p.add_argument("src", metavar="SRC", help="an Orbax checkpoint, step or CheckpointManager directory")
+    p.add_argument("dst", metavar="DST", help="the tpu_ckpt checkpoint, or CheckpointManager directory, to write")
+    p.add_argument("--item", default=None, help="the item to convert when a step holds several (e.g. state)")
+    p.add_argument("--max-batch-bytes", type=int, default=1 << 30, metavar="BYTES", help="arrays held at once (default 1 GiB)")
+    p.set_defaults(run=_import_orbax)
+
+
+def _import_orbax(args: argparse.Namespace) -> int:
+    from tpu_ckpt.orbax_interop import import_orbax  # JAX and Orbax: paid by this command only
+
+    started = time.perf_counter()
+    try:
+        reports = import_orbax(args.src, args.dst, item=args.item, max_batch_bytes=args.max_batch_bytes)
+    except ImportError as e:  # Orbax is not installed: the message says how to install it
+        _error(str(e))
+        return 2
+    for r in reports:
+        if r.skipped:
+            print(f"skipped {r.src}: {r.dst} is already committed")
+        else:
+            print(f"wrote {r.dst}: {r.leaves} leaves, {_size(r.nbytes)} read in {len(r.batches)} "
+                  f"batches of at most {_size(r.peak_batch_bytes)}")
+    print(f"converted {_plural(sum(not r.skipped for r in reports), 'checkpoint')} in {time.perf_counter() - started:.2f}s")
+    return 0
+
+
+def _add_export_orbax(commands: Any) -> None:
+    p = _command(
+        commands, "export-orbax", "write tpu_ckpt checkpoints as Orbax checkpoints",
+        "Write tpu_ckpt checkpoint SRC as an Orbax StandardCheckpointer checkpoint DST, or a tpu_ckpt "
+        "CheckpointManager directory as an Orbax CheckpointManager directory (DST/<step>/default). Each "
+        "checkpoint is restored whole into host memory first (Orbax saves whole trees). "
+        "Needs pip install tpu_ckpt[orbax].",
+        "0 written; 2 SRC holds no committed checkpoint, DST exists, or Orbax is not installed.",
+    )
+    p.add_argument("src", metavar="SRC", help="a tpu_ckpt checkpoint or CheckpointManager directory")
+    p.add_argument("dst", metavar="DST", help="where to write the Orbax checkpoint(s) (must not exist)")
+    p.set_defaults(run=_export_orbax)
+
+
+def _export_orbax(args: argparse.Namespace) -> int:
+    from tpu_ckpt.orbax_interop import export_orbax  # JAX and Orbax: paid by this command only
+
+    started = time.perf_counter()
+    try:
+        written = export_orbax(args.src, args.dst)
+    except ImportError as e:
+        _error(str(e))
+        return 2
+    for path in written:
+        print(f"wrote {path}")
+    print(f"exported {_plural(len(written), 'checkpoint')} in {time.perf_counter() - started:.2f}s")
+    return 0
 
 
 # shared

@@ -2,10 +2,11 @@
 
 A checkpoint directory may have been edited by hand, damaged, or built to do harm, and a
 relayed restore reads names a remote process sends. So a read never follows a name out of
-the checkpoint (see :func:`confine`; object-store keys too, see :func:`escapes`), never waits on a FIFO or reads a device (files are
-opened non-blocking and anything but a regular file is refused), and checks a file's size
-before allocating memory for it: a manifest symlinked to ``/dev/zero`` or a manifest
-entry claiming a 1 TiB piece fails at once with :class:`CorruptCheckpointError`.
+the checkpoint (:func:`confine`; object-store keys too, :func:`escapes`), never waits on a
+FIFO or reads a device (files are opened non-blocking and anything but a regular file is
+refused), and checks a file's size before allocating memory for it: a manifest symlinked
+to ``/dev/zero`` or a manifest entry claiming a 1 TiB piece fails at once with
+:class:`CorruptCheckpointError`.
 
 Data is read with ``preadv`` into fresh memory, never mapped: a restored array must not
 change, nor the process die of SIGBUS, when a data file is later edited, truncated or
@@ -25,16 +26,16 @@ from collections.abc import Sequence
 import numpy as np
 
 from tpu_ckpt.errors import CheckpointError, CorruptCheckpointError
+from tpu_ckpt.format import MANIFEST_FILE
 
 # The largest whole file (a manifest) read_whole reads by default: far beyond any real
-# manifest (a million leaves take about 200 MB), small enough to hold in memory.
+# manifest (a few hundred bytes per leaf), small enough to hold in memory.
 MAX_WHOLE_FILE_BYTES = 1 << 30
 
 ALIGNMENT = 64
 IOV_MAX = 1024
 
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC  # non-blocking: a FIFO opens at once
-_MANIFEST = "manifest.json"
 
 
 def escapes(name: str) -> bool:
@@ -57,7 +58,7 @@ def confine(root: str, name: str) -> str:
     parts = os.path.normpath(name).split(os.sep)
     if len(parts) >= 3 and parts[0] == os.pardir and not escapes(os.path.join(*parts[2:])):
         sibling = os.path.join(os.path.dirname(root.rstrip(os.sep)), parts[1])
-        if parts[1] != os.pardir and os.path.isfile(os.path.join(sibling, _MANIFEST)):
+        if parts[1] != os.pardir and os.path.isfile(os.path.join(sibling, MANIFEST_FILE)):
             return os.path.join(sibling, *parts[2:])
     raise outside_error(root, name)
 
@@ -79,7 +80,7 @@ def open_regular(path: str) -> int:
     try:
         fd = os.open(path, _OPEN_FLAGS)
     except FileNotFoundError:
-        raise
+        raise  # what absence means is the caller's to say (missing data, or no manifest)
     except OSError as e:
         if e.errno == errno.ENXIO:  # a socket, or a device with no driver behind it
             raise _not_regular(path, "socket or device") from None

@@ -1,0 +1,75 @@
+"""The leader's commit: every process's index merged into the planned manifest, written last.
+
+The merge (``merge_indexes``) is a pure function from the plan's manifest and the indexes to
+a new manifest, so what a commit would write is checked without storage and nobody's dicts
+change under them; ``commit`` adds the IO around it: collect the others' indexes, check the
+staging area holds the files they claim, write the manifest, make the checkpoint visible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+
+from tpu_ckpt import storage
+from tpu_ckpt.decode import decode_manifest
+from tpu_ckpt.errors import CheckpointError
+from tpu_ckpt.format import MANIFEST_FILE, LeafEntry, Manifest, PieceEntry
+from tpu_ckpt.save_plan import index_file
+from tpu_ckpt.slices import tiling_problem
+
+
+def index(pieces: Mapping[str, Sequence[PieceEntry]], files: Mapping[str, int]) -> Manifest:
+    """One process's piece locations and data files, in manifest form so one parser reads both."""
+    leaves = tuple(LeafEntry(key, [], "array", pieces=tuple(p)) for key, p in pieces.items())
+    return Manifest(leaves, dict(files), 0, "")
+
+
+def merge_indexes(planned: Manifest, indexes: Sequence[Manifest]) -> Manifest:
+    """``planned`` completed by the indexes of every process: each leaf's pieces (sorted by
+    slice) and every data file. Raises if a leaf's merged pieces miss or repeat a block."""
+    pieces: dict[str, list[PieceEntry]] = {}
+    files: dict[str, int] = {}
+    for one in indexes:
+        files.update(one.files)
+        for leaf in one.leaves:
+            pieces.setdefault(leaf.key, []).extend(leaf.pieces)
+    leaves = tuple(
+        dataclasses.replace(e, pieces=tuple(sorted(pieces.get(e.key, ()), key=lambda p: p.slice))) for e in planned.leaves
+    )
+    for leaf in leaves:
+        _check_covered(leaf)
+    return dataclasses.replace(planned, leaves=leaves, files=dict(sorted(files.items())))
+
+
+def commit(
+    store: storage.Store, final: storage.Location, planned: Manifest, own: Manifest, others: Iterable[int]
+) -> None:
+    """The leader: merges its own index with those the ``others`` processes left in the
+    staging area, writes the manifest and commits the staging area as ``final``."""
+    indexes = [own, *(_take_index(store, process) for process in others)]
+    manifest = merge_indexes(planned, indexes)
+    store.check_written(manifest.files)
+    store.write(MANIFEST_FILE, [manifest.to_json()]).result()
+    storage.commit(store.location, final)
+
+
+def _take_index(store: storage.Store, process: int) -> Manifest:
+    """Reads another process's index and deletes it: a committed checkpoint holds none."""
+    name = index_file(process)
+    theirs = decode_manifest(store.read_file(name) or b"", where=store.location.child(name), complete=False)
+    store.delete(name)
+    return theirs
+
+
+def _check_covered(leaf: LeafEntry) -> None:
+    """Guards against committing a leaf whose merged pieces miss or repeat a block."""
+    if leaf.kind != "array":
+        return
+    problem = tiling_problem(leaf.shape, [p.slice for p in leaf.pieces])
+    if problem:
+        raise CheckpointError(
+            f"Leaf {leaf.key!r}: {problem}; refusing to commit an inconsistent checkpoint. "
+            "Are all processes saving the same tree?",
+            key=leaf.key,
+        )
