@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import tpu_ckpt as tc
-from tpu_ckpt import relay, storage
+from tpu_ckpt import relay, relay_server, relay_wire, storage
 
 SERVES = {"d.bin": 1 << 20, "short.bin": 10, "nope.safetensors": 4, "absent.json": None}
 ACCEPTS = {"d.bin", "short.bin", "still.bin", "taken", "after", "x.bin"}.__contains__
@@ -16,7 +16,7 @@ ACCEPTS = {"d.bin", "short.bin", "still.bin", "taken", "after", "x.bin"}.__conta
 @pytest.fixture
 def served(tmp_path):
     store = storage.open_staging(storage.Location(str(tmp_path / "ckpt")))
-    server = relay.RelayServer(store, "127.0.0.1", timeout=10, peers=1, serves=SERVES, accepts=ACCEPTS)
+    server = relay_server.RelayServer(store, "127.0.0.1", timeout=10, peers=1, serves=SERVES, accepts=ACCEPTS)
     client = relay.RelayStore(storage.Location("ckpt"), server.contact(), timeout=10, server_process=0)
     yield tmp_path / "ckpt", client, server.address
     client.close()
@@ -50,16 +50,16 @@ def test_a_connection_without_the_secret_is_dropped(served):
     root, client, address = served
     host, port = address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as conn:
-        relay._send(conn, {"secret": "guess"})
+        relay_wire.send(conn, {"secret": "guess"})
         with pytest.raises(EOFError):
-            relay._receive(conn)
+            relay_wire.receive(conn)
     client.write("still.bin", [b"ok"]).result()  # the real client is unaffected
     assert (root / "still.bin").read_bytes() == b"ok"
 
 
 def test_a_closed_server_is_a_checkpoint_error_not_a_hang(tmp_path):
     store = storage.open_staging(storage.Location(str(tmp_path / "ckpt")))
-    server = relay.RelayServer(store, "127.0.0.1", timeout=5, peers=1, accepts=ACCEPTS)
+    server = relay_server.RelayServer(store, "127.0.0.1", timeout=5, peers=1, accepts=ACCEPTS)
     client = relay.RelayStore(storage.Location("ckpt"), server.contact(), timeout=5, server_process=3)
     server.close()
     with pytest.raises(tc.CheckpointError, match="Lost the connection to process 3"):
@@ -78,12 +78,12 @@ def test_a_connection_that_failed_mid_answer_is_never_reused(tmp_path):
         time.sleep(1.0)
         return store.read(name, offset, [4])
 
-    server = relay.RelayServer(store, "127.0.0.1", timeout=10, peers=1, serves={"f": 4}, shared=slow_piece)
+    server = relay_server.RelayServer(store, "127.0.0.1", timeout=10, peers=1, serves={"f": 4}, shared=slow_piece)
     client = relay.RelayStore(storage.Location("ckpt"), server.contact(), timeout=0.3, server_process=1, connections=1)
-    with pytest.raises(relay.RelayConnectionError, match="Lost the connection to process 1"):
+    with pytest.raises(relay_wire.RelayConnectionError, match="Lost the connection to process 1"):
         client.shared_piece("f", 0, 4, requester=0, then=lambda chunks: None).result()
     time.sleep(1.0)  # the late answer has arrived by now
-    with pytest.raises(relay.RelayConnectionError):
+    with pytest.raises(relay_wire.RelayConnectionError):
         client.read("f", 0, [4]).result()
     client.close()
     server.close()
@@ -92,21 +92,21 @@ def test_a_connection_that_failed_mid_answer_is_never_reused(tmp_path):
 
 def test_a_queued_write_outlasts_the_timeout_while_the_server_says_it_is_queued(tmp_path):
     store = storage.open_staging(storage.Location(str(tmp_path / "ckpt")))
-    server = relay.RelayServer(
+    server = relay_server.RelayServer(
         store, "127.0.0.1", timeout=10, peers=1, accepts={"first", "second"}.__contains__, write_slots=1, heartbeat=0.1
     )
     host, port = server.address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as hog:  # holds the only slot for 1.5 s
-        relay._send(hog, {"secret": server.secret})
-        assert relay._receive(hog)[0]["ok"]
-        relay._send_header(hog, {"op": "write", "name": "first"}, 3)
-        assert relay._receive(hog)[0] == {"go": True}
+        relay_wire.send(hog, {"secret": server.secret})
+        assert relay_wire.receive(hog)[0]["ok"]
+        relay_wire.send_header(hog, {"op": "write", "name": "first"}, 3)
+        assert relay_wire.receive(hog)[0] == {"go": True}
         client = relay.RelayStore(storage.Location("ckpt"), server.contact(), timeout=0.5, server_process=0)
         queued = client.write("second", [b"222"])
         time.sleep(1.5)  # three timeouts' worth of waiting, heartbeats all along
         assert not queued.done()
-        relay._send_payload(hog, [memoryview(b"111")])
-        assert relay._receive(hog)[0] == {"ok": True}
+        relay_wire.send_payload(hog, [memoryview(b"111")])
+        assert relay_wire.receive(hog)[0] == {"ok": True}
     queued.result(timeout=5)
     assert (tmp_path / "ckpt" / "first").read_bytes() == b"111"
     assert (tmp_path / "ckpt" / "second").read_bytes() == b"222"
@@ -128,7 +128,7 @@ def test_a_storage_error_on_the_server_names_the_file(served):
 @pytest.fixture
 def server(tmp_path):
     store = storage.open_staging(storage.Location(str(tmp_path / "ckpt")))
-    server = relay.RelayServer(store, "127.0.0.1", timeout=10, peers=1, serves=SERVES, accepts=ACCEPTS)
+    server = relay_server.RelayServer(store, "127.0.0.1", timeout=10, peers=1, serves=SERVES, accepts=ACCEPTS)
     yield server
     server.close()
     store.close()
@@ -138,13 +138,13 @@ def _connect(server, hello=True):
     host, port = server.address.rsplit(":", 1)
     conn = socket.create_connection((host, int(port)), timeout=5)
     if hello:
-        relay._send(conn, {"secret": server.secret})
-        assert relay._receive(conn)[0]["ok"]
+        relay_wire.send(conn, {"secret": server.secret})
+        assert relay_wire.receive(conn)[0]["ok"]
     return conn
 
 
 def _refusal(conn):
-    answer = relay._receive(conn)[0]
+    answer = relay_wire.receive(conn)[0]
     assert answer["error"]["type"] == "RelayRequestError", answer
     return answer["error"]["message"]
 
@@ -162,10 +162,10 @@ def test_a_peer_reads_only_the_files_its_operation_serves(served, tmp_path, name
     root, client, _ = served
     (tmp_path / "x").write_bytes(b"outside")
     name = str(tmp_path / "x") if name == "ABSOLUTE" else name
-    with pytest.raises(relay.RelayRequestError, match="does not serve") as e:
+    with pytest.raises(relay_wire.RelayRequestError, match="does not serve") as e:
         client.read_file(name)
     assert e.value.file.endswith(name)
-    with pytest.raises(relay.RelayRequestError, match="does not serve"):
+    with pytest.raises(relay_wire.RelayRequestError, match="does not serve"):
         client.read(name, 0, [7]).result()
     client.write("d.bin", [b"abc"]).result()  # the connections are still in step
     assert client.read("d.bin", 0, [3]).result()[0].tobytes() == b"abc"
@@ -174,10 +174,10 @@ def test_a_peer_reads_only_the_files_its_operation_serves(served, tmp_path, name
 @pytest.mark.parametrize("name", ["../y", "ABSOLUTE", "sub/../../y", "", ".", "manifest.json", "index-00000.json"])
 def test_a_peer_writes_only_plain_names_its_operation_accepts(tmp_path, name):
     store = storage.open_staging(storage.Location(str(tmp_path / "ckpt")))
-    anything = relay.RelayServer(store, "127.0.0.1", timeout=10, peers=1, accepts=lambda n: "json" not in n)
+    anything = relay_server.RelayServer(store, "127.0.0.1", timeout=10, peers=1, accepts=lambda n: "json" not in n)
     client = relay.RelayStore(storage.Location("ckpt"), anything.contact(), timeout=10, server_process=0, connections=1)
     name = str(tmp_path / "y") if name == "ABSOLUTE" else name
-    with pytest.raises(relay.RelayRequestError, match="does not accept") as e:
+    with pytest.raises(relay_wire.RelayRequestError, match="does not accept") as e:
         client.write(name, [b"evil"]).result()
     assert e.value.file.endswith(name)
     assert [p.name for p in tmp_path.rglob("*")] == ["ckpt"]  # nothing was written anywhere
@@ -190,16 +190,16 @@ def test_a_peer_writes_only_plain_names_its_operation_accepts(tmp_path, name):
 
 def test_a_huge_message_length_is_refused_and_the_connection_dropped(server):
     with _connect(server) as conn:
-        conn.sendall(relay._HEADER.pack(2**60, 0))
+        conn.sendall(relay_wire._HEADER.pack(2**60, 0))
         assert f"{2**60}-byte message" in _refusal(conn)
         assert conn.recv(1) == b""
     with _connect(server) as conn:  # a read request followed by bytes it should not have
-        relay._send_header(conn, {"op": "read_file", "name": "absent.json"}, 2**60)
+        relay_wire.send_header(conn, {"op": "read_file", "name": "absent.json"}, 2**60)
         assert "followed by" in _refusal(conn)
         assert conn.recv(1) == b""
     with _connect(server) as conn:  # the server is still serving
-        relay._send(conn, {"op": "read_file", "name": "absent.json"})
-        assert relay._receive(conn)[0] == {"ok": True, "missing": True}
+        relay_wire.send(conn, {"op": "read_file", "name": "absent.json"})
+        assert relay_wire.receive(conn)[0] == {"ok": True, "missing": True}
 
 
 @pytest.mark.parametrize("request_", [
@@ -207,7 +207,7 @@ def test_a_huge_message_length_is_refused_and_the_connection_dropped(server):
     {"op": "read", "name": "d.bin", "start": 0, "lengths": [2**60]},
     {"op": "read", "name": "d.bin", "start": 2**60, "lengths": [1]},
     {"op": "read", "name": "d.bin", "start": 0, "lengths": [1 << 19, 1 << 19, 1]},  # past the file's size
-    {"op": "read", "name": "d.bin", "start": 0, "lengths": [1] * (relay.MAX_RANGES + 1)},
+    {"op": "read", "name": "d.bin", "start": 0, "lengths": [1] * (relay_wire.MAX_RANGES + 1)},
     {"op": "read", "name": "d.bin", "start": -1, "lengths": [1]},
     {"op": "read", "name": "d.bin", "start": 0, "lengths": "1"},
     {"op": "read", "name": "absent.json", "start": 0, "lengths": [1]},  # served whole only
@@ -217,21 +217,21 @@ def test_a_huge_message_length_is_refused_and_the_connection_dropped(server):
 def test_a_request_beyond_the_bounds_is_refused_before_any_allocation(server, request_):
     with _connect(server) as conn:
         request = dict(request_)
-        relay._send_header(conn, request, request.pop("size", 0))
+        relay_wire.send_header(conn, request, request.pop("size", 0))
         _refusal(conn)
-        relay._send(conn, {"op": "read_file", "name": "absent.json"})  # still in step
-        assert relay._receive(conn)[0] == {"ok": True, "missing": True}
+        relay_wire.send(conn, {"op": "read_file", "name": "absent.json"})  # still in step
+        assert relay_wire.receive(conn)[0] == {"ok": True, "missing": True}
 
 
 def test_connections_beyond_the_cap_are_refused_until_one_ends(tmp_path):
     store = storage.open_staging(storage.Location(str(tmp_path / "ckpt")))
-    server = relay.RelayServer(store, "127.0.0.1", timeout=10, peers=0)  # room for one client's connections
-    conns = [_connect(server) for _ in range(relay.CONNECTIONS_PER_CLIENT)]
+    server = relay_server.RelayServer(store, "127.0.0.1", timeout=10, peers=0)  # room for one client's connections
+    conns = [_connect(server) for _ in range(relay_wire.CONNECTIONS_PER_CLIENT)]
     with _connect(server, hello=False) as extra:
-        assert f"at most {relay.CONNECTIONS_PER_CLIENT}" in _refusal(extra)
+        assert f"at most {relay_wire.CONNECTIONS_PER_CLIENT}" in _refusal(extra)
         assert extra.recv(1) == b""
     conns.pop().close()
-    _eventually(lambda: len(server._handlers) < relay.CONNECTIONS_PER_CLIENT)
+    _eventually(lambda: len(server._handlers) < relay_wire.CONNECTIONS_PER_CLIENT)
     conns.append(_connect(server))  # room again
     for conn in conns:
         conn.close()
@@ -242,7 +242,7 @@ def test_connections_beyond_the_cap_are_refused_until_one_ends(tmp_path):
 
 def test_an_idle_connection_is_closed_and_its_handler_ends(tmp_path):
     store = storage.open_staging(storage.Location(str(tmp_path / "ckpt")))
-    server = relay.RelayServer(store, "127.0.0.1", timeout=10, peers=1, idle_timeout=0.2)
+    server = relay_server.RelayServer(store, "127.0.0.1", timeout=10, peers=1, idle_timeout=0.2)
     with _connect(server) as idle, _connect(server, hello=False) as silent:
         assert idle.recv(1) == b""  # the server closed it (our own timeout would raise)
         assert silent.recv(1) == b""  # one that never said hello, too
@@ -253,7 +253,7 @@ def test_an_idle_connection_is_closed_and_its_handler_ends(tmp_path):
 
 def test_a_client_replaces_a_connection_before_the_server_closes_it_idle(tmp_path):
     store = storage.open_staging(storage.Location(str(tmp_path / "ckpt")))
-    server = relay.RelayServer(store, "127.0.0.1", timeout=10, peers=1, accepts=ACCEPTS, idle_timeout=0.4)
+    server = relay_server.RelayServer(store, "127.0.0.1", timeout=10, peers=1, accepts=ACCEPTS, idle_timeout=0.4)
     client = relay.RelayStore(storage.Location("ckpt"), server.contact(), timeout=10, server_process=0, connections=1)
     client.write("x.bin", [b"1"]).result()
     time.sleep(1.0)  # idle past the server's timeout: it has closed the connection

@@ -30,7 +30,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpu_ckpt import distributed, keys, read_plan, relay, shared_reads, shared_storage, storage
+from tpu_ckpt import (
+    distributed,
+    keys,
+    read_plan,
+    relay,
+    relay_server,
+    relay_wire,
+    shared_reads,
+    shared_storage,
+    storage,
+)
 from tpu_ckpt.committed import read_manifest
 from tpu_ckpt.decode import decode_manifest
 from tpu_ckpt.errors import (
@@ -179,7 +189,7 @@ def _open(
             coord.gather("restored")
     except BaseException as error:
         coord.report_failure(error)
-        if isinstance(error, relay.RelayConnectionError):  # the peer's own report says more
+        if isinstance(error, relay_wire.RelayConnectionError):  # the peer's own report says more
             coord.raise_if_another_failed("restore", grace=2.0)
         raise
 
@@ -191,10 +201,10 @@ def _serve(loc: storage.Location, coord: distributed.Coordinator) -> Iterator[tu
     try:
         manifest = read_manifest(loc)
     except CheckpointError as error:
-        coord.publish("serve", "error " + json.dumps(relay.error_to_json(error)))
+        coord.publish("serve", "error " + json.dumps(relay_wire.error_to_json(error)))
         raise
     with storage.Store(loc) as store:
-        server = relay.RelayServer(
+        server = relay_server.RelayServer(
             store, distributed.relay_host(), coord.timeout, peers=coord.count - 1,
             serves={MANIFEST_FILE: None, **manifest.files},
         )
@@ -212,7 +222,7 @@ def _relayed(
     """Every other process: reads the checkpoint through the io_device process."""
     status, _, detail = coord.receive("serve", io).partition(" ")
     if status == "error":
-        raise relay.error_from_json(json.loads(detail))
+        raise relay_wire.error_from_json(json.loads(detail))
     with relay.RelayStore(loc, detail, coord.timeout, io) as store:
         data = store.read_file(MANIFEST_FILE)
         if data is None:

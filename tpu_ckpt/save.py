@@ -1,10 +1,10 @@
 """save(): carries out a save plan: staging, host snapshot, writes, index, commit, callbacks.
 
 Every process of a job calls ``save`` (SPMD). Each plans its part (``save_plan.py``) and
-writes only the pieces of its own addressable devices into the staging location; the leader
-(process 0, or the ``io_device`` process) then merges the per-process indexes into the
-manifest and commits (``commit.py``). With ``io_device`` the other processes write through
-the leader (``relay.py``) and never touch storage themselves.
+writes only the pieces of its own addressable devices into the staging area (``staging.py``);
+the leader (process 0, or the ``io_device`` process) then merges the per-process indexes into
+the manifest and commits (``commit.py``). With ``io_device`` the other processes write
+through the leader (``relay.py``) and never touch storage themselves.
 
 Synchronously, pieces are written straight from the arrays' buffers (no copy on CPU; off
 CPU, one data file's pieces come to the host when a write slot is free, at most
@@ -19,26 +19,24 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import functools
-import json
 import logging
 import os
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from tpu_ckpt import commit, distributed, relay, shared_storage, storage
+from tpu_ckpt import commit, distributed, relay, relay_wire, storage
 from tpu_ckpt.background import WRITER, SaveResult
-from tpu_ckpt.errors import CheckpointError, CheckpointExistsError
+from tpu_ckpt.errors import CheckpointError
 from tpu_ckpt.format import Manifest, PieceEntry, crc32c, dtype_name, metric_values, safetensors_layout
 from tpu_ckpt.gc_pause import gc_paused
 from tpu_ckpt.options import CheckpointOptions, io_process, wants_path
-from tpu_ckpt.save_plan import DataFile, SavePlan, index_file, plan_save, written_by
+from tpu_ckpt.save_plan import DataFile, SavePlan, index_file, plan_save
 from tpu_ckpt.slots import SlotPredicate
+from tpu_ckpt.staging import Staging, prepare
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +97,7 @@ def _start(
             tree, options, process_index=coord.me, process_count=coord.count, is_slot=is_slot, metrics=metrics
         )
         leader = 0 if io is None else io
-        staging = _open_staging(final, coord, leader, options.coordination_timeout, relayed=io is not None)
+        staging = prepare(final, coord, leader, options.coordination_timeout, relayed=io is not None)
     except BaseException as error:
         coord.report_failure(error)
         _explain(coord, error)
@@ -111,81 +109,10 @@ def _explain(coord: distributed.Coordinator, error: BaseException, leader: int |
     """Raises the failure of another process that caused ``error``: a lost relay connection
     usually means the other process failed; a write fails once the leader, having given up,
     removed the staging area (writes create no directory)."""
-    if isinstance(error, relay.RelayConnectionError):
+    if isinstance(error, relay_wire.RelayConnectionError):
         coord.raise_if_another_failed("save", grace=2.0)
     elif leader is not None and coord.me != leader and coord.abandoned(leader):
         coord.raise_if_another_failed("save")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Staging:
-    """Where this process writes: the staging area, its store, and, on the io_device leader,
-    the relay serving the staging area to the others."""
-
-    location: storage.Location
-    store: storage.Store | relay.RelayStore
-    server: relay.RelayServer | None = None
-
-    def close(self) -> None:
-        """Stops serving the others (first: no late write may land after this), closes the store."""
-        if self.server is not None:
-            self.server.close()
-        self.store.close()
-
-
-def _open_staging(
-    final: storage.Location, coord: distributed.Coordinator, leader: int, timeout: float, relayed: bool
-) -> _Staging:
-    """The leader checks the destination and names the staging area (serving it to the
-    others when they write through it); the others learn its name, or where to connect.
-    Before anyone writes, the processes prove they all see a local staging directory
-    (see ``shared_storage.py``): the leader decides when, so every process takes part."""
-    if coord.me != leader:
-        return _join_staging(final, coord, leader, timeout)
-    if not storage.is_empty(final):
-        raise CheckpointExistsError(
-            f"{final.url} already exists and is not empty; tpu_ckpt never overwrites a checkpoint. "
-            "Save to a new path, or delete the old one first.",
-            file=final.url,
-        )
-    token = uuid.uuid4().hex[:12]
-    location = final.staging(token)
-    staging = _Staging(location, storage.open_staging(location))
-    prove = not relayed and shared_storage.unproved(final, coord.count)
-    try:
-        contact = ""
-        if relayed and coord.count > 1:
-            accepts = functools.partial(_sent_by_another, leader=leader, count=coord.count)
-            server = relay.RelayServer(staging.store, distributed.relay_host(), timeout, peers=coord.count - 1, accepts=accepts)
-            staging = dataclasses.replace(staging, server=server)
-            contact = server.contact()
-        coord.publish("start", json.dumps({"token": token, "contact": contact, "prove_shared": prove}))
-        if prove:
-            shared_storage.prove_staging(coord, final, location, leader)
-    except BaseException:
-        staging.close()
-        storage.remove(location)  # nobody else knows its name: nobody else would remove it
-        raise
-    return staging
-
-
-def _join_staging(final: storage.Location, coord: distributed.Coordinator, leader: int, timeout: float) -> _Staging:
-    """A process other than the leader: the staging area the leader named, written directly
-    or through the leader's relay."""
-    start = json.loads(coord.receive("start", leader))
-    location = final.staging(start["token"])
-    if start["prove_shared"]:
-        shared_storage.prove_staging(coord, final, location, leader)
-    if start["contact"]:
-        return _Staging(location, relay.RelayStore(location, start["contact"], timeout, leader))
-    return _Staging(location, storage.Store(location))
-
-
-def _sent_by_another(name: str, leader: int, count: int) -> bool:
-    """What the io_device leader's relay accepts: the data files and index of another
-    process of this job, nothing else."""
-    process = written_by(name)
-    return process is not None and process != leader and process < count
 
 
 class _Job:
@@ -199,7 +126,7 @@ class _Job:
 
     def __init__(
         self, plan: SavePlan, final: storage.Location, coord: distributed.Coordinator, leader: int,
-        options: CheckpointOptions, staging: _Staging,
+        options: CheckpointOptions, staging: Staging,
     ):
         self.manifest = plan.manifest
         self.piece_count = plan.piece_count

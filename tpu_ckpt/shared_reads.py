@@ -27,7 +27,7 @@ from typing import Any
 
 import jax
 
-from tpu_ckpt import distributed, read_plan, relay, storage
+from tpu_ckpt import distributed, read_plan, relay, relay_server, storage
 from tpu_ckpt.errors import CheckpointError
 from tpu_ckpt.format import LeafEntry, PieceEntry
 from tpu_ckpt.pieces import WriteBalance, full_slice, index_to_slice
@@ -98,7 +98,7 @@ class SharedReads(StoreReads):
         self.plan = the_plan
         mine = {pid: pieces[pid] for pid, reader in the_plan.readers.items() if reader == coord.me}
         self._cache = _ReadOnce(store, mine, the_plan.needers)
-        self._server = relay.RelayServer(
+        self._server = relay_server.RelayServer(
             store, distributed.relay_host(), coord.timeout, peers=coord.count - 1, shared=self._cache.take
         )
         self._peers: dict[int, relay.RelayStore] = {}

@@ -1,0 +1,134 @@
+"""The relay's wire format, shared by its server (``relay_server.py``) and client (``relay.py``).
+
+Each message is a 16-byte header (two big-endian uint64: JSON length, payload length), a
+JSON object, then the payload bytes. Both ends read through the same few functions so that
+every length on the wire is bounded before anything is allocated (``MAX_MESSAGE_BYTES``,
+``MAX_FILE_BYTES``), and every socket call moves a bounded chunk, so the connection's
+timeout measures progress, never the whole transfer. Errors cross as JSON objects, so the
+client raises the same ``CheckpointError`` subclass the server's process raised.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from tpu_ckpt import errors, read_plan, storage
+from tpu_ckpt.format import ALIGNMENT
+
+CONNECTIONS_PER_CLIENT = 4
+MAX_MESSAGE_BYTES = 16 << 20  # one message's JSON: a read of 64 MiB of tiny pieces lists ~2M lengths
+MAX_FILE_BYTES = 1 << 40  # one file written, or read whole, through the relay
+MAX_RANGES = 2 * read_plan.MAX_READ_BYTES // ALIGNMENT  # one read's pieces and the gaps between them
+_HEADER = struct.Struct("!QQ")
+_CHUNK = 8 << 20  # one bounded socket call: the timeout measures progress, not the whole file
+
+
+class RelayConnectionError(errors.CheckpointError):
+    """The relay connection failed (refused, reset, timed out): the other process may have
+    failed first, which its own report explains better."""
+
+
+class RelayRequestError(errors.CheckpointError):
+    """The relay refused a request: a file this operation does not serve or accept, or a
+    length beyond the relay's bounds. The job's own processes never ask that, so it means a
+    bug, or a process of another operation that holds this one's secret."""
+
+
+def send(conn: socket.socket, message: dict[str, Any], payload: Sequence[Any] = ()) -> None:
+    views = [memoryview(p).cast("B") for p in payload]
+    send_header(conn, message, sum(len(v) for v in views))
+    send_payload(conn, views)
+
+
+def send_header(conn: socket.socket, message: dict[str, Any], payload_size: int) -> None:
+    meta = json.dumps(message).encode()
+    conn.sendall(_HEADER.pack(len(meta), payload_size) + meta)
+
+
+def send_payload(conn: socket.socket, views: Sequence[memoryview]) -> None:
+    for view in views:
+        for start in range(0, len(view), _CHUNK):
+            conn.sendall(view[start : start + _CHUNK])
+
+
+def receive_header(conn: socket.socket, limit: int = MAX_MESSAGE_BYTES) -> tuple[dict[str, Any], int]:
+    """A message's JSON object and the length of the payload that follows (which the caller
+    bounds before reading it). A malformed or oversized message is a ValueError."""
+    head = bytearray(_HEADER.size)
+    receive_into(conn, [head])
+    meta_size, payload_size = _HEADER.unpack(head)
+    if meta_size > limit:
+        raise ValueError(f"a {meta_size}-byte message where at most {limit} may come")
+    meta = bytearray(meta_size)
+    receive_into(conn, [meta])
+    try:
+        message = json.loads(meta)
+    except RecursionError:
+        raise ValueError("a message nested too deeply") from None
+    if not isinstance(message, dict):
+        raise ValueError("a message that is not a JSON object")
+    return message, payload_size
+
+
+def receive(conn: socket.socket) -> tuple[dict[str, Any], bytes]:
+    """A small message (handshake, queue notices): its payload is bounded like its JSON."""
+    message, size = receive_header(conn)
+    if size > MAX_MESSAGE_BYTES:
+        raise ValueError(f"a {size}-byte payload where at most {MAX_MESSAGE_BYTES} may come")
+    data = bytearray(size)
+    receive_into(conn, [data])
+    return message, bytes(data)
+
+
+def receive_into(conn: socket.socket, buffers: Sequence[Any]) -> None:
+    for buffer in buffers:
+        view = memoryview(buffer).cast("B")
+        while len(view):
+            n = conn.recv_into(view[:_CHUNK])
+            if n == 0:
+                raise EOFError("the peer closed the connection")
+            view = view[n:]
+
+
+def receive_chunked(conn: socket.socket, size: int) -> list[np.ndarray]:
+    """``size`` payload bytes, in buffers allocated only as bytes arrive: a peer that claims
+    much and sends little costs little memory."""
+    chunks = []
+    while size:
+        chunks.append(storage.aligned_empty(min(size, _CHUNK)))
+        receive_into(conn, chunks[-1:])
+        size -= chunks[-1].nbytes
+    return chunks
+
+
+def discard(conn: socket.socket, size: int) -> None:
+    scratch = bytearray(min(size, _CHUNK))
+    while size:
+        receive_into(conn, [memoryview(scratch)[: min(size, _CHUNK)]])
+        size -= min(size, _CHUNK)
+
+
+def error_to_json(error: BaseException) -> dict[str, Any]:
+    if isinstance(error, errors.CheckpointError):
+        return {"type": type(error).__name__, "message": str(error), "key": error.key, "file": error.file}
+    return {"type": "CheckpointError", "message": f"{type(error).__name__}: {error}", "key": None, "file": None}
+
+
+def error_from_json(data: Any) -> errors.CheckpointError:
+    """The same error type the IO process raised (a plain CheckpointError for the others)."""
+    if not isinstance(data, dict):
+        data = {"message": f"an unreadable error report: {data!r:.200}"}
+    name = str(data.get("type"))
+    cls = RelayRequestError if name == RelayRequestError.__name__ else getattr(errors, name, errors.CheckpointError)
+    if not (isinstance(cls, type) and issubclass(cls, errors.CheckpointError)) or cls in (
+        errors.CoordinationTimeoutError,
+    ):
+        cls = errors.CheckpointError
+    key, file = data.get("key"), data.get("file")
+    return cls(str(data.get("message")), key=key if isinstance(key, str) else None, file=file if isinstance(file, str) else None)
