@@ -22,8 +22,14 @@ def _global_array(mesh: jax.sharding.Mesh, spec: P, value: np.ndarray = GLOBAL) 
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index], dtype=value.dtype)
 
 
-def _local_shards_match(array: jax.Array, value: np.ndarray) -> bool:
-    return all(np.array_equal(np.asarray(s.data), value[s.index]) for s in array.addressable_shards)
+def _shard_mismatches(array: jax.Array, value: np.ndarray, key: str = "") -> list[str]:
+    """Each addressable shard that differs from ``value``, described (empty when all match):
+    the test prints what differed, not ``False``."""
+    return [
+        f"{key} shard {s.index} on {s.device}: {np.asarray(s.data).ravel()[:6]} != {value[s.index].ravel()[:6]}"
+        for s in array.addressable_shards
+        if not np.array_equal(np.asarray(s.data), value[s.index])
+    ]
 
 
 def save_and_restore_across_meshes(directory: str) -> dict:
@@ -64,12 +70,12 @@ def save_and_restore_across_meshes(directory: str) -> dict:
     return {
         "process": jax.process_index(),
         "files": files,
-        "w_ok": _local_shards_match(restored["w"], GLOBAL),
-        "replicated_ok": _local_shards_match(restored["replicated"], np.arange(6, dtype=np.int32)),
-        "big_ok": _local_shards_match(restored["big_replicated"], BIG)
-        and _local_shards_match(restored["a_on_zero"], np.arange(1 << 18, dtype=np.float32)),
+        "mismatches": _shard_mismatches(restored["w"], GLOBAL, "w")
+        + _shard_mismatches(restored["replicated"], np.arange(6, dtype=np.int32), "replicated")
+        + _shard_mismatches(restored["big_replicated"], BIG, "big_replicated")
+        + _shard_mismatches(restored["a_on_zero"], np.arange(1 << 18, dtype=np.float32), "a_on_zero")
+        + ([] if np.array_equal(everything["w"], GLOBAL) else ["w restored to numpy differs"]),
         "step": restored["step"],
-        "numpy_ok": bool(np.array_equal(everything["w"], GLOBAL)),
         "needs_other_process_pieces": _needs_pieces_of_other_processes(tree["w"], restored["w"]),
         "saved_device_ids": sorted(before),
         "altered_task_error": altered_task_error,
@@ -150,7 +156,7 @@ def async_save_with_buffers_deleted(directory: str) -> dict:
     w.delete()
     result.wait()
     restored = tc.restore(path, {"w": jax.ShapeDtypeStruct(GLOBAL.shape, GLOBAL.dtype, sharding=NamedSharding(mesh, P("model")))})
-    return {"ok": _local_shards_match(restored["w"], GLOBAL)}
+    return {"mismatches": _shard_mismatches(restored["w"], GLOBAL, "w")}
 
 
 def _job_mesh() -> jax.sharding.Mesh:
@@ -176,11 +182,15 @@ def _targets(tree: dict, mesh: jax.sharding.Mesh) -> dict:
     }
 
 
-def _all_match(restored: dict, values: dict) -> bool:
-    return all(
-        _local_shards_match(restored[key], value) if isinstance(value, np.ndarray) else restored[key] == value
-        for key, value in values.items()
-    )
+def _mismatches(restored: dict, values: dict) -> list[str]:
+    """What differs between ``restored`` and the expected ``values``, described."""
+    out: list[str] = []
+    for key, value in values.items():
+        if isinstance(value, np.ndarray):
+            out += _shard_mismatches(restored[key], value, key)
+        elif restored[key] != value:
+            out.append(f"{key}: {restored[key]!r} != {value!r}")
+    return out
 
 
 def io_device_save_and_restore(directory: str, io: str) -> dict:
@@ -224,9 +234,7 @@ def io_device_save_and_restore(directory: str, io: str) -> dict:
         "process": me,
         "bytes_written_by_save": written,
         "local_files": sorted(os.listdir(local)),
-        "restored_ok": _all_match(restored, values),
-        "async_ok": _all_match(restored_async, values),
-        "from_shared_ok": _all_match(from_shared, values),
+        "mismatches": _mismatches(restored, values) + _mismatches(restored_async, values) + _mismatches(from_shared, values),
         "needs_other_process_pieces": _needs_pieces_of_other_processes(tree["w"], restored["w"]),
         "missing_error": missing_error,
     }
@@ -280,7 +288,7 @@ def save_restore_many_processes(directory: str) -> dict:
     return {
         "process": jax.process_index(),
         "bytes_written": written,
-        "restored_ok": _all_match(restored, values) and _all_match(restored_async, values),
+        "mismatches": _mismatches(restored, values) + _mismatches(restored_async, values),
         "needs_other_process_pieces": _needs_pieces_of_other_processes(tree["w"], restored["w"]),
     }
 
@@ -328,7 +336,7 @@ def io_device_manager(directory: str, io: str) -> dict:
         restored = manager.restore(target=target)
     return {
         "steps": steps,
-        "restored_ok": _all_match(restored, {"w": GLOBAL + 3, "step": 3}),
+        "mismatches": _mismatches(restored, {"w": GLOBAL + 3, "step": 3}),
         "local": sorted(os.listdir(".")) + (sorted(os.listdir("run")) if os.path.isdir("run") else []),
     }
 
@@ -354,8 +362,8 @@ def load_and_broadcast_restore(directory: str) -> dict:
         before = _bytes_read()
         restored = tc.restore(path, targets, options=tc.CheckpointOptions(load_and_broadcast=share))
         out[f"{label}_read"] = _bytes_read() - before
-        out[f"{label}_ok"] = _all_match(restored, {**values, "step": 3}) and bool(
-            np.array_equal(restored["host"], np.arange(1 << 18, dtype=np.float32))
+        out[f"{label}_mismatches"] = _mismatches(restored, {**values, "step": 3}) + (
+            [] if np.array_equal(restored["host"], np.arange(1 << 18, dtype=np.float32)) else ["host differs"]
         )
     if jax.process_index() == 1:  # a wrong target on one process: the others hear of it at once
         targets["host"] = np.zeros(3, np.float32)

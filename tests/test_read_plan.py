@@ -1,6 +1,6 @@
 """Read planning: overlaps and coalescing, without IO."""
 
-from tpu_ckpt import read_plan
+from tpu_ckpt import read_plan, slices
 from tpu_ckpt.format import LeafEntry, PieceEntry
 
 
@@ -9,9 +9,9 @@ def piece(slc, file="f", offset=0, length=16):
 
 
 def test_intersect():
-    assert read_plan.intersect(((0, 4), (0, 4)), ((2, 6), (1, 2))) == ((2, 4), (1, 2))
-    assert read_plan.intersect(((0, 4),), ((4, 8),)) is None
-    assert read_plan.intersect((), ()) == ()
+    assert slices.intersect(((0, 4), (0, 4)), ((2, 6), (1, 2))) == ((2, 4), (1, 2))
+    assert slices.intersect(((0, 4),), ((4, 8),)) is None
+    assert slices.intersect((), ()) == ()
 
 
 def test_overlapping_pieces():
@@ -58,18 +58,18 @@ def test_overlapping_matches_a_scan_of_every_piece():
         if case % 3 == 0:  # a regular grid
             rs, cs = sorted(rng.sample(range(1, 40), rows - 1)), sorted(rng.sample(range(1, 40), cols - 1))
             row_cuts, col_cuts = list(zip([0, *rs], [*rs, 40])), list(zip([0, *cs], [*cs, 40]))
-            slices = [(r, c) for r in row_cuts for c in col_cuts]
+            boxes = [(r, c) for r in row_cuts for c in col_cuts]
         else:  # arbitrary boxes, overlapping extents included
-            slices = []
+            boxes = []
             for _ in range(rng.randint(1, 30)):
                 a, b = sorted(rng.sample(range(41), 2)) if rng.random() > 0.1 else (7, 7)
                 c, d = sorted(rng.sample(range(41), 2))
-                slices.append(((a, b), (c, d)))
-        pieces = tuple(piece(s, offset=i * 64) for i, s in enumerate(dict.fromkeys(slices)))
+                boxes.append(((a, b), (c, d)))
+        pieces = tuple(piece(s, offset=i * 64) for i, s in enumerate(dict.fromkeys(boxes)))
         leaf = LeafEntry("w", [], "array", (40, 40), "float32", pieces=pieces)
         for _ in range(20):
             a, b = sorted(rng.sample(range(41), 2))
             c, d = sorted(rng.sample(range(41), 2))
             want = ((a, b), (c, d))
-            scan = [p for p in pieces if read_plan.intersect(p.slice, want) is not None]
+            scan = [p for p in pieces if slices.intersect(p.slice, want) is not None]
             assert sorted(read_plan.overlapping(leaf, want), key=lambda p: p.offset) == sorted(scan, key=lambda p: p.offset)

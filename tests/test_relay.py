@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import tpu_ckpt as tc
+from tpu_ckpt import format as fmt
 from tpu_ckpt import relay, relay_server, relay_wire, storage
 
 SERVES = {"d.bin": 1 << 20, "short.bin": 10, "nope.safetensors": 4, "absent.json": None}
@@ -31,7 +32,7 @@ def test_writes_and_reads_go_through_the_server(served):
     assert (root / "d.bin").read_bytes() == data.tobytes()
     chunks = client.read("d.bin", 10, [5, 1 << 16]).result()
     assert [c.tobytes() for c in chunks] == [data[10:15].tobytes(), data[15 : 15 + (1 << 16)].tobytes()]
-    assert all(c.ctypes.data % storage.ALIGNMENT == 0 for c in chunks)  # zero-copy device_put still applies
+    assert all(c.ctypes.data % fmt.ALIGNMENT == 0 for c in chunks)  # zero-copy device_put still applies
     assert client.read_file("d.bin") == data.tobytes()
     assert client.read_file("absent.json") is None
 

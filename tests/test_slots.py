@@ -103,6 +103,7 @@ sys.modules["optax"] = None  # a serving job without optax installed
 import tpu_ckpt as tc
 
 from tests.helpers import read_chars
+import jax  # imported before counting: tpu_ckpt imports it lazily, during the restore
 
 path, skip = sys.argv[1], sys.argv[2] == "skip"
 before = read_chars()

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import tpu_ckpt as tc
+from tpu_ckpt import format as fmt
 from tpu_ckpt import storage
 from tpu_ckpt.errors import CorruptCheckpointError
 
@@ -40,7 +41,7 @@ def test_local_staging_is_a_sibling_and_commit_renames(tmp_path):
         assert store.read_file("x") == b"123"
         first, second = store.read("x", 0, [1, 2]).result()
         assert first.tobytes() == b"1" and second.tobytes() == b"23"
-        assert all(a.ctypes.data % storage.ALIGNMENT == 0 for a in (first, second))
+        assert all(a.ctypes.data % fmt.ALIGNMENT == 0 for a in (first, second))
         assert store.list() == ["x"] and store.read_file("y") is None
         with pytest.raises(CorruptCheckpointError, match="truncated"):
             store.read("x", 1, [4]).result()
@@ -80,7 +81,7 @@ def test_a_restore_hands_jax_fresh_aligned_memory_without_a_copy(tmp_path):
     tree = {"n": np.int32(5), "w": np.arange(4096, dtype=np.float32).reshape(64, 64)}
     tc.save(tmp_path / "c", tree)
     out = tc.restore(tmp_path / "c")
-    assert out["w"].ctypes.data % storage.ALIGNMENT == 0  # aligned, though a scalar precedes it
+    assert out["w"].ctypes.data % fmt.ALIGNMENT == 0  # aligned, though a scalar precedes it
     assert str(tmp_path) not in _mapped_file(out["w"].ctypes.data)
     on_cpu = tc.restore(tmp_path / "c", {"n": 0, "w": jax.ShapeDtypeStruct((64, 64), np.float32)})
     np.testing.assert_array_equal(np.asarray(on_cpu["w"]), tree["w"])

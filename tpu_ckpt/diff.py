@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from tpu_ckpt import read_plan, storage
+from tpu_ckpt import read_plan, slices, storage
 from tpu_ckpt.committed import read_manifest
 from tpu_ckpt.errors import CorruptCheckpointError
 from tpu_ckpt.format import LeafEntry, PieceEntry, dtype_from_name
@@ -138,10 +138,10 @@ def _compared_pieces(
         held.update((q, _array(future, b.key, q, raw)) for q, future in wanted.items())
         differing, largest = 0, 0.0
         for q in overlaps:
-            common = read_plan.intersect(piece.slice, q.slice)
+            common = slices.intersect(piece.slice, q.slice)
             if common is not None:
                 count, biggest = _differences(
-                    mine[read_plan.relative(common, piece.slice)], held[q][read_plan.relative(common, q.slice)], dtype
+                    mine[slices.relative(common, piece.slice)], held[q][slices.relative(common, q.slice)], dtype
                 )
                 differing += count
                 largest = float(np.maximum(largest, biggest))  # NaN, once met, stays

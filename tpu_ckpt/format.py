@@ -261,9 +261,9 @@ def unseal(data: bytes, *, where: str) -> tuple[bytes, bool]:
 
 
 ALIGNMENT = 64
-"""Every tensor's data starts at a multiple of this many bytes in its data file: a restore
-that maps the file (``storage.py``) then hands JAX's CPU backend buffers it adopts without
-a copy."""
+"""Every tensor's data starts at a multiple of this many bytes in its data file, so a piece
+read whole lands in an aligned buffer (``safe_reads.py``) that JAX's CPU backend adopts
+without a copy."""
 
 
 @dataclasses.dataclass(frozen=True)

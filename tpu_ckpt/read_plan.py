@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tpu_ckpt import slices
 from tpu_ckpt.errors import CorruptCheckpointError
 from tpu_ckpt.format import ALIGNMENT, LeafEntry, PieceEntry, crc32c
 
@@ -58,17 +59,6 @@ class Read:
         return out
 
 
-def intersect(a: SliceSpec, b: SliceSpec) -> SliceSpec | None:
-    """The overlap of two slices, or None when they are disjoint (empty slices never overlap)."""
-    out = []
-    for (a0, a1), (b0, b1) in zip(a, b):
-        lo, hi = max(a0, b0), min(a1, b1)
-        if lo >= hi:
-            return None
-        out.append((lo, hi))
-    return tuple(out)
-
-
 def overlapping(leaf: LeafEntry, want: SliceSpec) -> list[PieceEntry]:
     """The pieces of ``leaf`` that hold any element of ``want``."""
     if not want:  # a scalar: its single piece
@@ -80,13 +70,8 @@ def overlapping(leaf: LeafEntry, want: SliceSpec) -> list[PieceEntry]:
     last = bisect.bisect_left(rows.starts, hi)  # groups starting before ``want`` ends
     first = bisect.bisect_right(rows.stops, lo) if rows.disjoint else 0  # ...and ending after it starts
     return [
-        p for group in rows.groups[first:last] for p in group if intersect(p.slice, want) is not None
+        p for group in rows.groups[first:last] for p in group if slices.intersect(p.slice, want) is not None
     ]
-
-
-def relative(region: SliceSpec, within: SliceSpec) -> tuple[slice, ...]:
-    """``region`` as an index into the array holding ``within`` (which contains it)."""
-    return tuple(slice(a - w0, b - w0) for (a, b), (w0, _) in zip(region, within))
 
 
 def check_crcs(where: str, read: Read, chunks: Sequence[np.ndarray]) -> None:

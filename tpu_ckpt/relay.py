@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from tpu_ckpt import errors, relay_wire, storage
+from tpu_ckpt import errors, relay_wire, safe_reads, storage
 
 
 class RelayStore:
@@ -129,7 +129,7 @@ class RelayStore:
         self, request: dict[str, Any], lengths: Sequence[int], then: Callable[[list[np.ndarray]], Any] | None
     ) -> concurrent.futures.Future:
         def call_and_then() -> list[np.ndarray]:
-            chunks = [storage.aligned_empty(n) for n in lengths]
+            chunks = [safe_reads.aligned_empty(n) for n in lengths]
             self._call(request, [], chunks)
             if then is not None:
                 then(chunks)

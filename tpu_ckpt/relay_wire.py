@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from tpu_ckpt import errors, read_plan, storage
+from tpu_ckpt import errors, read_plan, safe_reads
 from tpu_ckpt.format import ALIGNMENT
 
 CONNECTIONS_PER_CLIENT = 4
@@ -101,7 +101,7 @@ def receive_chunked(conn: socket.socket, size: int) -> list[np.ndarray]:
     much and sends little costs little memory."""
     chunks = []
     while size:
-        chunks.append(storage.aligned_empty(min(size, _CHUNK)))
+        chunks.append(safe_reads.aligned_empty(min(size, _CHUNK)))
         receive_into(conn, chunks[-1:])
         size -= chunks[-1].nbytes
     return chunks

@@ -24,7 +24,7 @@ import math
 import os
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +37,10 @@ from tpu_ckpt import (
     relay,
     relay_server,
     relay_wire,
+    safe_reads,
     shared_reads,
     shared_storage,
+    slices,
     storage,
 )
 from tpu_ckpt.committed import read_manifest
@@ -121,6 +123,17 @@ def _leaf_metadata(leaf: LeafEntry) -> ArrayMetadata:
     return ArrayMetadata(leaf.shape, dtype_from_name(leaf.dtype), leaf.nbytes, leaf.is_slot, leaf.sharding)
 
 
+T = TypeVar("T")
+
+
+@overload
+def restore(
+    path: str | os.PathLike[str], target: None = None, *, options: CheckpointOptions | None = None, subtree: str | None = None
+) -> Any: ...
+@overload
+def restore(
+    path: str | os.PathLike[str], target: T, *, options: CheckpointOptions | None = None, subtree: str | None = None
+) -> T: ...
 def restore(
     path: str | os.PathLike[str],
     target: Any = None,
@@ -461,13 +474,13 @@ def _assemble(want: _Want, region: SliceSpec, data: dict[tuple[str, int], np.nda
     if len(pieces) == 1 and (pieces[0].slice == region or not region):
         out = _piece_array(pieces[0], saved, data).reshape(shape)
     else:
-        out = storage.aligned_empty(math.prod(shape) * saved.itemsize).view(saved).reshape(shape)
+        out = safe_reads.aligned_empty(math.prod(shape) * saved.itemsize).view(saved).reshape(shape)
         for piece in pieces:
-            overlap = read_plan.intersect(piece.slice, region)
+            overlap = slices.intersect(piece.slice, region)
             if overlap is None:
                 continue
             src = _piece_array(piece, saved, data)
-            out[read_plan.relative(overlap, region)] = src[read_plan.relative(overlap, piece.slice)]
+            out[slices.relative(overlap, region)] = src[slices.relative(overlap, piece.slice)]
     if out.dtype != want.dtype:
         out = out.astype(want.dtype)
     return out

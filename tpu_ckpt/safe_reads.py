@@ -26,13 +26,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from tpu_ckpt.errors import CheckpointError, CorruptCheckpointError
-from tpu_ckpt.format import MANIFEST_FILE
+from tpu_ckpt.format import ALIGNMENT, MANIFEST_FILE
 
 # The largest whole file (a manifest) read_whole reads by default: far beyond any real
 # manifest (a few hundred bytes per leaf), small enough to hold in memory.
 MAX_WHOLE_FILE_BYTES = 1 << 30
 
-ALIGNMENT = 64
 IOV_MAX = 1024
 
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC  # non-blocking: a FIFO opens at once

@@ -57,7 +57,7 @@ import tensorstore as ts
 
 from tpu_ckpt import safe_reads
 from tpu_ckpt.errors import CheckpointError, CorruptCheckpointError
-from tpu_ckpt.safe_reads import ALIGNMENT, IOV_MAX, advance, aligned_empty  # noqa: F401 - ALIGNMENT: for callers
+from tpu_ckpt.safe_reads import IOV_MAX, advance, aligned_empty
 
 # Retries of transient gcs and s3 request failures, by tensorstore (see module docstring).
 RETRIES = {"max_retries": 8, "initial_delay": "1s", "max_delay": "32s"}
