@@ -165,7 +165,7 @@ def _differences(mine: np.ndarray, theirs: np.ndarray, dtype: np.dtype) -> tuple
 
 
 def _start(store: storage.Store, key: str, piece: PieceEntry) -> concurrent.futures.Future:
-    read = read_plan.Read(piece.file, piece.offset, piece.offset + piece.length, ((key, piece),))
+    read = read_plan.Read.of(key, piece)
     return store.read(piece.file, piece.offset, [piece.length], then=functools.partial(read_plan.check_crcs, store.location.child(read.file), read))
 
 

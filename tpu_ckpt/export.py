@@ -60,18 +60,18 @@ def export_for_serving(
     cast = np.dtype(dtype) if dtype is not None else None
     if cast is not None and not jnp.issubdtype(cast, jnp.floating):
         raise ValueError(f"dtype must be a float type (e.g. bfloat16), got {cast}")
-    params = _read_params(src, subtree.strip("/"), cast, progress)
+    params = _read_params(src, subtree, cast, progress)
     policy = MaxShardSizePolicy(max_shard_size) if max_shard_size is not None else None
     return save(dst, params, options=CheckpointOptions(sharding_callback=policy)).wait()
 
 
 def _read_params(
-    src: str | os.PathLike[str], prefix: str, cast: np.dtype | None, progress: Callable[[int, int], None] | None
+    src: str | os.PathLike[str], subtree: str, cast: np.dtype | None, progress: Callable[[int, int], None] | None
 ) -> Any:
     """The subtree as nested dicts of numpy arrays, read (and cast) a batch of leaves at a
     time so that a progress report is possible and casts never hold two full copies."""
+    prefix, depth = keys.subtree(subtree)
     leaves = _subtree_leaves(read_manifest(storage.location(src)), prefix, src)
-    depth = len(prefix.split("/")) if prefix else 0
     total, done = sum(leaf.nbytes for leaf in leaves), 0
     values: dict[str, Any] = {keys.join(leaf.path[depth:]): leaf.value for leaf in leaves if leaf.kind == "value"}
     for batch in _batches([leaf for leaf in leaves if leaf.kind == "array"]):
@@ -119,8 +119,7 @@ def _link(src: storage.Location, dst: storage.Location, subtree: str) -> str:
     manifest = read_manifest(src)
     if manifest.source is not None:
         raise ValueError(f"{src.url} is itself a linked checkpoint; link to its source instead")
-    prefix = subtree.strip("/")
-    depth = len(prefix.split("/")) if prefix else 0
+    prefix, depth = keys.subtree(subtree)
     leaves = _subtree_leaves(manifest, prefix, src.url)
     if not storage.is_empty(dst):
         raise CheckpointExistsError(f"{dst.url} already exists and is not empty; choose a new path", file=dst.url)

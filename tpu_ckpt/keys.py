@@ -93,6 +93,13 @@ def _describe_path(path: tuple[Any, ...]) -> str:
     return "".join(parts)
 
 
+def subtree(prefix: str | None) -> tuple[str, int]:
+    """A subtree argument normalised (``"/params/"`` -> ``"params"``) and how many path
+    entries it spans, which its leaves' paths lose when it is restored or exported alone."""
+    prefix = (prefix or "").strip("/")
+    return prefix, len(prefix.split("/")) if prefix else 0
+
+
 def under(key: str, prefix: str) -> bool:
     """Whether ``key`` is ``prefix`` itself or lies below it."""
     return not prefix or key == prefix or key.startswith(prefix + "/")

@@ -35,6 +35,11 @@ class Read:
     stop: int
     pieces: tuple[tuple[str, PieceEntry], ...]  # (leaf key, piece)
 
+    @classmethod
+    def of(cls, key: str, piece: PieceEntry) -> Read:
+        """The read of one piece alone (checked against its crc32c like any other)."""
+        return cls(piece.file, piece.offset, piece.offset + piece.length, ((key, piece),))
+
     def lengths(self) -> list[int]:
         """The consecutive byte counts that make up the read: each piece, and each gap."""
         out, at = [], self.start

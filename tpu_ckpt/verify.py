@@ -192,7 +192,7 @@ def _per_piece(store: storage.Store, read: read_plan.Read) -> list[Problem]:
     problems = []
     for key, p in read.pieces:
         try:
-            _start(store, read_plan.Read(p.file, p.offset, p.offset + p.length, ((key, p),))).result()
+            _start(store, read_plan.Read.of(key, p)).result()
         except _Mismatch:
             problems.append(_crc_problem(store, key, p))
         except CorruptCheckpointError:
