@@ -48,7 +48,8 @@ pytestmark = [pytest.mark.notebook, pytest.mark.slow]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 MULTI_PROCESS, S3 = "run: 2 processes", "run: s3"
-NOT_RUN: list[str] = []  # sections of blocks marked <!-- not run: ... -->, in README order
+# Sections of the blocks marked <!-- not run: ... -->, in README order.
+NOT_RUN: list[str] = ["Running on Cloud TPU", "Running on Cloud TPU"]
 ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
 
 
