@@ -377,6 +377,34 @@ def load_and_broadcast_restore(directory: str) -> dict:
     return out
 
 
+def coordination_keys_are_deleted(directory: str) -> dict:
+    """Every kind of coordinated operation, one failing on process 1, then what the
+    coordination service still holds under tpu_ckpt/ once all processes are past them."""
+    from jax._src.distributed import global_state
+
+    mesh = _job_mesh()
+    tree = {"w": _global_array(mesh, P("data", "model")), "big_replicated": _global_array(mesh, P(), BIG)}
+    target = {key: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(_reversed_mesh(), P())) for key, v in tree.items()}
+    tc.save(os.path.join(directory, "sync"), tree)  # the first save into a directory proves it shared
+    tc.save(os.path.join(directory, "async"), tree, options=tc.CheckpointOptions(enable_async=True)).wait()
+    tc.save(os.path.join(directory, "io"), tree, options=tc.CheckpointOptions(io_device=1))
+    for options in (tc.CheckpointOptions(load_and_broadcast=True), tc.CheckpointOptions(io_device=1)):
+        tc.restore(os.path.join(directory, "sync"), target, options=options)
+    try:
+        tc.save(os.path.join(directory, "fails"), tree, options=tc.CheckpointOptions(sharding_callback=_FailsOnProcessOne()))
+        failed = None
+    except Exception as e:  # noqa: BLE001 - the scenario reports what was raised
+        failed = type(e).__name__
+    options = tc.CheckpointOptions(io_device=1, enable_async=True)
+    with tc.CheckpointManager(os.path.join(directory, "run"), max_to_keep=2, save_interval_seconds=0, options=options) as manager:
+        for step in range(1, 4):
+            manager.save(step, tree)
+        manager.wait_until_finished()
+        manager.restore(target=target)
+    global_state.client.wait_at_barrier("coordination_keys_are_deleted", 60_000)  # all have finished every operation
+    return {"failed": failed, "keys": [key for key, _ in global_state.client.key_value_dir_get("tpu_ckpt/")]}
+
+
 def exec_file(directory: str, code_path: str) -> dict:
     """Runs a Python file on every process, in ``directory`` (shared by all of them): used by
     tests/test_readme.py for the README's multi-host examples. An exception fails the process."""

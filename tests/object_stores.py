@@ -33,6 +33,8 @@ from typing import NamedTuple
 
 import pytest
 
+from tpu_ckpt.settings import configure
+
 # Runs a Python module (the rest of the command line) that the kernel kills when the test
 # process dies, however it dies (an abort in native code, a timeout's SIGKILL), so that no
 # server outlives its session. PR_SET_PDEATHSIG (1) survives the exec.
@@ -184,6 +186,18 @@ def _wait_until_answering(proc: subprocess.Popen, url: str) -> bool:
     return False
 
 
+@contextlib.contextmanager
+def _variable(env: pytest.MonkeyPatch, name: str, value: str) -> Iterator[None]:
+    """Sets an environment variable for the processes a test starts and for this one, whose
+    tpu_ckpt settings, read once, are read again at their next use (and put back after)."""
+    env.setenv(name, value)
+    previous = configure(None)
+    try:
+        yield
+    finally:
+        configure(previous)
+
+
 @pytest.fixture(scope="session")
 def gcs_server(tmp_path_factory) -> Iterator[Server]:
     log = str(tmp_path_factory.mktemp("gcs") / "server.log")
@@ -203,8 +217,11 @@ def s3_server(tmp_path_factory) -> Iterator[Server]:
     empty = directory / "empty"
     empty.write_text("")
     command = lambda port: ["moto.server", "-H", "127.0.0.1", "-p", str(port)]  # noqa: E731
-    with _running(command, "/", str(directory / "server.log")) as endpoint, pytest.MonkeyPatch.context() as env:
-        env.setenv("AWS_ENDPOINT_URL", endpoint)
+    with (
+        _running(command, "/", str(directory / "server.log")) as endpoint,
+        pytest.MonkeyPatch.context() as env,
+        _variable(env, "AWS_ENDPOINT_URL", endpoint),
+    ):
         for name, value in {
             "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
             "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
@@ -328,8 +345,7 @@ def faulty(bucket: Bucket) -> Iterator[tuple[FaultyProxy, Bucket]]:
     proxy = FaultyProxy(bucket.server.endpoint)
     variable = "TENSORSTORE_GCS_HTTP_URL" if bucket.scheme == "gs" else "AWS_ENDPOINT_URL"
     try:
-        with pytest.MonkeyPatch.context() as env:
-            env.setenv(variable, proxy.endpoint)
+        with pytest.MonkeyPatch.context() as env, _variable(env, variable, proxy.endpoint):
             yield proxy, Bucket(bucket.server, bucket.prefix, FAULTS_BUCKET)
     finally:
         proxy.close()

@@ -14,6 +14,7 @@ from flax.training import train_state
 
 import tpu_ckpt as tc
 from tests.helpers import files, manifest
+from tpu_ckpt.settings import settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARAMS = {"dense": {"kernel": np.arange(64 * 32, dtype=np.float32).reshape(64, 32), "bias": np.ones(32, np.float32)}, "ids": np.arange(4)}
@@ -85,13 +86,11 @@ def test_script(training, tmp_path):
 
 
 def test_copy_reports_progress_in_batches(training, tmp_path):
-    import tpu_ckpt.export as export
-
     calls = []
     tc.export_for_serving(training, tmp_path / "serve", progress=lambda done, total: calls.append((done, total)))
     total = PARAMS["dense"]["kernel"].nbytes + PARAMS["dense"]["bias"].nbytes + PARAMS["ids"].nbytes
     assert calls[-1] == (total, total) and all(d <= t for d, t in calls)
-    assert export._COPY_BATCH_BYTES >= total  # one batch here: a single report
+    assert settings().read_batch_bytes >= total  # one batch here: a single report
 
 
 def test_script_draws_a_progress_bar_on_a_terminal(training, tmp_path):

@@ -18,9 +18,9 @@ def imported_modules(path: pathlib.Path) -> set[str]:
     return names
 
 
-def test_only_storage_imports_tensorstore():
+def test_only_the_object_store_backend_imports_tensorstore():
     users = {p.name for p in PACKAGE.glob("*.py") if any(m.startswith("tensorstore") for m in imported_modules(p))}
-    assert users == {"storage.py"}
+    assert users == {"object_store.py"}
 
 
 def test_only_distributed_touches_the_coordination_client():

@@ -8,8 +8,7 @@ import sys
 import pytest
 
 from tpu_ckpt.read_plan import MAX_READ_BYTES
-from tpu_ckpt.restore import READ_BATCH_BYTES
-from tpu_ckpt.save import MAX_WRITES_IN_FLIGHT
+from tpu_ckpt.settings import Settings
 
 pytestmark = [pytest.mark.slow]
 
@@ -24,6 +23,6 @@ def test_save_and_restore_peak_memory(tmp_path):
     state = peaks["state_bytes"]
     # Beyond the live arrays, a save holds at most the files in flight (none at all on CPU,
     # where pieces are written straight from the arrays' buffers).
-    assert peaks["save_peak"] <= MAX_WRITES_IN_FLIGHT * (state // 8) + SLACK, peaks
+    assert peaks["save_peak"] <= Settings().writes_in_flight * (state // 8) + SLACK, peaks
     # A restore holds the restored arrays plus two read batches (one being read, one placed).
-    assert peaks["restore_peak"] <= state + 2 * READ_BATCH_BYTES + MAX_READ_BYTES + SLACK, peaks
+    assert peaks["restore_peak"] <= state + 2 * Settings().read_batch_bytes + MAX_READ_BYTES + SLACK, peaks

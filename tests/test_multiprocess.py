@@ -178,3 +178,12 @@ def test_load_and_broadcast_reads_each_shared_piece_once(tmp_path):
     assert max(r["mismatch_seconds"] for r in results) < 60  # told, not left to the 120 s timeout
     print("bytes read per process without / with load_and_broadcast:",
           [r["plain_read"] for r in results], [r["shared_read"] for r in results])
+
+
+def test_every_operation_deletes_its_coordination_keys(tmp_path):
+    """Saves (sync, async, io_device, one failing), restores (load_and_broadcast, io_device)
+    and a manager loop (collective should_save and listing) leave no key behind in the
+    coordination service, which lives as long as the job."""
+    for res in _ok(multiprocess.run("coordination_keys_are_deleted", 2, str(tmp_path))):
+        assert res["failed"] in ("RuntimeError", "RemoteProcessError"), res
+        assert res["keys"] == [], res

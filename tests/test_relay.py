@@ -9,6 +9,7 @@ import pytest
 import tpu_ckpt as tc
 from tpu_ckpt import format as fmt
 from tpu_ckpt import relay, relay_server, relay_wire, storage
+from tpu_ckpt.settings import settings
 
 SERVES = {"d.bin": 1 << 20, "short.bin": 10, "nope.safetensors": 4, "absent.json": None}
 ACCEPTS = {"d.bin", "short.bin", "still.bin", "taken", "after", "x.bin"}.__contains__
@@ -227,12 +228,12 @@ def test_a_request_beyond_the_bounds_is_refused_before_any_allocation(server, re
 def test_connections_beyond_the_cap_are_refused_until_one_ends(tmp_path):
     store = storage.open_staging(storage.Location(str(tmp_path / "ckpt")))
     server = relay_server.RelayServer(store, "127.0.0.1", timeout=10, peers=0)  # room for one client's connections
-    conns = [_connect(server) for _ in range(relay_wire.CONNECTIONS_PER_CLIENT)]
+    conns = [_connect(server) for _ in range(settings().relay_connections)]
     with _connect(server, hello=False) as extra:
-        assert f"at most {relay_wire.CONNECTIONS_PER_CLIENT}" in _refusal(extra)
+        assert f"at most {settings().relay_connections}" in _refusal(extra)
         assert extra.recv(1) == b""
     conns.pop().close()
-    _eventually(lambda: len(server._handlers) < relay_wire.CONNECTIONS_PER_CLIENT)
+    _eventually(lambda: len(server._handlers) < settings().relay_connections)
     conns.append(_connect(server))  # room again
     for conn in conns:
         conn.close()

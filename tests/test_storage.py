@@ -8,16 +8,20 @@ import pytest
 
 import tpu_ckpt as tc
 from tpu_ckpt import format as fmt
-from tpu_ckpt import storage
+from tpu_ckpt import local_store, object_store, relay, storage
 from tpu_ckpt.errors import CorruptCheckpointError
+from tpu_ckpt.settings import Settings, configure
 
 
-def test_locations_map_to_kvstore_specs(monkeypatch, tmp_path):
+def test_locations_map_to_kvstore_specs(tmp_path):
     assert storage.location(tmp_path / "c").kvstore_spec() == {"driver": "file", "path": str(tmp_path / "c") + "/"}
     assert storage.location("memory://a/b").kvstore_spec() == {"driver": "memory", "path": "a/b/"}
     assert storage.location("gs://bucket/run/step_1").kvstore_spec() == {"driver": "gcs", "bucket": "bucket", "path": "run/step_1/"}
-    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9000")
-    assert storage.location("s3://b/p").kvstore_spec() == {"driver": "s3", "bucket": "b", "path": "p/", "endpoint": "http://127.0.0.1:9000"}
+    previous = configure(Settings(aws_endpoint_url="http://127.0.0.1:9000"))
+    try:
+        assert storage.location("s3://b/p").kvstore_spec() == {"driver": "s3", "bucket": "b", "path": "p/", "endpoint": "http://127.0.0.1:9000"}
+    finally:
+        configure(previous)
     with pytest.raises(ValueError, match="Unsupported checkpoint location 'ftp://x'"):
         storage.location("ftp://x")
     with pytest.raises(ValueError, match="empty"):
@@ -74,6 +78,13 @@ def test_an_object_store_prefix_lists_its_own_keys_only():
     storage.remove(storage.location("memory://prefixes/step_1"))
     with storage.Store(storage.location("memory://prefixes")) as store:
         assert store.list() == ["step_10/b"]
+
+
+def test_each_location_opens_a_backend_of_the_storage_protocol(tmp_path):
+    for url, backend in ((str(tmp_path), local_store.LocalStore), ("memory://protocol/c", object_store.ObjectStore)):
+        with storage.Store(storage.location(url)) as store:
+            assert isinstance(store, backend) and isinstance(store, storage.Backend)
+    assert storage.CheckpointStore in relay.RelayStore.__mro__  # declared: it stands in for a backend
 
 
 def test_a_restore_hands_jax_fresh_aligned_memory_without_a_copy(tmp_path):

@@ -43,18 +43,18 @@ def merge_indexes(planned: Manifest, indexes: Sequence[Manifest]) -> Manifest:
 
 
 def commit(
-    store: storage.Store, final: storage.Location, planned: Manifest, own: Manifest, others: Iterable[int]
+    store: storage.Backend, final: storage.Location, planned: Manifest, own: Manifest, others: Iterable[int]
 ) -> None:
     """The leader: merges its own index with those the ``others`` processes left in the
     staging area, writes the manifest and commits the staging area as ``final``."""
     indexes = [own, *(_take_index(store, process) for process in others)]
     manifest = merge_indexes(planned, indexes)
-    store.check_written(manifest.files)
+    storage.check_written(store, manifest.files)
     store.write(MANIFEST_FILE, [manifest.to_json()]).result()
     storage.commit(store.location, final)
 
 
-def _take_index(store: storage.Store, process: int) -> Manifest:
+def _take_index(store: storage.Backend, process: int) -> Manifest:
     """Reads another process's index and deletes it: a committed checkpoint holds none."""
     name = index_file(process)
     theirs = decode_manifest(store.read_file(name) or b"", where=store.location.child(name), complete=False)

@@ -122,7 +122,7 @@ def _data_changes(
 
 
 def _compared_pieces(
-    store_a: storage.Store, a: LeafEntry, store_b: storage.Store, b: LeafEntry
+    store_a: storage.CheckpointStore, a: LeafEntry, store_b: storage.CheckpointStore, b: LeafEntry
 ) -> Iterator[tuple[int, float, int]]:
     """Compares one leaf a piece of ``a`` at a time, yielding (elements that differ, their
     largest |b - a|, bytes) for each. A piece of ``b`` is kept only while pieces of ``a``
@@ -164,7 +164,7 @@ def _differences(mine: np.ndarray, theirs: np.ndarray, dtype: np.dtype) -> tuple
     return count, float(np.max(np.abs(after - before)))
 
 
-def _start(store: storage.Store, key: str, piece: PieceEntry) -> concurrent.futures.Future:
+def _start(store: storage.CheckpointStore, key: str, piece: PieceEntry) -> concurrent.futures.Future:
     read = read_plan.Read.of(key, piece)
     return store.read(piece.file, piece.offset, [piece.length], then=functools.partial(read_plan.check_crcs, store.location.child(read.file), read))
 

@@ -8,14 +8,18 @@ reported an error, or ``timeout`` passes. On timeout the error names the process
 never arrived and the stage, which ``wait_at_barrier`` cannot do.
 
 Operation ids come from a per-process counter: like ``jax.jit``, checkpoint calls are SPMD,
-made by every process in the same order, so the n-th call has the same id everywhere.
+made by every process in the same order, so the n-th call has the same id everywhere. An
+operation's keys live under ``tpu_ckpt/<id>/`` only while it runs: each process, once it has
+read the last key it will read there, counts itself out on an atomic counter, and the one
+that counts last deletes the directory. So a job's key-value store holds the keys of the
+operations in progress, never a history of every save (see :meth:`Coordinator.close`).
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import os
+import logging
 import socket
 import time
 from typing import Any
@@ -23,8 +27,12 @@ from typing import Any
 import jax
 
 from tpu_ckpt.errors import CoordinationTimeoutError, RemoteProcessError
+from tpu_ckpt.settings import settings
+
+logger = logging.getLogger(__name__)
 
 _ERROR = "error"
+_FINISHED = "finished"  # the counter of processes done with the operation; no stage's name
 _op_counter = itertools.count()
 
 
@@ -55,8 +63,9 @@ def relay_host() -> str:
     """An address of this host that the job's other processes can reach: the local end of
     the route to the coordinator, which every process reaches already. ``TPU_CKPT_RELAY_HOST``
     overrides it for networks where that route is not the one hosts talk to each other on."""
-    if os.environ.get("TPU_CKPT_RELAY_HOST"):
-        return os.environ["TPU_CKPT_RELAY_HOST"]
+    override = settings().relay_host
+    if override:
+        return override
     from jax._src.distributed import global_state
 
     if global_state.coordinator_address is None:
@@ -75,7 +84,10 @@ def _client() -> Any:
 
 
 class Coordinator:
-    """Named, time-bounded rendezvous points for one checkpoint operation."""
+    """Named, time-bounded rendezvous points for one checkpoint operation.
+
+    Every process must :meth:`close` it (or use it as a context manager) when it has done
+    its part, failed or not, so that the operation's keys are deleted."""
 
     def __init__(self, what: str, timeout: float):
         self.count = process_count()
@@ -89,6 +101,30 @@ class Coordinator:
                 "jax.process_count() > 1 but the JAX distributed runtime client is missing; "
                 "call jax.distributed.initialize() first."
             )
+        self._closed = False
+
+    def __enter__(self) -> Coordinator:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Ends this process's part: it reads and writes none of the operation's keys any more.
+
+        The process that ends it last deletes them all. Only then has every process read what
+        it will read, failure reports included, so no key goes from under a waiter, whatever
+        order the processes finish in (an async save ends on a background thread while the
+        next operations run). Of an operation some process never ends (it died, so the job
+        is failing anyway), the keys stay."""
+        if self._client is None or self._closed:
+            return
+        self._closed = True
+        try:
+            if self._client.key_value_increment(f"{self.prefix}/{_FINISHED}", 1) == self.count:
+                self._client.key_value_delete(self.prefix)  # the directory: every key under it
+        except Exception as error:  # noqa: BLE001 - the operation's outcome stands; only the tidying failed
+            logger.warning("tpu_ckpt: could not delete the coordination keys of %s: %s", self.what, error)
 
     def gather(self, stage: str, value: str = "") -> dict[int, str]:
         """Publishes ``value`` for ``stage`` and waits for every process's value."""
@@ -182,7 +218,7 @@ class Coordinator:
                     missing=missing,
                 )
             time.sleep(delay)
-            delay = min(delay * 2, 0.05)
+            delay = min(delay * 2, settings().coordination_poll_seconds)
 
     def _failures(self) -> dict[int, str]:
         failures = self._entries(_ERROR) if self._client is not None else {}

@@ -26,10 +26,9 @@ from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.policies import MaxShardSizePolicy
 from tpu_ckpt.restore import restore
 from tpu_ckpt.save import save
+from tpu_ckpt.settings import settings
 
 logger = logging.getLogger(__name__)
-
-_COPY_BATCH_BYTES = 256 << 20
 
 
 def export_for_serving(
@@ -96,7 +95,7 @@ def _batches(leaves: list[LeafEntry]) -> list[list[LeafEntry]]:
     batches: list[list[LeafEntry]] = [[]] if leaves else []
     size = 0
     for leaf in leaves:
-        if batches[-1] and size + leaf.nbytes > _COPY_BATCH_BYTES:
+        if batches[-1] and size + leaf.nbytes > settings().read_batch_bytes:
             batches.append([])
             size = 0
         batches[-1].append(leaf)

@@ -181,12 +181,12 @@ class CheckpointManager:
         in_flight = self._pending is not None and not self._pending.done()
         if distributed.process_count() == 1:
             return self._cadence.time_due(in_flight)
-        coord = distributed.Coordinator(f"should_save({step}) in {self.directory}", self._options.coordination_timeout)
-        if coord.me != self._leader():
-            return coord.receive("due", self._leader()) == "yes"
-        due = self._cadence.time_due(in_flight)
-        coord.publish("due", "yes" if due else "no")
-        return due
+        with distributed.Coordinator(f"should_save({step}) in {self.directory}", self._options.coordination_timeout) as coord:
+            if coord.me != self._leader():
+                return coord.receive("due", self._leader()) == "yes"
+            due = self._cadence.time_due(in_flight)
+            coord.publish("due", "yes" if due else "no")
+            return due
 
     def restore(self, step: Any = None, target: Any = None, *, options: CheckpointOptions | None = None) -> Any:
         """Restores step ``step`` (``None``: the latest committed one). See :func:`tpu_ckpt.restore`.
@@ -309,17 +309,17 @@ class CheckpointManager:
         io = self._leader()
         if self._options.io_device is None or distributed.process_count() == 1:
             return self._list_here()
-        coord = distributed.Coordinator(f"list {self.directory}", self._options.coordination_timeout)
-        if coord.me != io:
-            listing = json.loads(coord.receive("listing", io))
-            return Listing({int(step): name for step, name in listing["committed"].items()}, listing["leftovers"])
-        try:
-            listing = self._list_here()
-        except BaseException as error:
-            coord.report_failure(error)
-            raise
-        coord.publish("listing", json.dumps(dataclasses.asdict(listing)))
-        return listing
+        with distributed.Coordinator(f"list {self.directory}", self._options.coordination_timeout) as coord:
+            if coord.me != io:
+                listing = json.loads(coord.receive("listing", io))
+                return Listing({int(step): name for step, name in listing["committed"].items()}, listing["leftovers"])
+            try:
+                listing = self._list_here()
+            except BaseException as error:
+                coord.report_failure(error)
+                raise
+            coord.publish("listing", json.dumps(dataclasses.asdict(listing)))
+            return listing
 
     def _list_here(self) -> Listing:
         with storage.Store(self._location, threads=1) as store:

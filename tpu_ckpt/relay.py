@@ -2,12 +2,12 @@
 
 With ``CheckpointOptions(io_device=k)`` a checkpoint may live on process k's local disk,
 which no other host can see. Process k runs a ``relay_server.RelayServer`` next to its own
-``storage.Store``; every other process uses a :class:`RelayStore` in its place, with the
-same ``write``/``read``/``read_file`` calls, so save and restore run the same code either
-way. On save the others send their data files (and their index) to process k; on restore
-they ask it for exactly the byte ranges their devices need and check every piece's crc32c
-themselves, so the transfer is covered by the checksum too. ``shared_reads.py`` uses the
-same server and client for pieces one process reads for several (``shared_piece``).
+storage backend; every other process uses a :class:`RelayStore` in its place, the same
+``storage.CheckpointStore``, so save and restore run the same code either way. On save the
+others send their data files (and their index) to process k; on restore they ask it for
+exactly the byte ranges their devices need and check every piece's crc32c themselves, so
+the transfer is covered by the checksum too. ``shared_reads.py`` uses the same server and
+client for pieces one process reads for several (``shared_piece``).
 
 Bytes go host to host over plain TCP (``relay_wire.py``): no device collectives (they can
 deadlock against a training step running on another thread, and asynchronous saves run on
@@ -35,15 +35,18 @@ from typing import Any
 import numpy as np
 
 from tpu_ckpt import errors, relay_wire, safe_reads, storage
+from tpu_ckpt.io_pool import IOPool
+from tpu_ckpt.settings import settings
 
 
-class RelayStore:
-    """Stands in for ``storage.Store`` on every process but the IO process."""
+class RelayStore(storage.CheckpointStore):
+    """Stands in for the storage backend on every process but the IO process."""
 
     def __init__(
         self, loc: storage.Location, contact: str, timeout: float, server_process: int,
-        connections: int = relay_wire.CONNECTIONS_PER_CLIENT,
+        connections: int | None = None,
     ):
+        connections = settings().relay_connections if connections is None else connections
         self.location = loc
         self.server_process = server_process
         self._contact = contact
@@ -57,7 +60,7 @@ class RelayStore:
         except relay_wire.RelayConnectionError:
             self._close_connections()
             raise
-        self._pool = storage.IOPool(connections)
+        self._pool = IOPool(connections)
 
     def __enter__(self) -> RelayStore:
         return self
@@ -115,7 +118,7 @@ class RelayStore:
     def read(
         self, name: str, start: int, lengths: Sequence[int], then: Callable[[list[np.ndarray]], Any] | None = None
     ) -> concurrent.futures.Future:
-        """Like ``storage.Store.read``: the server reads, this process checks (``then``)."""
+        """The server reads, this process checks (``then``)."""
         return self._receive_chunks({"op": "read", "name": name, "start": start, "lengths": list(lengths)}, lengths, then)
 
     def shared_piece(
@@ -128,14 +131,12 @@ class RelayStore:
     def _receive_chunks(
         self, request: dict[str, Any], lengths: Sequence[int], then: Callable[[list[np.ndarray]], Any] | None
     ) -> concurrent.futures.Future:
-        def call_and_then() -> list[np.ndarray]:
+        def receive() -> list[np.ndarray]:
             chunks = [safe_reads.aligned_empty(n) for n in lengths]
             self._call(request, [], chunks)
-            if then is not None:
-                then(chunks)
             return chunks
 
-        return self._pool.submit(call_and_then)
+        return self._pool.submit(receive, then=then)
 
     def read_file(self, name: str) -> bytes | None:
         answer, data = self._call({"op": "read_file", "name": name}, [], None)

@@ -5,10 +5,9 @@ exhaust the server: a server serves only the files its operation registered (a r
 manifest and the data files it lists) and accepts only the names the operation's other
 processes write (a save: their data files and index); every length on the wire is bounded
 before anything is allocated (``relay_wire``'s limits, a ranged read inside its file's
-registered size), and a write's bytes are allocated as they arrive. At most
-``(peers + 1) * CONNECTIONS_PER_CLIENT`` connections are served at once, and one silent for
-the idle timeout is closed; a client reconnects before using a connection idle for half of
-it. A refused request gets a :class:`~tpu_ckpt.relay_wire.RelayRequestError` naming the file.
+registered size), and a write's bytes are allocated as they arrive. At most ``(peers + 1)
+* relay_connections`` connections (a setting) are served at once, and one silent for the
+idle timeout is closed; a client reconnects before using a connection idle for half of it. A refused request gets a :class:`~tpu_ckpt.relay_wire.RelayRequestError` naming the file.
 """
 
 from __future__ import annotations
@@ -25,11 +24,10 @@ from typing import Any
 import numpy as np
 
 from tpu_ckpt import errors, relay_wire, storage
+from tpu_ckpt.settings import settings
 
 logger = logging.getLogger(__name__)
 
-MAX_WRITES_IN_FLIGHT = 4  # files the server holds in memory at once, across all clients
-HEARTBEAT_SECONDS = 5.0  # while a write waits for a slot, the server says so this often
 _MAX_HELLO_BYTES = 1 << 16  # what an unauthenticated peer may make the server read
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")  # one file in the checkpoint's directory
 class RelayServer:
@@ -45,12 +43,12 @@ class RelayServer:
     """
 
     def __init__(
-        self, store: storage.Store, host: str, timeout: float, *, peers: int,
+        self, store: storage.CheckpointStore, host: str, timeout: float, *, peers: int,
         serves: Mapping[str, int | None] | None = None,
         accepts: Callable[[str], bool] = lambda name: False,
         shared: Callable[[str, int, int], concurrent.futures.Future] | None = None,
         idle_timeout: float | None = None,
-        write_slots: int = MAX_WRITES_IN_FLIGHT, heartbeat: float = HEARTBEAT_SECONDS,
+        write_slots: int | None = None, heartbeat: float | None = None,
     ):
         self.store = store
         self.secret = secrets.token_hex(16)
@@ -59,9 +57,10 @@ class RelayServer:
         self._serves = dict(serves or {})
         self._accepts = accepts
         self._shared = shared  # load_and_broadcast: (file, offset, requester) -> the piece's bytes
-        self._max_connections = (peers + 1) * relay_wire.CONNECTIONS_PER_CLIENT  # room for one stray or reconnecting peer
-        self._write_slots = threading.BoundedSemaphore(write_slots)
-        self._heartbeat = heartbeat
+        knobs = settings()
+        self._max_connections = (peers + 1) * knobs.relay_connections  # room for one stray or reconnecting peer
+        self._write_slots = threading.BoundedSemaphore(knobs.relay_writes_in_flight if write_slots is None else write_slots)
+        self._heartbeat = knobs.relay_heartbeat_seconds if heartbeat is None else heartbeat
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, 0), family=family)
         self.address = f"[{host}]:{self._listener.getsockname()[1]}" if ":" in host else f"{host}:{self._listener.getsockname()[1]}"
@@ -238,7 +237,7 @@ class RelayServer:
         relay_wire.send(conn, *answer)
 
     def _await_write_slot(self, conn: socket.socket) -> None:
-        """Holds a write back until fewer than ``MAX_WRITES_IN_FLIGHT`` files are in memory,
+        """Holds a write back until fewer than ``relay_writes_in_flight`` files are in memory,
         telling the client every few seconds that it is queued: its timeout measures silence,
         and the queue can take longer than that when one host writes for a whole job."""
         while not self._write_slots.acquire(timeout=self._heartbeat):

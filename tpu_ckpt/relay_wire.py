@@ -21,7 +21,6 @@ import numpy as np
 from tpu_ckpt import errors, read_plan, safe_reads
 from tpu_ckpt.format import ALIGNMENT
 
-CONNECTIONS_PER_CLIENT = 4
 MAX_MESSAGE_BYTES = 16 << 20  # one message's JSON: a read of 64 MiB of tiny pieces lists ~2M lengths
 MAX_FILE_BYTES = 1 << 40  # one file written, or read whole, through the relay
 MAX_RANGES = 2 * read_plan.MAX_READ_BYTES // ALIGNMENT  # one read's pieces and the gaps between them

@@ -7,10 +7,10 @@ the manifest and commits (``commit.py``). With ``io_device`` the other processes
 through the leader (``relay.py``) and never touch storage themselves.
 
 Synchronously, pieces are written straight from the arrays' buffers (no copy on CPU; off
-CPU, one data file's pieces come to the host when a write slot is free, at most
-``MAX_WRITES_IN_FLIGHT`` files at a time). With ``enable_async`` every piece is first copied
-to host memory (all device-to-host copies started before waiting for any), ``save``
-returns, and the background writer (see ``background.py``) does the rest, holding no
+CPU, one data file's pieces come to the host when a write slot is free: at most the
+``writes_in_flight`` setting's number of files at a time). With ``enable_async`` every piece
+is first copied to host memory (all device-to-host copies started before waiting for any),
+``save`` returns, and the background writer (see ``background.py``) does the rest, holding no
 reference to a device buffer, so the caller may donate or delete them at once.
 """
 
@@ -35,13 +35,11 @@ from tpu_ckpt.format import Manifest, PieceEntry, crc32c, dtype_name, metric_val
 from tpu_ckpt.gc_pause import gc_paused
 from tpu_ckpt.options import CheckpointOptions, io_process, wants_path
 from tpu_ckpt.save_plan import DataFile, SavePlan, index_file, plan_save
+from tpu_ckpt.settings import settings
 from tpu_ckpt.slots import SlotPredicate
 from tpu_ckpt.staging import Staging, prepare
 
 logger = logging.getLogger(__name__)
-
-MAX_WRITES_IN_FLIGHT = 4
-SNAPSHOT_THREADS = 4
 
 
 def save(
@@ -79,7 +77,8 @@ def save(
         try:
             job.snapshot()
         except BaseException as error:
-            job.abandon(error)
+            with job.coord:
+                job.abandon(error)
             raise
     return WRITER.start(job.final.url, job.run)
 
@@ -99,8 +98,9 @@ def _start(
         leader = 0 if io is None else io
         staging = prepare(final, coord, leader, options.coordination_timeout, relayed=io is not None)
     except BaseException as error:
-        coord.report_failure(error)
-        _explain(coord, error)
+        with coord:  # the save ends here
+            coord.report_failure(error)
+            _explain(coord, error)
         raise
     return _Job(plan, final, coord, leader, options, staging)
 
@@ -177,6 +177,7 @@ class _Job:
             _explain(coord, error, self.leader)
             raise
         finally:
+            coord.close()
             self.staging.close()
         logger.info(
             "tpu_ckpt: saved %s (%d leaves, %d pieces, %d files, %.1f MB from this process) in %.2fs",
@@ -223,7 +224,7 @@ def _host_copies(files: Sequence[DataFile]) -> tuple[DataFile, ...]:
     for piece in pieces:
         if isinstance(piece.data, jax.Array):
             piece.data.copy_to_host_async()
-    with concurrent.futures.ThreadPoolExecutor(SNAPSHOT_THREADS) as pool:
+    with concurrent.futures.ThreadPoolExecutor(settings().copy_threads) as pool:
         copies = iter(list(pool.map(lambda p: np.array(p.data, copy=True), pieces)))
     return tuple(
         DataFile(file.name, tuple(dataclasses.replace(p, data=next(copies)) for p in file.pieces)) for file in files
@@ -236,14 +237,14 @@ def _host_bytes(array: Any) -> np.ndarray:
     return host.reshape(-1).view(np.uint8)
 
 
-def _write_files(store: storage.Store | relay.RelayStore, files: Sequence[DataFile]) -> Manifest:
-    """Writes ``files``, at most ``MAX_WRITES_IN_FLIGHT`` at a time; returns this process's index."""
+def _write_files(store: storage.CheckpointStore, files: Sequence[DataFile]) -> Manifest:
+    """Writes ``files``, at most ``writes_in_flight`` (a setting) at a time; returns this process's index."""
     pieces: dict[str, list[PieceEntry]] = collections.defaultdict(list)
     sizes: dict[str, int] = {}
     in_flight: collections.deque = collections.deque()
     for file in files:
         # Wait for a free slot *before* bringing this file's pieces to the host.
-        while len(in_flight) >= MAX_WRITES_IN_FLIGHT:
+        while len(in_flight) >= settings().writes_in_flight:
             _finish(in_flight.popleft(), store)
         buffers = [_host_bytes(p.data) for p in file.pieces]
         layout = safetensors_layout(
@@ -259,7 +260,7 @@ def _write_files(store: storage.Store | relay.RelayStore, files: Sequence[DataFi
     return commit.index(pieces, sizes)
 
 
-def _finish(pending: tuple[str, Any], store: storage.Store | relay.RelayStore) -> None:
+def _finish(pending: tuple[str, Any], store: storage.CheckpointStore) -> None:
     name, future = pending
     try:
         future.result()

@@ -39,7 +39,7 @@ Reads = list[tuple[read_plan.Read, concurrent.futures.Future]]
 class StoreReads:
     """Every piece from storage (or the io_device relay), adjacent ones coalesced."""
 
-    def __init__(self, store: storage.Store | relay.RelayStore):
+    def __init__(self, store: storage.CheckpointStore):
         self.store = store
 
     def start(self, needed: Iterable[tuple[str, PieceEntry]]) -> Reads:
@@ -91,7 +91,7 @@ class SharedReads(StoreReads):
     """Reads the pieces this process reads for everyone, and fetches the others' from them."""
 
     def __init__(
-        self, store: storage.Store, coord: distributed.Coordinator, the_plan: Plan, pieces: dict[PieceId, tuple[str, PieceEntry]]
+        self, store: storage.CheckpointStore, coord: distributed.Coordinator, the_plan: Plan, pieces: dict[PieceId, tuple[str, PieceEntry]]
     ):
         super().__init__(store)
         self.coord = coord
@@ -152,7 +152,7 @@ class _ReadOnce:
     """The pieces this process reads for several: each read at its first request and kept
     until every process that needs it has taken it."""
 
-    def __init__(self, store: storage.Store, pieces: dict[PieceId, tuple[str, PieceEntry]], needers: dict[PieceId, frozenset[int]]):
+    def __init__(self, store: storage.CheckpointStore, pieces: dict[PieceId, tuple[str, PieceEntry]], needers: dict[PieceId, frozenset[int]]):
         self._store = store
         self._pieces = pieces
         self._needers = needers

@@ -24,7 +24,7 @@ class Staging:
     the relay serving the staging area to the others."""
 
     location: storage.Location
-    store: storage.Store | relay.RelayStore
+    store: storage.CheckpointStore
     server: relay_server.RelayServer | None = None
 
     def close(self) -> None:

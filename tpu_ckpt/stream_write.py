@@ -95,7 +95,7 @@ class StreamWriter:
             for e in self._entries
         )
         manifest = Manifest(leaves, dict(self._files), 1, self._description)
-        self._store.check_written(manifest.files)
+        storage.check_written(self._store, manifest.files)
         self._store.write(MANIFEST_FILE, [manifest.to_json()]).result()
         storage.commit(self._staging, self.final)
         self._committed = True

@@ -30,10 +30,10 @@ from tpu_ckpt.errors import (
     UncommittedCheckpointError,
 )
 from tpu_ckpt.format import Manifest, PieceEntry, crc32c, tensor_name
+from tpu_ckpt.settings import settings
 
 logger = logging.getLogger(__name__)
 
-IN_FLIGHT_BYTES = 256 << 20
 _KEYS_SHOWN = 5
 
 
@@ -71,7 +71,7 @@ class Report:
 
 
 def verify(
-    path: str | os.PathLike[str], *, progress: Callable[[int, int], None] | None = None, threads: int = 8
+    path: str | os.PathLike[str], *, progress: Callable[[int, int], None] | None = None, threads: int | None = None
 ) -> Report:
     """Checks the checkpoint at ``path``: manifest, data files, every piece's crc32c.
 
@@ -139,7 +139,7 @@ def _check_crcs(read: read_plan.Read, chunks: list[np.ndarray]) -> None:
         raise _Mismatch(bad)
 
 
-def _start(store: storage.Store, read: read_plan.Read) -> concurrent.futures.Future:
+def _start(store: storage.CheckpointStore, read: read_plan.Read) -> concurrent.futures.Future:
     return store.read(read.file, read.start, read.lengths(), then=functools.partial(_check_crcs, read))
 
 
@@ -148,7 +148,7 @@ def _nbytes(read: read_plan.Read) -> int:
 
 
 def _check_pieces(
-    store: storage.Store, reads: list[read_plan.Read], progress: Callable[[int, int], None] | None
+    store: storage.CheckpointStore, reads: list[read_plan.Read], progress: Callable[[int, int], None] | None
 ) -> list[Problem]:
     total, done = sum(map(_nbytes, reads)), 0
     problems: list[Problem] = []
@@ -161,22 +161,23 @@ def _check_pieces(
 
 
 def _pipelined(
-    store: storage.Store, reads: list[read_plan.Read]
+    store: storage.CheckpointStore, reads: list[read_plan.Read]
 ) -> Iterator[tuple[read_plan.Read, concurrent.futures.Future]]:
-    """Yields the reads in order, keeping up to ``IN_FLIGHT_BYTES`` (at least one read) started."""
+    """Yields the reads in order, keeping up to ``read_batch_bytes`` (a setting; at least one
+    read) started."""
     in_flight: collections.deque = collections.deque()
     nbytes = 0
     for read in reads:
         in_flight.append((read, _start(store, read)))
         nbytes += _nbytes(read)
-        while nbytes >= IN_FLIGHT_BYTES:
+        while nbytes >= settings().read_batch_bytes:
             oldest = in_flight.popleft()
             nbytes -= _nbytes(oldest[0])
             yield oldest
     yield from in_flight
 
 
-def _outcome(store: storage.Store, read: read_plan.Read, future: concurrent.futures.Future) -> list[Problem]:
+def _outcome(store: storage.CheckpointStore, read: read_plan.Read, future: concurrent.futures.Future) -> list[Problem]:
     try:
         future.result()
     except _Mismatch as e:
@@ -186,7 +187,7 @@ def _outcome(store: storage.Store, read: read_plan.Read, future: concurrent.futu
     return []
 
 
-def _per_piece(store: storage.Store, read: read_plan.Read) -> list[Problem]:
+def _per_piece(store: storage.CheckpointStore, read: read_plan.Read) -> list[Problem]:
     """A coalesced read failed (a short file, an object store that gave up): re-read its
     pieces one by one to name exactly the ones affected."""
     problems = []
@@ -202,7 +203,7 @@ def _per_piece(store: storage.Store, read: read_plan.Read) -> list[Problem]:
     return problems
 
 
-def _crc_problem(store: storage.Store, key: str, piece: PieceEntry) -> Problem:
+def _crc_problem(store: storage.CheckpointStore, key: str, piece: PieceEntry) -> Problem:
     where = store.location.child(piece.file)
     return Problem("crc32c", where, (key,), f"piece {tensor_name('', piece.slice)} does not match its crc32c")
 

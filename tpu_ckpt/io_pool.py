@@ -1,0 +1,53 @@
+"""The threads a store's transfers run on, so a caller keeps many of them in flight.
+
+Not a ``ThreadPoolExecutor``: that refuses new work once the interpreter begins to shut
+down, which is exactly when an in-flight asynchronous save must still be finished.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+class IOPool:
+    """A few IO threads handing back ``concurrent.futures.Future``s."""
+
+    def __init__(self, threads: int):
+        self._size = threads
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+
+    def submit(
+        self, fn: Callable[..., Any], *args: Any, then: Callable[[Any], Any] | None = None
+    ) -> concurrent.futures.Future:
+        """Runs ``fn(*args)``, then ``then`` on its result, in an IO thread: work such as
+        checksums thereby runs in parallel, next to the transfers."""
+        if not self._threads:  # started on first use: listing and manifest reads need none
+            self._threads = [threading.Thread(target=self._work, name="tpu_ckpt io", daemon=True) for _ in range(self._size)]
+            for thread in self._threads:
+                thread.start()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._tasks.put((future, fn, args, then))
+        return future
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._tasks.put(None)
+        for thread in self._threads:
+            thread.join()
+
+    def _work(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            future, fn, args, then = task
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = fn(*args)
+                    if then is not None:
+                        then(result)
+                    future.set_result(result)
+                except BaseException as error:  # noqa: BLE001 - delivered through the future
+                    future.set_exception(error)

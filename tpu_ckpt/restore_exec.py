@@ -1,0 +1,142 @@
+"""Carries out a :class:`~tpu_ckpt.restore_plan.RestorePlan`: reads, assembly, placement.
+
+The next batch is being read while the current one is assembled and placed on its
+devices, so the host holds at most two batches of read bytes beyond the restored arrays
+themselves. Pieces are read into fresh aligned arrays (never mapped: a restored array must
+not follow later edits of its file); a piece a device holds whole goes to JAX as that
+array, with no further copy on CPU.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from tpu_ckpt import safe_reads, shared_reads, slices
+from tpu_ckpt.errors import CheckpointError, CorruptCheckpointError
+from tpu_ckpt.format import PieceEntry, dtype_from_name
+from tpu_ckpt.pieces import index_to_slice
+from tpu_ckpt.restore_plan import ArrayRead, NoRead, Region, RestorePlan, Unit
+from tpu_ckpt.settings import settings
+
+_PARALLEL_ASSEMBLY_BYTES = 1 << 20
+
+PieceData = dict[tuple[str, int], np.ndarray]  # each read piece's verified bytes by (file, offset)
+
+
+def execute(plan: RestorePlan, source: shared_reads.StoreReads) -> tuple[list[Any], int]:
+    """One result per plan leaf, and the bytes read. A leaf read region by region (bigger
+    than a batch) is assembled from its per-device arrays at the end."""
+    results: list[Any] = [entry.value if isinstance(entry, NoRead) else None for entry in plan.leaves]
+    placed: dict[int, dict[jax.Device, jax.Array]] = {}
+    batches = plan.batches
+    total = 0
+    pending = _start_reads(source, batches[0]) if batches else None
+    for i, batch in enumerate(batches):
+        reads = pending
+        pending = _start_reads(source, batches[i + 1]) if i + 1 < len(batches) else None
+        total += _place(batch, _collect(reads), results, placed)
+    for position, shards in placed.items():
+        array = plan.leaves[position]
+        shape = array.leaf.shape
+        results[position] = jax.make_array_from_single_device_arrays(shape, array.sharding, list(shards.values()))
+    return results, total
+
+
+def _place(
+    batch: Sequence[Unit], data: PieceData, results: list[Any], placed: dict[int, dict[jax.Device, jax.Array]]
+) -> int:
+    """Assembles a batch's regions and puts them on their devices; returns the bytes read."""
+    built, hosts, targets = [], [], []
+    for unit, assembled in zip(batch, _assemble_all(batch, data)):
+        array = unit.array
+        if array.python_type is not None:
+            results[unit.position] = array.python_type(assembled[()].item())
+        elif array.sharding is None:
+            (results[unit.position],) = assembled.values()
+        elif unit.whole:
+            shape = array.leaf.shape
+            results[unit.position] = jax.make_array_from_callback(
+                shape, array.sharding, lambda index, a=assembled, s=shape: a[index_to_slice(index, s)]
+            )
+            built.append(results[unit.position])
+        else:
+            for region in unit.regions:
+                hosts.extend([assembled[region.slice]] * len(region.devices))
+                targets.extend((unit.position, device) for device in region.devices)
+    transferred = jax.device_put(hosts, [d for _, d in targets])
+    for (position, device), result in zip(targets, transferred):
+        placed.setdefault(position, {})[device] = result
+    # Wait for the transfers so that this batch's read bytes can go before the next is read.
+    jax.block_until_ready([built, transferred])
+    return sum(chunk.nbytes for chunk in data.values())
+
+
+def _start_reads(source: shared_reads.StoreReads, batch: Sequence[Unit]) -> shared_reads.Reads:
+    """Issues every read of a batch at once (checksums are verified in the IO threads)."""
+    return source.start((unit.array.leaf.key, p) for unit in batch for p in unit.pieces)
+
+
+def _collect(reads: shared_reads.Reads) -> PieceData:
+    """Waits for a batch's reads; returns each piece's verified bytes."""
+    out: PieceData = {}
+    for read, future in reads:
+        try:
+            chunks = future.result()
+        except CorruptCheckpointError as e:
+            if e.key is not None:
+                raise
+            key = read.pieces[0][0]
+            raise CorruptCheckpointError(f"{e} (reading key {key!r})", key=key, file=e.file) from None
+        for (_, piece), chunk in zip(read.pieces, read.piece_chunks(chunks)):
+            out[(piece.file, piece.offset)] = chunk
+    return out
+
+
+def _assemble_all(batch: Sequence[Unit], data: PieceData) -> list[dict[Any, np.ndarray]]:
+    """Every unit's regions as host arrays, by slice. Big regions are assembled on a few
+    threads (numpy releases the GIL while copying); small ones inline, where a thread costs
+    more than it saves."""
+    jobs = [(unit.array, region) for unit in batch for region in unit.regions]
+    with concurrent.futures.ThreadPoolExecutor(settings().copy_threads) as pool:
+        futures = [
+            pool.submit(_assemble, array, region, data) if array.leaf.nbytes >= _PARALLEL_ASSEMBLY_BYTES else None
+            for array, region in jobs
+        ]
+        arrays = iter([f.result() if f is not None else _assemble(a, r, data) for f, (a, r) in zip(futures, jobs)])
+    return [{region.slice: next(arrays) for region in unit.regions} for unit in batch]
+
+
+def _assemble(array: ArrayRead, region: Region, data: PieceData) -> np.ndarray:
+    """The host array for one region, copied out of its pieces."""
+    saved = dtype_from_name(array.leaf.dtype)
+    shape = slices.extent(region.slice)
+    pieces = region.pieces
+    if len(pieces) == 1 and (pieces[0].slice == region.slice or not region.slice):
+        out = _piece_array(pieces[0], saved, data).reshape(shape)
+    else:
+        out = safe_reads.aligned_empty(math.prod(shape) * saved.itemsize).view(saved).reshape(shape)
+        for piece in pieces:
+            overlap = slices.intersect(piece.slice, region.slice)
+            if overlap is None:
+                continue
+            src = _piece_array(piece, saved, data)
+            out[slices.relative(overlap, region.slice)] = src[slices.relative(overlap, piece.slice)]
+    if out.dtype != array.dtype:
+        out = out.astype(array.dtype)
+    return out
+
+
+def _piece_array(piece: PieceEntry, dtype: np.dtype, data: PieceData) -> np.ndarray:
+    shape = slices.extent(piece.slice)
+    if math.prod(shape) == 0:
+        return np.empty(shape, dtype)
+    try:
+        return data[(piece.file, piece.offset)].view(dtype).reshape(shape)
+    except KeyError:
+        raise CheckpointError(f"internal: piece {piece} was not read") from None
