@@ -99,32 +99,40 @@ def _collect(reads: shared_reads.Reads) -> PieceData:
 
 
 def _assemble_all(batch: Sequence[Unit], data: PieceData) -> list[dict[Any, np.ndarray]]:
-    """Every unit's regions as host arrays, by slice. Big regions are assembled on a few
-    threads (numpy releases the GIL while copying); small ones inline, where a thread costs
-    more than it saves."""
+    """Every unit's regions as host arrays, by slice. Regions that need a copy of a big leaf
+    are assembled on a few threads (numpy releases the GIL while copying); the rest inline,
+    where a thread costs more than it saves (a region read whole is a view, no copy)."""
     jobs = [(unit.array, region) for unit in batch for region in unit.regions]
-    with concurrent.futures.ThreadPoolExecutor(settings().copy_threads) as pool:
-        futures = [
-            pool.submit(_assemble, array, region, data) if array.leaf.nbytes >= _PARALLEL_ASSEMBLY_BYTES else None
-            for array, region in jobs
-        ]
-        arrays = iter([f.result() if f is not None else _assemble(a, r, data) for f, (a, r) in zip(futures, jobs)])
+    heavy = [_copies(a, r) and a.leaf.nbytes >= _PARALLEL_ASSEMBLY_BYTES for a, r in jobs]
+    if not any(heavy):
+        arrays = iter([_assemble(a, r, data) for a, r in jobs])
+    else:
+        with concurrent.futures.ThreadPoolExecutor(min(settings().copy_threads, sum(heavy))) as pool:
+            futures = [pool.submit(_assemble, a, r, data) if h else None for (a, r), h in zip(jobs, heavy)]
+            arrays = iter([f.result() if f is not None else _assemble(a, r, data) for f, (a, r) in zip(futures, jobs)])
     return [{region.slice: next(arrays) for region in unit.regions} for unit in batch]
+
+
+def _whole(region: Region) -> bool:
+    """Whether the region is exactly one piece (so its bytes are the array, no copy)."""
+    pieces = region.pieces
+    return len(pieces) == 1 and (pieces[0].slice == region.slice or not region.slice)
+
+
+def _copies(array: ArrayRead, region: Region) -> bool:
+    return not _whole(region) or dtype_from_name(array.leaf.dtype) != array.dtype
 
 
 def _assemble(array: ArrayRead, region: Region, data: PieceData) -> np.ndarray:
     """The host array for one region, copied out of its pieces."""
     saved = dtype_from_name(array.leaf.dtype)
     shape = slices.extent(region.slice)
-    pieces = region.pieces
-    if len(pieces) == 1 and (pieces[0].slice == region.slice or not region.slice):
-        out = _piece_array(pieces[0], saved, data).reshape(shape)
+    if _whole(region):
+        out = _piece_array(region.pieces[0], saved, data).reshape(shape)
     else:
         out = safe_reads.aligned_empty(math.prod(shape) * saved.itemsize).view(saved).reshape(shape)
-        for piece in pieces:
+        for piece in region.pieces:
             overlap = slices.intersect(piece.slice, region.slice)
-            if overlap is None:
-                continue
             src = _piece_array(piece, saved, data)
             out[slices.relative(overlap, region.slice)] = src[slices.relative(overlap, piece.slice)]
     if out.dtype != array.dtype:
