@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import jax
@@ -403,6 +404,101 @@ def coordination_keys_are_deleted(directory: str) -> dict:
         manager.restore(target=target)
     global_state.client.wait_at_barrier("coordination_keys_are_deleted", 60_000)  # all have finished every operation
     return {"failed": failed, "keys": [key for key, _ in global_state.client.key_value_dir_get("tpu_ckpt/")]}
+
+
+def _watch_storage(directory: str) -> list[list[str]]:
+    """From now on, notes in the returned list every listing (``os.scandir``, ``os.listdir``:
+    ``os.walk`` and every local listing go through them) and every tree removal
+    (``shutil.rmtree``) this process makes of ``directory`` or anything under it, as
+    ``[event, path relative to directory]``.
+
+    A Python audit hook: the interpreter's own report of the calls it makes to the OS, not a
+    stand-in for them; it cannot be removed, so only scenarios, each in its own process, use it.
+    Calls on a file descriptor (inside ``shutil.rmtree``) name no path and are not noted."""
+    root = os.path.abspath(directory)
+    seen: list[list[str]] = []
+
+    def hook(event: str, args: tuple) -> None:
+        if event in ("os.scandir", "os.listdir", "shutil.rmtree") and args and isinstance(args[0], str):
+            path = os.path.abspath(args[0])
+            if path == root or path.startswith(root + os.sep):
+                seen.append([event, os.path.relpath(path, root)])
+
+    sys.addaudithook(hook)
+    return seen
+
+
+def manager_lists_on_the_leader_only(directory: str) -> dict:
+    """A manager loop on shared storage (async saves, max_to_keep=2, a leftover ``step_0``
+    left by the test), every process noting what it lists and removes under the run directory
+    (``_watch_storage``): which process lists, how often, and how deep."""
+    run = os.path.join(directory, "run")
+    seen = _watch_storage(run)
+    mesh = _job_mesh()
+    with tc.CheckpointManager(run, max_to_keep=2, options=tc.CheckpointOptions(enable_async=True)) as manager:
+        for step in range(1, 5):
+            manager.save(step, {"w": _global_array(mesh, P("data", "model"), GLOBAL + step), "step": step})
+        manager.wait_until_finished()
+        steps = manager.all_steps()
+        target = {"w": jax.ShapeDtypeStruct(GLOBAL.shape, GLOBAL.dtype, sharding=NamedSharding(_reversed_mesh(), P())), "step": 0}
+        restored = manager.restore(target=target)
+    return {"process": jax.process_index(), "steps": steps, "seen": seen,
+            "mismatches": _mismatches(restored, {"w": GLOBAL + 4, "step": 4})}
+
+
+def pod_like(directory: str, late: str) -> dict:
+    """One job doing what a pod's does, whatever its shape (test_multiprocess.py runs 16 x 1
+    and 4 x 2 devices): a save restored onto the reversed mesh; the same through the last
+    process as io_device; a manager loop with retention, noting what each process lists
+    (``_watch_storage``); then a save that process ``late`` reaches only once the others
+    have given up on it."""
+    late, last = int(late), jax.process_count() - 1
+    mesh, reversed_mesh = _job_mesh(), _reversed_mesh()
+    values = {"w": GLOBAL, "replicated": np.arange(16, dtype=np.int32), "step": 7}
+    tree = {"w": _global_array(mesh, P("data", "model")), "replicated": _global_array(mesh, P(), values["replicated"]), "step": 7}
+    targets = _targets(tree, reversed_mesh)
+    tc.save(os.path.join(directory, "ckpt"), tree)
+    restored = tc.restore(os.path.join(directory, "ckpt"), targets)
+    io = tc.CheckpointOptions(io_device=last)
+    tc.save(os.path.join(directory, "io"), tree, options=io)
+    through_io = tc.restore(os.path.join(directory, "io"), targets, options=io)
+    run = os.path.join(directory, "run")
+    seen = _watch_storage(run)
+    with tc.CheckpointManager(run, max_to_keep=2, options=tc.CheckpointOptions(enable_async=True)) as manager:
+        for step in range(1, 4):
+            manager.save(step, {**tree, "step": step})
+        manager.wait_until_finished()
+        steps = manager.all_steps()
+        latest = manager.restore(target=targets)
+    return {
+        "process": jax.process_index(),
+        "mismatches": _mismatches(restored, values) + _mismatches(through_io, values) + _mismatches(latest, {**values, "step": 3}),
+        "needs_other_process_pieces": _needs_pieces_of_other_processes(tree["w"], restored["w"]),
+        "steps": steps,
+        "seen": seen,
+        **_save_with_a_straggler(os.path.join(directory, "late"), tree, late),
+    }
+
+
+def _save_with_a_straggler(path: str, tree: dict, late: int) -> dict:
+    """A save (coordination_timeout=8) that process ``late`` starts only once another process
+    has reported giving up on it, in the coordination service: late for sure, however slow
+    the machine, and no later than needed.
+
+    Its directory was proved shared by an earlier save, so every process waits for the late
+    one at the same stage (all written). At the proof of a new directory the others wait
+    for the leader's verdict, and with three processes or more one of them may time out on
+    the leader before the leader times out on the late one, naming the leader."""
+    from jax._src.distributed import global_state
+
+    if jax.process_index() == late:
+        while not any("/error/" in key for key, _ in global_state.client.key_value_dir_get("tpu_ckpt/")):
+            time.sleep(0.1)
+    try:
+        tc.save(path, tree, options=tc.CheckpointOptions(coordination_timeout=8))
+    except Exception as e:  # noqa: BLE001 - the scenario reports what was raised
+        return {"late_error": type(e).__name__, "late_missing": getattr(e, "missing", None), "late_message": str(e)}
+    return {"late_error": None}
 
 
 def exec_file(directory: str, code_path: str) -> dict:

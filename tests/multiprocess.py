@@ -1,4 +1,4 @@
-"""Runs a scenario in N real JAX processes (CPU, 4 devices each, gloo collectives).
+"""Runs a scenario in N real JAX processes (CPU, 4 devices each unless told, gloo collectives).
 
 Each process runs ``tests/mp_worker.py``, which calls ``jax.distributed.initialize`` against
 a coordinator on a free loopback port and then the named function of
@@ -31,15 +31,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(scenario: str, num_processes: int, *args: str, timeout: float = 240) -> list[ProcessResult]:
+def run(
+    scenario: str, num_processes: int, *args: str, timeout: float = 240, devices_per_process: int = 4
+) -> list[ProcessResult]:
     """Runs ``mp_scenarios.<scenario>`` in every process."""
-    return run_script(WORKER, num_processes, scenario, *args, timeout=timeout)
+    return run_script(WORKER, num_processes, scenario, *args, timeout=timeout, devices_per_process=devices_per_process)
 
 
-def run_script(script: str, num_processes: int, *args: str, timeout: float = 240) -> list[ProcessResult]:
-    """Runs ``script PORT NUM_PROCESSES PROCESS_ID *args`` in every process."""
+def run_script(
+    script: str, num_processes: int, *args: str, timeout: float = 240, devices_per_process: int = 4
+) -> list[ProcessResult]:
+    """Runs ``script PORT NUM_PROCESSES PROCESS_ID *args`` in every process, each with
+    ``devices_per_process`` CPU devices (a pod host has 1 to 8 chips)."""
     port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = {
+        **os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_process}",
+    }
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     procs = [
         subprocess.Popen(

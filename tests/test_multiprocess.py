@@ -187,3 +187,61 @@ def test_every_operation_deletes_its_coordination_keys(tmp_path):
     for res in _ok(multiprocess.run("coordination_keys_are_deleted", 2, str(tmp_path))):
         assert res["failed"] in ("RuntimeError", "RemoteProcessError"), res
         assert res["keys"] == [], res
+
+
+def test_a_manager_lists_its_directory_on_the_leader_only_once_per_call(tmp_path):
+    """Each process notes the listings and removals it makes under the run directory, as
+    Python's audit hooks report them (see mp_scenarios._watch_storage): the leader lists the
+    run directory itself, once per manager call and never inside a step, and removes the
+    leftover and the expired steps; the other processes neither list nor remove anything."""
+    os.makedirs(tmp_path / "run" / "step_0")  # a leftover: no manifest
+    (tmp_path / "run" / "step_0" / "d00000-00000.safetensors").write_bytes(b"partial")
+    leader, other = _ok(multiprocess.run("manager_lists_on_the_leader_only", 2, str(tmp_path)))
+    assert [leader["mismatches"], other["mismatches"]] == [[], []]
+    assert leader["steps"] == other["steps"] == [3, 4]
+    listed = ["os.scandir", "."]
+    assert leader["seen"] == [
+        listed,  # the manager's creation (latest_step)
+        listed,  # save(1)
+        ["shutil.rmtree", "step_0"],  # after step 1 committed: the leftover
+        listed, listed,  # save(2), save(3)
+        ["shutil.rmtree", "step_1"],  # after step 3 committed: max_to_keep=2
+        listed,  # save(4)
+        ["shutil.rmtree", "step_2"],
+        listed, listed,  # all_steps(), restore()
+    ]
+    assert other["seen"] == []
+    assert sorted(os.listdir(tmp_path / "run")) == ["step_3", "step_4"]
+
+
+def _pod_like(tmp_path, processes: int, devices_per_process: int) -> list[dict]:
+    """Runs mp_scenarios.pod_like with the last process as the straggler, and checks what
+    every shape must give."""
+    late = processes - 1
+    results = _ok(multiprocess.run(
+        "pod_like", processes, str(tmp_path), str(late), devices_per_process=devices_per_process, timeout=400
+    ))
+    assert [r["mismatches"] for r in results] == [[]] * processes
+    assert all(r["needs_other_process_pieces"] for r in results), results
+    assert [r["steps"] for r in results] == [[2, 3]] * processes
+    # Only the leader lists the manager's directory: once per call once it exists (saves 2
+    # and 3, all_steps, restore), and it alone removes the step retention let go.
+    listed = ["os.scandir", "."]
+    assert results[0]["seen"] == [listed] * 2 + [["shutil.rmtree", "step_1"], listed, listed], results[0]["seen"]
+    assert [r["seen"] for r in results[1:]] == [[]] * (processes - 1)
+    # Every process names the straggler, the straggler included.
+    assert [(r["late_error"], r["late_missing"]) for r in results] == [("CoordinationTimeoutError", [late])] * processes, [
+        r["late_message"] for r in results
+    ]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "io", "run"]  # nothing of the failed save
+    assert helpers.manifest(tmp_path / "ckpt")["process_count"] == processes
+    assert helpers.manifest(tmp_path / "io")["process_count"] == processes
+    return results
+
+
+def test_sixteen_processes_with_one_device_each(tmp_path):
+    _pod_like(tmp_path, 16, 1)
+
+
+def test_four_processes_with_two_devices_each(tmp_path):
+    _pod_like(tmp_path, 4, 2)

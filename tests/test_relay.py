@@ -1,5 +1,7 @@
 """The io_device relay in one process: a real server and client over loopback TCP."""
 
+import errno
+import logging
 import socket
 import time
 
@@ -9,7 +11,7 @@ import pytest
 import tpu_ckpt as tc
 from tpu_ckpt import format as fmt
 from tpu_ckpt import relay, relay_server, relay_wire, storage
-from tpu_ckpt.settings import settings
+from tpu_ckpt.settings import Settings, configure, settings
 
 SERVES = {"d.bin": 1 << 20, "short.bin": 10, "nope.safetensors": 4, "absent.json": None}
 ACCEPTS = {"d.bin", "short.bin", "still.bin", "taken", "after", "x.bin"}.__contains__
@@ -265,3 +267,118 @@ def test_a_client_replaces_a_connection_before_the_server_closes_it_idle(tmp_pat
     client.close()
     server.close()
     store.close()
+
+
+@pytest.fixture
+def knobs():
+    """Sets this test's settings; the process's come back afterwards."""
+    previous = configure(None)
+    yield lambda **values: configure(Settings(**values))
+    configure(previous)
+
+
+def test_every_relay_socket_has_nodelay_and_the_buffers_asked_for(tmp_path, knobs):
+    knobs(relay_socket_buffer_bytes=128 << 10)  # below any kernel's cap
+    store = storage.open_staging(storage.Location(str(tmp_path / "ckpt")))
+    server = relay_server.RelayServer(store, "127.0.0.1", timeout=10, peers=1, accepts=ACCEPTS)
+    client = relay.RelayStore(storage.Location("ckpt"), server.contact(), timeout=10, server_process=0, connections=2)
+    client.write("x.bin", [b"1"]).result()
+    sockets = client._opened + list(server._handlers)
+    assert len(sockets) == 4  # both ends of both connections
+    for conn in sockets:
+        assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        assert conn.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= 128 << 10
+        assert conn.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) >= 128 << 10
+    client.close()
+    server.close()
+    store.close()
+
+
+def test_buffers_the_kernel_caps_are_reported(tmp_path, knobs, caplog):
+    knobs(relay_socket_buffer_bytes=1 << 30)  # beyond net.core.rmem_max anywhere
+    store = storage.open_staging(storage.Location(str(tmp_path / "ckpt")))
+    with caplog.at_level(logging.INFO, logger="tpu_ckpt.relay_wire"):
+        server = relay_server.RelayServer(store, "127.0.0.1", timeout=10, peers=1)
+    assert "of the 1073741824 asked" in caplog.text and "net.core.rmem_max" in caplog.text
+    server.close()
+    store.close()
+
+
+def _hold(first):
+    """Two adjacent ports from ``first`` on, listened on here (outside Linux's ephemeral range,
+    so no other socket takes them by chance)."""
+    for port in range(first, 65535):
+        held = []
+        try:
+            for p in (port, port + 1):
+                held.append(socket.create_server(("127.0.0.1", p)))
+            return port, held
+        except OSError as e:
+            assert e.errno == errno.EADDRINUSE
+            for conn in held:
+                conn.close()
+    raise AssertionError("no two adjacent free ports")
+
+
+def test_the_server_listens_on_the_first_free_port_of_the_range(tmp_path, knobs):
+    taken, held = _hold(61000)
+    knobs(relay_ports=(taken, taken + 50))
+    store = storage.open_staging(storage.Location(str(tmp_path / "ckpt")))
+    server = relay_server.RelayServer(store, "127.0.0.1", timeout=10, peers=1, accepts=ACCEPTS)
+    port = int(server.contact().split(" ")[0].rsplit(":", 1)[1])
+    assert taken + 2 <= port <= taken + 50
+    with relay.RelayStore(storage.Location("ckpt"), server.contact(), timeout=10, server_process=0) as client:
+        client.write("x.bin", [b"1"]).result()
+    server.close()
+    store.close()
+    for conn in held:
+        conn.close()
+
+
+def test_a_range_without_a_free_port_is_a_typed_error_naming_it(tmp_path, knobs):
+    taken, held = _hold(62000)
+    knobs(relay_ports=(taken, taken + 1))
+    store = storage.open_staging(storage.Location(str(tmp_path / "ckpt")))
+    with pytest.raises(relay_wire.RelayBindError, match=f"TPU_CKPT_RELAY_PORTS={taken}-{taken + 1} is in use"):
+        relay_server.RelayServer(store, "127.0.0.1", timeout=10, peers=1)
+    store.close()
+    for conn in held:
+        conn.close()
+
+
+def _unreachable(contact):
+    """What a client gets from ``contact``, long before a coordination_timeout of 300 s."""
+    with pytest.raises(relay_wire.RelayUnreachableError) as e:
+        relay.RelayStore(storage.Location("ckpt"), contact + " secret", timeout=300, server_process=2)
+    message = str(e.value)
+    assert f"process 2's relay at {contact}" in message
+    assert "firewall" in message and "TPU_CKPT_RELAY_HOST" in message
+    return message
+
+
+@pytest.mark.timeout(60)
+def test_a_port_nothing_listens_on_is_a_prompt_typed_error_naming_it():
+    with socket.socket() as bound:  # bound, never listening: connections to it are refused
+        bound.bind(("127.0.0.1", 0))
+        message = _unreachable(f"127.0.0.1:{bound.getsockname()[1]}")
+    assert "refused" in message and "any TCP port" in message
+
+
+@pytest.mark.timeout(60)
+def test_a_host_that_drops_connections_is_a_typed_error_after_the_connect_timeout(knobs):
+    """A full accept queue drops SYNs, as a firewall does: only the connect timeout ends the wait."""
+    knobs(relay_connect_seconds=0.5, relay_ports=(50100, 50199))
+    with socket.create_server(("127.0.0.1", 0), backlog=0) as deaf:
+        queued = []
+        while True:  # until the accept queue, never drained, is full
+            conn = socket.socket()
+            queued.append(conn)
+            conn.settimeout(0.5)
+            try:
+                conn.connect(deaf.getsockname())
+            except TimeoutError:
+                break
+        message = _unreachable(f"127.0.0.1:{deaf.getsockname()[1]}")
+        for conn in queued:
+            conn.close()
+    assert "within 0.5s: timed out" in message and "TCP ports 50100-50199 (TPU_CKPT_RELAY_PORTS)" in message

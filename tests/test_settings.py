@@ -38,7 +38,22 @@ def test_environment_variables_map_to_fields():
     assert Settings.from_environment({}) == Settings()
 
 
-@pytest.mark.parametrize("knob", ["io_threads", "writes_in_flight", "read_batch_bytes", "relay_heartbeat_seconds"])
+@pytest.mark.parametrize(("text", "ports"), [("50100-50199", (50100, 50199)), (" 50100 ", (50100, 50100)), ("", None)])
+def test_the_relay_port_range_comes_from_the_environment(text, ports):
+    assert Settings.from_environment({"TPU_CKPT_RELAY_PORTS": text}).relay_ports == ports
+
+
+@pytest.mark.parametrize("text", ["50100:50199", "high", "50199-50100", "0-10", "65000-70000"])
+def test_a_malformed_relay_port_range_names_the_variable(text):
+    with pytest.raises(ValueError, match="TPU_CKPT_RELAY_PORTS"):
+        Settings.from_environment({"TPU_CKPT_RELAY_PORTS": text})
+
+
+def test_relay_socket_buffers_may_be_left_to_the_kernel():
+    assert Settings(relay_socket_buffer_bytes=0).relay_socket_buffer_bytes == 0
+
+
+@pytest.mark.parametrize("knob", ["io_threads", "writes_in_flight", "read_batch_bytes", "relay_heartbeat_seconds", "relay_connect_seconds"])
 def test_a_knob_must_be_positive(knob):
     with pytest.raises(ValueError, match=f"Settings.{knob} must be positive"):
         Settings(**{knob: 0})

@@ -316,6 +316,19 @@ def safetensors_layout(tensors: Sequence[tuple[str, str, tuple[int, ...], int]])
     return DataFileLayout(len(raw).to_bytes(8, "little") + raw, padding, [base + s for s in starts], base + relative)
 
 
+def data_file(
+    name: str, tensors: Sequence[tuple[str, SliceSpec, str, tuple[int, ...], Any]]
+) -> tuple[DataFileLayout, list[PieceEntry]]:
+    """Lays out ``(key, slice, dtype name, shape, bytes)`` tensors as the data file ``name``;
+    returns the layout and each tensor's manifest entry (offset, length, crc32c)."""
+    layout = safetensors_layout([(tensor_name(key, spec), dtype, shape, buf.nbytes) for key, spec, dtype, shape, buf in tensors])
+    entries = [
+        PieceEntry(spec, name, offset, buf.nbytes, crc32c(buf))
+        for (_, spec, _, _, buf), offset in zip(tensors, layout.offsets)
+    ]
+    return layout, entries
+
+
 def tensor_name(key: str, slice_spec: SliceSpec) -> str:
     """The safetensors name of a piece: its key and its slice, e.g. ``w[0:4,0:2]``."""
     return f"{key}[{','.join(f'{a}:{b}' for a, b in slice_spec)}]"

@@ -51,3 +51,5 @@ class IOPool:
                     future.set_result(result)
                 except BaseException as error:  # noqa: BLE001 - delivered through the future
                     future.set_exception(error)
+            # An idle thread must not keep the last job's buffers (a file's host bytes) alive.
+            del task, future, fn, args, then

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -35,6 +36,15 @@ class Listing:
 
     committed: dict[int, str]  # step -> directory name
     leftovers: list[str]
+
+    def to_json(self) -> str:
+        """What a CheckpointManager's leader tells the other processes (small: names only)."""
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Listing:
+        listing = json.loads(text)
+        return cls({int(step): name for step, name in listing["committed"].items()}, listing["leftovers"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,13 +166,28 @@ def _mtime(loc: storage.Location, *parts: str) -> float | None:
         return None
 
 
-def parse_listing(files: list[str]) -> Listing:
-    """Sorts the files under the directory into committed steps and leftovers.
+def list_run(loc: storage.Location) -> Listing:
+    """What a CheckpointManager's directory holds, without listing inside the checkpoints.
 
-    A committed step is a directory with a manifest and exactly one integer in its name.
-    Staging directories never count as committed steps, even if a save died after writing
-    their manifest.
+    On a local disk: the directory's entries, and one stat per possible step (its manifest),
+    so a listing costs the number of steps, not the number of files they hold. Object stores
+    have no directories, and tensorstore lists every key under a prefix: there it is one
+    listing of every file (the manager's leader's alone, see manager.py).
     """
+    if not loc.is_local:
+        with storage.Store(loc, threads=1) as store:
+            return parse_listing(store.list())
+    root = loc.local_path
+    if not os.path.isdir(root):
+        return Listing({}, [])
+    with os.scandir(root) as entries:  # files directly in the directory are not checkpoints
+        names = {e.name for e in entries if e.is_dir(follow_symlinks=False)}
+    steps = {n for n in names if len(INTEGER.findall(n)) == 1 and not STAGING.fullmatch(n)}
+    return _sort(names, {n for n in steps if os.path.isfile(os.path.join(root, n, MANIFEST_FILE))})
+
+
+def parse_listing(files: list[str]) -> Listing:
+    """Sorts the files under the directory into committed steps and leftovers (see :func:`_sort`)."""
     names: set[str] = set()
     with_manifest: set[str] = set()
     for path in files:
@@ -171,6 +196,16 @@ def parse_listing(files: list[str]) -> Listing:
             names.add(top)
             if rest == MANIFEST_FILE:
                 with_manifest.add(top)
+    return _sort(names, with_manifest)
+
+
+def _sort(names: set[str], with_manifest: set[str]) -> Listing:
+    """The subdirectories ``names``, those in ``with_manifest`` holding one, as steps and leftovers.
+
+    A committed step is a directory with a manifest and exactly one integer in its name.
+    Staging directories never count as committed steps, even if a save died after writing
+    their manifest.
+    """
     committed: dict[int, str] = {}
     for name in sorted(with_manifest):
         numbers = INTEGER.findall(name)

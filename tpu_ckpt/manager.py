@@ -19,16 +19,14 @@ They therefore run after that save is committed: on the background thread for as
 saves, and only on the process that commits (process 0, or the ``io_device`` process).
 Nothing else can be in flight at that moment. A process has one save in flight at a time, and
 the other processes cannot start their next save until that process has named its staging
-area. With ``io_device`` the directory may be that process's local disk: it lists the
-directory for everyone (see ``_list``).
+area. That process, the leader, is also the only one that lists the directory: once per
+manager call, for the whole job (see ``_list``), so a pod's thousand hosts never list storage.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import json
 import logging
 import math
 import numbers
@@ -45,7 +43,7 @@ from tpu_ckpt.cadence import Cadence, check_step
 from tpu_ckpt.committed import read_manifest
 from tpu_ckpt.errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
 from tpu_ckpt.format import MANIFEST_FILE, metric_values
-from tpu_ckpt.listing import Listing, parse_listing
+from tpu_ckpt.listing import Listing, list_run
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.preemption import PreemptionWatch
 from tpu_ckpt.restore import restore
@@ -86,8 +84,9 @@ class CheckpointManager:
       options: the :class:`CheckpointOptions` for every save (``enable_async`` included).
         They are also the default for ``restore``.
 
-    Every process of a multi-process job creates the manager and calls ``save`` with the
-    same steps (SPMD).
+    Every process of a multi-process job creates the manager and makes the same calls
+    (SPMD): ``save`` with the same steps, and ``restore``, ``latest_step`` and ``all_steps``
+    too, since one process lists the directory for all of them.
     """
 
     def __init__(
@@ -160,7 +159,7 @@ class CheckpointManager:
         if name in listing.leftovers and distributed.process_index() == self._leader():
             # An interrupted save of this step, written in place (object stores): in the way.
             self._remove(name, "an uncommitted leftover of an earlier save of this step")
-        retain = functools.partial(self._after_commit, step, name, score)
+        retain = functools.partial(self._after_commit, step, name, score, listing)
         options = self._options.replace(write_callbacks=(*self._options.write_callbacks, retain))
         self._pending = save(self._location.child(name), tree, options=options, metrics=metrics)
         self._cadence.counts_from(step)
@@ -264,23 +263,28 @@ class CheckpointManager:
         """
         return self._preemption.reached(check_step(step, "reached_preemption(step)"))
 
-    def _after_commit(self, step: int, name: str, score: float | None) -> None:
-        """Removes leftovers and the checkpoints that retention lets go (on the leader only)."""
+    def _after_commit(self, step: int, name: str, score: float | None, before: Listing) -> None:
+        """Removes leftovers and the checkpoints that retention lets go (on the leader only).
+
+        ``before`` is the listing ``save`` took: since then only this save changed the
+        directory (it committed ``name``; nobody but the leader removes), so it needs no
+        second listing."""
         if distributed.process_index() != self._leader():
             return
         self._scores[name] = score
-        listing = self._list_here()
-        for leftover in listing.leftovers:
-            self._remove(leftover, "an uncommitted leftover")
+        for leftover in before.leftovers:
+            if leftover != name:  # removed before the save, and committed by it since
+                self._remove(leftover, "an uncommitted leftover")
+        committed = {**before.committed, step: name}
         expired = self._retention.expired(
-            list(listing.committed), step, preserved_since=self._preserved_since,
-            commit_time=lambda s: self._commit_time(listing.committed[s]),
-            score=lambda s: self._score(listing.committed[s], s),
+            list(committed), step, preserved_since=self._preserved_since,
+            commit_time=lambda s: self._commit_time(committed[s]),
+            score=lambda s: self._score(committed[s], s),
         )
         rules = (f"max_to_keep={self.max_to_keep}, keep_checkpoint_every_n_hours={self.keep_checkpoint_every_n_hours}, "
                  f"keep_best={self._retention.keep_best}")
         for old in expired:
-            self._remove(listing.committed[old], f"retention ({rules})")
+            self._remove(committed[old], f"retention ({rules})")
 
     def _score(self, name: str, step: int) -> float | None:
         """A step's ``best_fn`` score, from its manifest (read once). A step whose manifest
@@ -300,31 +304,26 @@ class CheckpointManager:
         return os.stat(os.path.join(self._location.local_path, name, MANIFEST_FILE)).st_mtime
 
     def _list(self) -> Listing:
-        """What the directory holds, as the process that owns storage sees it.
+        """What the directory holds, as the leader sees it.
 
-        With ``io_device`` only that process can see the directory (it may be its local
-        disk), so it lists and tells the others: listing is then collective, like ``save``
-        and ``restore``, and every process must make the same manager calls.
+        The leader lists (see ``listing.list_run``) and tells the others, which never list
+        storage: one listing per call for the whole job, and with ``io_device`` the directory
+        may be that process's local disk, which only it sees. Listing is therefore collective,
+        like ``save`` and ``restore``: every process must make the same manager calls.
         """
-        io = self._leader()
-        if self._options.io_device is None or distributed.process_count() == 1:
-            return self._list_here()
+        leader = self._leader()
+        if distributed.process_count() == 1:
+            return list_run(self._location)
         with distributed.Coordinator(f"list {self.directory}", self._options.coordination_timeout) as coord:
-            if coord.me != io:
-                listing = json.loads(coord.receive("listing", io))
-                return Listing({int(step): name for step, name in listing["committed"].items()}, listing["leftovers"])
+            if coord.me != leader:
+                return Listing.from_json(coord.receive("listing", leader))
             try:
-                listing = self._list_here()
+                listing = list_run(self._location)
             except BaseException as error:
                 coord.report_failure(error)
                 raise
-            coord.publish("listing", json.dumps(dataclasses.asdict(listing)))
+            coord.publish("listing", listing.to_json())
             return listing
-
-    def _list_here(self) -> Listing:
-        with storage.Store(self._location, threads=1) as store:
-            files = store.list()
-        return parse_listing(files)
 
     def _leader(self) -> int:
         """The process that removes old steps and leftovers: the one that writes storage."""

@@ -18,7 +18,9 @@ read; a connection without the secret is dropped. The secret keeps out other job
 accidents on the network (a stale process, a scanner, a misdirected connection); it is no
 defence against an attacker who can read the job's traffic, which goes in the clear,
 message by message unauthenticated. Every socket operation is bounded by
-``coordination_timeout``, so a dead peer is an error, never a hang. What even a peer
+``coordination_timeout``, so a dead peer is an error, never a hang; connecting is bounded
+far shorter (``relay_connect_seconds``), so a firewall between the hosts is an error naming
+the host and port to open within seconds, at the first relayed operation. What even a peer
 holding the secret can reach is bounded by the server (``relay_server.py``).
 """
 
@@ -79,10 +81,8 @@ class RelayStore(storage.CheckpointStore):
     def _connect(self) -> socket.socket:
         """A new connection, past the server's handshake."""
         address, secret = self._contact.split(" ")
-        host, port = address.rsplit(":", 1)
+        conn = self._open(address)
         try:
-            conn = socket.create_connection((host.strip("[]"), int(port)), timeout=self._timeout)
-            self._opened.append(conn)
             relay_wire.send(conn, {"secret": secret})
             answer = relay_wire.receive(conn)[0]
             if not answer.get("ok"):
@@ -97,6 +97,41 @@ class RelayStore(storage.CheckpointStore):
                 "Check that process's log.",
                 file=self.location.url,
             ) from e
+
+    def _open(self, address: str) -> socket.socket:
+        """A TCP connection to the server, tuned. Connecting has its own short timeout: a
+        firewall drops packets silently, and learning it only after ``coordination_timeout``
+        would read as a dead host, with nothing said about which port to open."""
+        host, port = address.rsplit(":", 1)
+        host = host.strip("[]")
+        knobs = settings()
+        limit = min(knobs.relay_connect_seconds, self._timeout)
+        try:
+            family, kind, proto, _, target = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0]
+            conn = socket.socket(family, kind, proto)
+            self._opened.append(conn)
+            relay_wire.tune(conn, knobs.relay_socket_buffer_bytes)
+            conn.settimeout(limit)
+            conn.connect(target)
+        except OSError as e:
+            raise relay_wire.RelayUnreachableError(self._unreachable(address, host, limit, e), file=self.location.url) from e
+        conn.settimeout(self._timeout)
+        return conn
+
+    def _unreachable(self, address: str, host: str, limit: float, error: OSError) -> str:
+        ports = settings().relay_ports
+        to_open = (
+            f"TCP ports {ports[0]}-{ports[1]} (TPU_CKPT_RELAY_PORTS)" if ports else
+            "any TCP port, as the relay listens on one the OS picks (or set TPU_CKPT_RELAY_PORTS, "
+            "e.g. 50100-50199, on every host and allow just that range)"
+        )
+        process = self.server_process
+        return (
+            f"Could not reach process {process}'s relay at {address} for {self.location.url} within "
+            f"{limit:g}s: {error}. The likely cause is a firewall between the hosts: allow ingress from the "
+            f"job's hosts to {to_open}. If {host} is not an address of process {process}'s host that this host "
+            "can reach, set TPU_CKPT_RELAY_HOST on that host. If that process failed, its own report says why."
+        )
 
     def _checkout(self) -> socket.socket:
         """A free connection; one idle for half the server's idle timeout is replaced first,

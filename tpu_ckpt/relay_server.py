@@ -13,6 +13,7 @@ idle timeout is closed; a client reconnects before using a connection idle for h
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import logging
 import re
 import secrets
@@ -61,9 +62,10 @@ class RelayServer:
         self._max_connections = (peers + 1) * knobs.relay_connections  # room for one stray or reconnecting peer
         self._write_slots = threading.BoundedSemaphore(knobs.relay_writes_in_flight if write_slots is None else write_slots)
         self._heartbeat = knobs.relay_heartbeat_seconds if heartbeat is None else heartbeat
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.create_server((host, 0), family=family)
-        self.address = f"[{host}]:{self._listener.getsockname()[1]}" if ":" in host else f"{host}:{self._listener.getsockname()[1]}"
+        self._buffer_bytes = knobs.relay_socket_buffer_bytes
+        self._listener = _listen(host, self._max_connections, self._buffer_bytes, store.location.url)
+        port = self._listener.getsockname()[1]
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self._lock = threading.Lock()
         self._handlers: dict[socket.socket, threading.Thread] = {}  # open connections only
         self._closed = False
@@ -116,6 +118,7 @@ class RelayServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            relay_wire.tune(conn, self._buffer_bytes)  # before the handshake's answer: set once a client is in
             conn.settimeout(self._idle)
             hello, size = relay_wire.receive_header(conn, limit=_MAX_HELLO_BYTES)
             if size or not secrets.compare_digest(str(hello.get("secret")).encode(), self.secret.encode()):
@@ -255,6 +258,36 @@ class RelayServer:
     def _read_file(self, name: str) -> tuple[dict[str, Any], list[Any]]:
         data = self.store.read_file(name)
         return {"missing": data is None}, [data or b""]
+
+
+def _listen(host: str, backlog: int, buffer_bytes: int, where: str) -> socket.socket:
+    """A socket listening on the first free port of ``Settings.relay_ports`` (any port when
+    unset). The backlog holds every connection the server serves: SYNs a whole pod sends at
+    once must not overflow it, or clients would wait on retransmissions."""
+    ports = settings().relay_ports
+    first, last = ports or (0, 0)
+    for port in range(first, last + 1):
+        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port left in TIME_WAIT is free
+            relay_wire.tune(listener, buffer_bytes)
+            listener.bind((host, port))
+            listener.listen(backlog)
+            return listener
+        except OSError as e:
+            listener.close()
+            if e.errno != errno.EADDRINUSE or ports is None:
+                raise relay_wire.RelayBindError(
+                    f"The relay for {where} cannot listen on {host}:{port}: {e}. If {host} is not an address "
+                    "of this host, set TPU_CKPT_RELAY_HOST to one the job's other hosts reach it at.",
+                    file=where,
+                ) from e
+    raise relay_wire.RelayBindError(
+        f"The relay for {where} cannot listen on {host}: every port of TPU_CKPT_RELAY_PORTS={first}-{last} is "
+        "in use. Widen the range (each save or restore through the relay holds a port on every serving "
+        "process while it runs) and allow the wider range through the firewall between the job's hosts.",
+        file=where,
+    )
 
 
 def _is_count(value: Any) -> bool:

@@ -5,14 +5,18 @@ JSON object, then the payload bytes. Both ends read through the same few functio
 every length on the wire is bounded before anything is allocated (``MAX_MESSAGE_BYTES``,
 ``MAX_FILE_BYTES``), and every socket call moves a bounded chunk, so the connection's
 timeout measures progress, never the whole transfer. Errors cross as JSON objects, so the
-client raises the same ``CheckpointError`` subclass the server's process raised.
+client raises the same ``CheckpointError`` subclass the server's process raised. Every socket
+of either end goes through :func:`tune` before it carries a byte.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import socket
 import struct
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,16 +31,60 @@ MAX_RANGES = 2 * read_plan.MAX_READ_BYTES // ALIGNMENT  # one read's pieces and 
 _HEADER = struct.Struct("!QQ")
 _CHUNK = 8 << 20  # one bounded socket call: the timeout measures progress, not the whole file
 
+logger = logging.getLogger(__name__)
+
 
 class RelayConnectionError(errors.CheckpointError):
     """The relay connection failed (refused, reset, timed out): the other process may have
     failed first, which its own report explains better."""
 
 
+class RelayUnreachableError(RelayConnectionError):
+    """No TCP connection to a relay server within ``relay_connect_seconds``: a firewall
+    between the hosts, an address the client cannot reach, or a server process gone."""
+
+
+class RelayBindError(errors.CheckpointError):
+    """A relay server cannot listen: every port of ``TPU_CKPT_RELAY_PORTS`` is taken, or the
+    relay's address is not one of this host's."""
+
+
 class RelayRequestError(errors.CheckpointError):
     """The relay refused a request: a file this operation does not serve or accept, or a
     length beyond the relay's bounds. The job's own processes never ask that, so it means a
     bug, or a process of another operation that holds this one's secret."""
+
+
+def tune(conn: socket.socket, buffer_bytes: int) -> None:
+    """Sets a relay socket up for bulk transfers, before it carries a byte.
+
+    TCP_NODELAY: a message goes out as two writes (its header, then its payload) and its
+    sender then waits for the answer; Nagle's algorithm would hold the second write back
+    until the peer's delayed ACK, up to 40 ms a request. Large buffers: one connection
+    should fill a data-centre link, whose bandwidth-delay product outgrows the kernel's
+    default. A listening socket passes them on to the connections it accepts, and must
+    have them before it listens, for the TCP window scale agreed at the handshake."""
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if buffer_bytes:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
+        granted = conn.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF), conn.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        _report_buffers(buffer_bytes, *granted)
+
+
+@functools.cache
+def _report_buffers(asked: int, send: int, receive: int) -> None:
+    """Once per process and outcome: the kernel silently caps what a socket asks for, and a
+    capped buffer caps every relay connection's throughput. Linux grants twice what it is
+    asked for, the half beyond for its bookkeeping."""
+    if min(send, receive) < (2 * asked if sys.platform == "linux" else asked):
+        logger.warning(
+            "tpu_ckpt: the kernel granted relay sockets %d-byte send and %d-byte receive buffers of the %d asked "
+            "(Settings.relay_socket_buffer_bytes): raise net.core.wmem_max and net.core.rmem_max, or set the "
+            "knob to 0 to leave the sizes to the kernel's autotuning", send, receive, asked,
+        )
+    else:
+        logger.info("tpu_ckpt: relay sockets have %d-byte send and %d-byte receive buffers", send, receive)
 
 
 def send(conn: socket.socket, message: dict[str, Any], payload: Sequence[Any] = ()) -> None:

@@ -29,6 +29,9 @@ class Settings:
     # From the environment. The relay's address on this host, where the route to the JAX
     # coordinator is not the one hosts talk to each other on (distributed.relay_host).
     relay_host: str | None = None  # TPU_CKPT_RELAY_HOST
+    # The ports a relay server may listen on, first and last: a custom VPC's firewall opens
+    # only the ports it names. None: any port the OS picks (ephemeral, different each time).
+    relay_ports: tuple[int, int] | None = None  # TPU_CKPT_RELAY_PORTS, "50100-50199" or "50100"
     # S3-compatible servers: tensorstore itself ignores the variable (storage.py).
     aws_endpoint_url: str | None = None  # AWS_ENDPOINT_URL
 
@@ -40,13 +43,27 @@ class Settings:
     relay_connections: int = 4  # sockets a process opens to a relay server
     relay_writes_in_flight: int = 4  # files an io_device relay server holds in memory, over all clients
     relay_heartbeat_seconds: float = 5.0  # how often a relay server tells a queued write that it waits
+    # How long a relay client waits for TCP to connect: a firewall drops packets silently, and
+    # waiting coordination_timeout to learn it would look like a dead host.
+    relay_connect_seconds: float = 5.0
+    # SO_SNDBUF and SO_RCVBUF asked for on every relay socket. 0 (the default) leaves them to
+    # the kernel's autotuning, which grows them up to net.ipv4.tcp_rmem's maximum (6 MiB on a
+    # stock kernel); a size set here turns autotuning off and is capped at net.core.rmem_max
+    # (about 208 KiB on a stock kernel), so set it only on hosts tuned for it.
+    relay_socket_buffer_bytes: int = 0
     coordination_poll_seconds: float = 0.05  # the longest pause between polls of a cross-process wait
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name not in ("relay_host", "aws_endpoint_url") and not value > 0:
+            if field.name in _FROM_ENVIRONMENT or (field.name in _MAY_BE_ZERO and value == 0):
+                continue
+            if not value > 0:
                 raise ValueError(f"Settings.{field.name} must be positive, got {value!r}")
+        if self.relay_ports is not None:
+            first, last = self.relay_ports
+            if not 0 < first <= last < 1 << 16:
+                raise ValueError(f"Settings.relay_ports (TPU_CKPT_RELAY_PORTS) must be two ports, first <= last, got {self.relay_ports!r}")
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] = os.environ) -> Settings:
@@ -54,8 +71,23 @@ class Settings:
         as unset."""
         return cls(
             relay_host=environ.get("TPU_CKPT_RELAY_HOST") or None,
+            relay_ports=_port_range(environ.get("TPU_CKPT_RELAY_PORTS") or None),
             aws_endpoint_url=environ.get("AWS_ENDPOINT_URL") or None,
         )
+
+
+_FROM_ENVIRONMENT = ("relay_host", "relay_ports", "aws_endpoint_url")
+_MAY_BE_ZERO = ("relay_socket_buffer_bytes",)
+
+
+def _port_range(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    first, _, last = text.strip().partition("-")
+    try:
+        return int(first), int(last or first)
+    except ValueError:
+        raise ValueError(f"TPU_CKPT_RELAY_PORTS must be a port or a range such as 50100-50199, got {text!r}") from None
 
 
 _current: Settings | None = None

@@ -24,10 +24,8 @@ from tpu_ckpt.format import (
     LeafEntry,
     Manifest,
     PieceEntry,
-    crc32c,
+    data_file,
     dtype_from_name,
-    safetensors_layout,
-    tensor_name,
 )
 from tpu_ckpt.pieces import full_slice
 
@@ -70,12 +68,10 @@ class StreamWriter:
         for key, array in items:
             self._check(key, array)
         buffers = [array.reshape(-1).view(np.uint8) for _, array in items]
-        layout = safetensors_layout(
-            [(tensor_name(key, full_slice(array.shape)), self._by_key[key].dtype, array.shape, buf.nbytes)
-             for (key, array), buf in zip(items, buffers)]
+        layout, entries = data_file(
+            name, [(key, full_slice(array.shape), self._by_key[key].dtype, array.shape, buf) for (key, array), buf in zip(items, buffers)]
         )
-        for (key, array), buf, offset in zip(items, buffers, layout.offsets):
-            self._pieces[key] = PieceEntry(full_slice(array.shape), name, offset, buf.nbytes, crc32c(buf))
+        self._pieces.update((key, entry) for (key, _), entry in zip(items, entries))
         try:
             self._store.write(name, layout.buffers(buffers)).result()
         except CheckpointError:

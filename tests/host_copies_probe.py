@@ -1,0 +1,57 @@
+"""Measures the host memory of one asynchronous save in a fresh process (for test_host_copies).
+
+Prints one JSON line: the state's bytes, the RSS growth when ``save`` returned, its peak until
+``wait()`` returned, and what is left after. Peaks are read from VmHWM after resetting it
+through /proc/self/clear_refs. Shards are 64 MiB, above glibc's largest mmap threshold, so a
+freed host copy leaves RSS at once instead of waiting in the allocator's free lists.
+"""
+
+import ctypes
+import ctypes.util
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import tpu_ckpt as tc  # noqa: E402
+
+ASYNC = tc.CheckpointOptions(enable_async=True)
+
+
+def rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def reset_peak() -> None:
+    """Returns free heap pages to the OS (so a copy cannot hide in them), then resets VmHWM."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+directory, megabytes = sys.argv[1], int(sys.argv[2])
+mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+n = megabytes * (1 << 20) // 4
+x = jax.jit(lambda: jnp.arange(n, dtype=jnp.float32).reshape(-1, 1024), out_shardings=NamedSharding(mesh, P("data")))()
+x.block_until_ready()
+tc.save(os.path.join(directory, "warmup"), {"x": jnp.ones(8)}, options=ASYNC).wait()
+reset_peak()
+base = rss("VmRSS")
+result = tc.save(os.path.join(directory, "c"), {"x": x}, options=ASYNC)
+returned = rss("VmRSS") - base
+result.wait()
+peak = rss("VmHWM") - base
+after = rss("VmRSS") - base
+print(json.dumps({"state_bytes": n * 4, "returned": returned, "peak": peak, "after": after}))

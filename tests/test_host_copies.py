@@ -1,0 +1,80 @@
+"""A save holds one host copy of each piece, and lets go of it once its file is written."""
+
+import collections
+import json
+import os
+import subprocess
+import sys
+import weakref
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tpu_ckpt import storage
+from tpu_ckpt.local_store import LocalStore, make_directory
+from tpu_ckpt.pieces import full_slice
+from tpu_ckpt.save import _fetch_started, _private_host_value, _write_files
+from tpu_ckpt.save_plan import DataFile, PlannedPiece
+
+SLACK = 96 << 20  # interpreter, allocator and page-table noise
+
+
+def test_a_fetched_host_value_is_the_snapshot_and_stays_off_the_callers_array():
+    """JAX copies a sharded array's value into host memory of its own when asked for it on
+    CPU too, as it copies every value it fetches from a TPU or GPU: that copy is the snapshot,
+    and it is cached on the save's own handle, not on the caller's array."""
+    mesh = jax.make_mesh((8,), ("d",))
+    expected = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
+    x = jax.device_put(expected, NamedSharding(mesh, P("d")))
+    handle = _fetch_started(x)
+    host = _private_host_value(handle)
+    assert host is handle._npy_value  # no second copy made
+    assert x._npy_value is None  # the caller's array keeps no host value of the save's
+    np.testing.assert_array_equal(host, expected)
+    x.delete()
+    np.testing.assert_array_equal(host, expected)
+
+
+def test_a_cpu_buffer_is_copied_once():
+    """On CPU numpy views the device buffer itself: the snapshot must be a copy of it."""
+    x = jax.device_put(np.arange(1000, dtype=np.int32), jax.devices()[0])
+    host = _private_host_value(_fetch_started(x))
+    assert not np.shares_memory(host, np.asarray(x))
+    np.testing.assert_array_equal(host, np.arange(1000))
+
+
+def test_each_file_is_let_go_once_written(tmp_path):
+    """Files written earlier in a save are freed while the save still runs (with one IO
+    thread, which keeps its last task until it takes the next, only the last file waits
+    for the store to close)."""
+    location = storage.location(tmp_path / "c")
+    make_directory(location.local_path)
+    arrays = [np.full((256, 256), i, np.float32) for i in range(3)]
+    alive = [weakref.ref(a) for a in arrays]
+    files = collections.deque(
+        DataFile(f"d{i}.safetensors", (PlannedPiece(f"k{i}", full_slice(a.shape), a),)) for i, a in enumerate(arrays)
+    )
+    del arrays
+    store = LocalStore(location, threads=1)
+    try:
+        index = _write_files(store, files)
+        assert not files
+        assert [ref() is None for ref in alive] == [True, True, False]
+    finally:
+        store.close()
+    assert alive[2]() is None
+    assert sorted(index.files) == [f"d{i}.safetensors" for i in range(3)]
+
+
+@pytest.mark.slow
+def test_async_save_holds_one_host_copy(tmp_path):
+    megabytes = 256  # 4 shards of 64 MiB
+    probe = os.path.join(os.path.dirname(__file__), "host_copies_probe.py")
+    out = subprocess.run([sys.executable, probe, str(tmp_path), str(megabytes)], capture_output=True, text=True, check=True)
+    grown = json.loads(out.stdout.strip().splitlines()[-1])
+    state = grown["state_bytes"]
+    assert grown["peak"] <= state + SLACK, grown  # one host copy, never two
+    assert grown["after"] <= SLACK, grown  # and none left once the save is done
