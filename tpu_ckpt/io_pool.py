@@ -42,14 +42,22 @@ class IOPool:
 
     def _work(self) -> None:
         while (task := self._tasks.get()) is not None:
-            future, fn, args, then = task
+            future, job = task[0], task[1:]
+            del task  # a job's buffers (a file's host bytes) go before its caller hears it is done
             if future.set_running_or_notify_cancel():
-                try:
-                    result = fn(*args)
-                    if then is not None:
-                        then(result)
+                result, error = _run(*job)
+                del job
+                if error is None:
                     future.set_result(result)
-                except BaseException as error:  # noqa: BLE001 - delivered through the future
+                else:
                     future.set_exception(error)
-            # An idle thread must not keep the last job's buffers (a file's host bytes) alive.
-            del task, future, fn, args, then
+
+
+def _run(fn: Callable[..., Any], args: tuple[Any, ...], then: Callable[[Any], Any] | None) -> tuple[Any, BaseException | None]:
+    try:
+        result = fn(*args)
+        if then is not None:
+            then(result)
+        return result, None
+    except BaseException as error:  # noqa: BLE001 - delivered through the future
+        return None, error
