@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import os
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from tpu_ckpt import keys, storage
+from tpu_ckpt import keys, read_plan, storage
 from tpu_ckpt.committed import read_manifest
 from tpu_ckpt.errors import CheckpointExistsError, TargetMismatchError
 from tpu_ckpt.format import MANIFEST_FILE, LeafEntry, Manifest, crc32c, dtype_from_name
@@ -73,7 +73,8 @@ def _read_params(
     leaves = _subtree_leaves(read_manifest(storage.location(src)), prefix, src)
     total, done = sum(leaf.nbytes for leaf in leaves), 0
     values: dict[str, Any] = {keys.join(leaf.path[depth:]): leaf.value for leaf in leaves if leaf.kind == "value"}
-    for batch in _batches([leaf for leaf in leaves if leaf.kind == "array"]):
+    arrays = [leaf for leaf in leaves if leaf.kind == "array"]
+    for batch in read_plan.batches(arrays, operator.attrgetter("nbytes"), settings().read_batch_bytes):
         target = keys.unflatten_nested((leaf.path[depth:], _placeholder(leaf)) for leaf in batch)
         restored, _ = keys.flatten(restore(src, target, subtree=prefix), keep_none=True)
         for key, _, value in restored:
@@ -89,18 +90,6 @@ def _subtree_leaves(manifest: Manifest, prefix: str, src: Any) -> list[LeafEntry
     if not leaves:
         raise TargetMismatchError(f"subtree {prefix!r} is not in checkpoint {src}", key=prefix, file=str(src))
     return leaves
-
-
-def _batches(leaves: list[LeafEntry]) -> list[list[LeafEntry]]:
-    batches: list[list[LeafEntry]] = [[]] if leaves else []
-    size = 0
-    for leaf in leaves:
-        if batches[-1] and size + leaf.nbytes > settings().read_batch_bytes:
-            batches.append([])
-            size = 0
-        batches[-1].append(leaf)
-        size += leaf.nbytes
-    return batches
 
 
 def _placeholder(leaf: LeafEntry) -> np.ndarray:
@@ -149,7 +138,7 @@ def _link(src: storage.Location, dst: storage.Location, subtree: str) -> str:
         manifest.sharding_callback,
         source={"path": source_dir, "manifest_crc32c": source_crc},
     )
-    staging = dst.staging(uuid.uuid4().hex[:12])
+    staging = dst.staging(storage.new_token())
     with storage.open_staging(staging) as store:
         store.write(MANIFEST_FILE, [doc.to_json()]).result()
     storage.commit(staging, dst)

@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import os
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import jax
 import numpy as np
 
-from tpu_ckpt import keys, listing, storage
+from tpu_ckpt import keys, listing, read_plan, storage
 from tpu_ckpt.committed import read_manifest
 from tpu_ckpt.errors import CheckpointNotFoundError
 from tpu_ckpt.format import LeafEntry, dtype_name
@@ -170,7 +170,7 @@ def _convert(
     arrays = [e for e in entries if e.kind == "array"]
     batches = []
     with StreamWriter(dst, entries, f"imported from Orbax checkpoint {path}") as writer:
-        for batch in _batches(arrays, max_batch_bytes):
+        for batch in read_plan.batches(arrays, operator.attrgetter("nbytes"), max_batch_bytes):
             writer.write(_read(checkpointer, path, tree, {e.key for e in batch}, ocp))
             batches.append(sum(e.nbytes for e in batch))
         url = writer.commit()
@@ -216,20 +216,6 @@ def _sharding(meta: Any) -> dict[str, Any] | None:
         return {"type": type(meta).__name__.removesuffix("Metadata"), "num_devices": 1}
     spec = [list(p) if isinstance(p, tuple) else p for p in meta.partition_spec]
     return {"type": "NamedSharding", "mesh": dict(zip(meta.axis_names, (int(n) for n in meta.shape))), "spec": spec}
-
-
-def _batches(arrays: list[LeafEntry], limit: int) -> Iterator[list[LeafEntry]]:
-    """Consecutive leaves whose bytes add up to at most ``limit``; a larger leaf alone."""
-    batch: list[LeafEntry] = []
-    size = 0
-    for entry in arrays:
-        if batch and size + entry.nbytes > limit:
-            yield batch
-            batch, size = [], 0
-        batch.append(entry)
-        size += entry.nbytes
-    if batch:
-        yield batch
 
 
 def _read(checkpointer: Any, path: Any, tree: Any, wanted: set[str], ocp: Any) -> dict[str, Any]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -21,6 +21,8 @@ from tpu_ckpt.format import ALIGNMENT, LeafEntry, PieceEntry, crc32c
 
 if TYPE_CHECKING:  # annotations only: planning reads needs no JAX
     from tpu_ckpt.pieces import SliceSpec
+
+T = TypeVar("T")
 
 MAX_READ_BYTES = 64 << 20  # bigger single reads cost parallelism and gain nothing
 
@@ -88,6 +90,21 @@ def check_crcs(where: str, read: Read, chunks: Sequence[np.ndarray]) -> None:
                 f"crc32c mismatch for key {key!r} slice {list(piece.slice)} in {where}: the file is corrupt",
                 key=key, file=where,
             )
+
+
+def batches(items: Iterable[T], nbytes: Callable[[T], int], limit: int) -> list[list[T]]:
+    """Consecutive items whose bytes add up to at most ``limit``; an item larger than that alone.
+    What a restore, an export and an Orbax import each hold in memory at once."""
+    out: list[list[T]] = []
+    size = 0
+    for item in items:
+        n = nbytes(item)
+        if not out or (out[-1] and size + n > limit):
+            out.append([])
+            size = 0
+        out[-1].append(item)
+        size += n
+    return out
 
 
 def coalesce(needed: Iterable[tuple[str, PieceEntry]]) -> list[Read]:

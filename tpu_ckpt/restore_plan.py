@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -152,7 +152,7 @@ def plan_restore(
         flat, treedef = keys.flatten(target)
         entries = [_plan_leaf(leaves, _join(prefix, key), t, skip_slots, url) for key, _, t in flat]
         paths = ()
-    return RestorePlan(tuple(entries), _batches(_units(entries, batch_bytes), batch_bytes), treedef, paths)
+    return RestorePlan(tuple(entries), tuple(map(tuple, read_plan.batches(_units(entries, batch_bytes), _unit_bytes, batch_bytes))), treedef, paths)
 
 
 def _join(prefix: str, key: str) -> str:
@@ -255,17 +255,8 @@ def _unit(position: int, entry: ArrayRead, regions: tuple[Region, ...], whole: b
     return Unit(position, entry, regions, whole, tuple(pieces.values()))
 
 
-def _batches(units: Iterable[Unit], batch_bytes: int) -> tuple[tuple[Unit, ...], ...]:
-    batches: list[list[Unit]] = []
-    size = 0
-    for unit in units:
-        nbytes = sum(p.length for p in unit.pieces)
-        if not batches or (batches[-1] and size + nbytes > batch_bytes):
-            batches.append([])
-            size = 0
-        batches[-1].append(unit)
-        size += nbytes
-    return tuple(map(tuple, batches))
+def _unit_bytes(unit: Unit) -> int:
+    return sum(p.length for p in unit.pieces)
 
 
 def _text(spec: SliceSpec) -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import uuid
 
 from tpu_ckpt import distributed, relay, relay_server, shared_storage, storage
 from tpu_ckpt.errors import CheckpointExistsError
@@ -49,7 +48,7 @@ def prepare(
             "Save to a new path, or delete the old one first.",
             file=final.url,
         )
-    token = uuid.uuid4().hex[:12]
+    token = storage.new_token()
     location = final.staging(token)
     staging = Staging(location, storage.open_staging(location))
     prove = not relayed and shared_storage.unproved(final, coord.count)

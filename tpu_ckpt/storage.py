@@ -20,6 +20,7 @@ import concurrent.futures
 import dataclasses
 import os
 import shutil
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, Self, runtime_checkable
 from urllib.parse import urlparse
@@ -76,6 +77,12 @@ class Location:
                 spec["endpoint"] = settings().aws_endpoint_url
             return spec
         raise ValueError(f"Unsupported checkpoint location {self.url!r}: use a local path, gs://, s3:// or memory://")
+
+
+def new_token() -> str:
+    """A fresh staging token: the ``<hex>`` of ``<name>.tmp-<hex>``, which ``tpu-ckpt gc`` and
+    the manager recognise as a leftover."""
+    return uuid.uuid4().hex[:12]
 
 
 def location(path: str | os.PathLike[str]) -> Location:

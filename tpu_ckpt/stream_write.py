@@ -11,7 +11,6 @@ and a converted checkpoint restores like any other.
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -49,7 +48,7 @@ class StreamWriter:
         self._pieces: dict[str, PieceEntry] = {}
         self._files: dict[str, int] = {}
         self._description = description
-        self._staging = self.final.staging(uuid.uuid4().hex[:12])
+        self._staging = self.final.staging(storage.new_token())
         self._store = storage.open_staging(self._staging)
         self._committed = False
 
