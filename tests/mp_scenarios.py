@@ -481,9 +481,11 @@ def pod_like(directory: str, late: str) -> dict:
 
 
 def _save_with_a_straggler(path: str, tree: dict, late: int) -> dict:
-    """A save (coordination_timeout=8) that process ``late`` starts only once another process
-    has reported giving up on it, in the coordination service: late for sure, however slow
-    the machine, and no later than needed.
+    """A save (coordination_timeout=8) that process ``late`` starts only once the leader
+    (process 0) has reported giving up on it, in the coordination service: late for sure,
+    however slow the machine, and no later than needed. (Only once the leader has: another
+    process that gives up removes the staging area too, and the late one, failing to write
+    there, learns why only from the leader's report.)
 
     Its directory was proved shared by an earlier save, so every process waits for the late
     one at the same stage (all written). At the proof of a new directory the others wait
@@ -492,7 +494,7 @@ def _save_with_a_straggler(path: str, tree: dict, late: int) -> dict:
     from jax._src.distributed import global_state
 
     if jax.process_index() == late:
-        while not any("/error/" in key for key, _ in global_state.client.key_value_dir_get("tpu_ckpt/")):
+        while not any(key.endswith("/error/0") for key, _ in global_state.client.key_value_dir_get("tpu_ckpt/")):
             time.sleep(0.1)
     try:
         tc.save(path, tree, options=tc.CheckpointOptions(coordination_timeout=8))

@@ -205,6 +205,18 @@ def test_leftovers_are_not_listed_and_the_next_save_removes_them(tmp_path):
     assert manager.restore(8)["step"] == 8
 
 
+def test_the_listing_looks_at_directories_and_their_manifests_only(tmp_path):
+    """The manager lists its directory without listing inside the steps: a step is a
+    subdirectory whose manifest exists, a file is never one, and an empty ``step_<n>``
+    directory is a leftover like any other."""
+    (tmp_path / "step_3").write_text("a file, not a checkpoint")
+    os.makedirs(tmp_path / "step_4")
+    manager = tc.CheckpointManager(tmp_path)
+    assert manager.all_steps() == []
+    manager.save(6, tree(6))
+    assert entries(tmp_path) == ["step_3", "step_6"]
+
+
 def test_memory_urls_are_listed_through_storage():
     manager = tc.CheckpointManager("memory://manager_test", max_to_keep=2)
     for step in (1, 2, 3):
