@@ -209,6 +209,10 @@ class Coordinator:
             if failed:
                 self.raise_if_another_failed(stage)
             if time.monotonic() > deadline:
+                if len(expected) < self.count:
+                    # Waiting on a sender that may itself wait on a straggler: its report names
+                    # the straggler, where this process could only name the sender.
+                    self.raise_if_another_failed(stage, grace=min(5.0, self.timeout / 4))
                 missing = sorted(expected - arrived.keys())
                 raise CoordinationTimeoutError(
                     f"{self.what}: processes {missing} did not reach stage '{stage}' within "

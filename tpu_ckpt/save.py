@@ -108,11 +108,12 @@ def _start(
 def _explain(coord: distributed.Coordinator, error: BaseException, leader: int | None = None) -> None:
     """Raises the failure of another process that caused ``error``: a lost relay connection
     usually means the other process failed; a write fails once the leader, having given up,
-    removed the staging area (writes create no directory)."""
+    removed the staging area (writes create no directory). Only reports already made count:
+    this process's own error stands when no other process failed."""
     if isinstance(error, relay_wire.RelayConnectionError):
         coord.raise_if_another_failed("save", grace=2.0)
-    elif leader is not None and coord.me != leader and coord.abandoned(leader):
-        coord.raise_if_another_failed("save")
+    elif leader is not None and coord.me != leader:
+        coord.raise_if_another_failed("save")  # e.g. the leader gave up and removed the staging area
 
 
 class _Job:
@@ -136,6 +137,7 @@ class _Job:
         self.options = options
         self.staging = staging
         self._unwritten = plan.files
+        self._own_files = (*(f.name for f in plan.files), index_file(coord.me))
 
     def snapshot(self) -> None:
         """Replaces the data to write by host copies (see ``_host_copies``)."""
@@ -194,14 +196,21 @@ class _Job:
     def abandon(self, error: BaseException) -> None:
         """Gives up on this save: tells the others, and leaves nothing in storage.
 
-        Every process that writes to storage removes the staging area after its own last
-        write, so whichever removal comes last leaves nothing behind. A process writing
-        through the io_device relay has nothing of its own to remove.
+        The leader removes the staging area, whole; every other process removes only the
+        files it wrote itself (after its own last write, so none of its files outlives the
+        leader's removal), never the whole prefix: at a thousand hosts, a thousand listings
+        and deletions of one prefix would be the leader's work done a thousand times. A
+        process writing through the io_device relay has nothing of its own to remove.
         """
         self.coord.report_failure(error, abandoned=True)
-        self.staging.close()
-        if not isinstance(self.staging.store, relay.RelayStore):
+        if isinstance(self.staging.store, relay.RelayStore):
+            self.staging.close()
+        elif self.coord.me == self.leader:
+            self.staging.close()
             storage.remove(self.staging.location)
+        else:
+            storage.remove_files(self.staging.store, self._own_files)
+            self.staging.close()
 
     def run_callbacks(self) -> None:
         for callback in self.options.write_callbacks:

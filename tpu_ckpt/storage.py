@@ -21,7 +21,7 @@ import dataclasses
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, Self, runtime_checkable
 from urllib.parse import urlparse
 
@@ -189,6 +189,16 @@ def remove(loc: Location) -> None:
     """Deletes everything at ``loc`` (a failed save's staging area)."""
     with Store(loc) as store:
         store.delete_all()
+
+
+def remove_files(store: Backend, names: Iterable[str]) -> None:
+    """Deletes the files ``names`` that exist (a failed save's own files; the leader may
+    already have removed the staging area around them)."""
+    for name in names:
+        try:
+            store.delete(name)
+        except FileNotFoundError:
+            pass
 
 
 def check_written(store: Backend, sizes: Mapping[str, int]) -> None:
