@@ -203,7 +203,7 @@ def test_429_and_503_are_retried_with_backoff(faulty):
     tc.save(bucket.url("c"), {"x": np.arange(8)}).wait()
     attempts = [r for r in proxy.requests if _is_manifest_upload(r.method, r.path)]
     assert [r.status for r in attempts] == [503, 429, 200]
-    # storage.RETRIES: 1 s before the first retry, then twice that (and up to 1 s of jitter).
+    # object_store.RETRIES: 1 s before the first retry, then twice that (and up to 1 s of jitter).
     assert attempts[1].at - attempts[0].at >= 0.9 and attempts[2].at - attempts[1].at >= 1.9
     np.testing.assert_array_equal(tc.restore(bucket.url("c"))["x"], np.arange(8))
 

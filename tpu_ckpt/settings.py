@@ -14,7 +14,7 @@ Not here, on purpose: values every process must compute identically without comm
 ``read_plan.MAX_READ_BYTES``, which also bounds the relay's wire protocol); facts of the
 format (``format.ALIGNMENT``); bounds on what a hostile file or peer may make tpu_ckpt
 allocate (``relay_wire``, ``safe_reads``, ``slices``, ``decode``); and tensorstore's retry
-policy (``storage.RETRIES``), fixed into the process-wide tensorstore context at import.
+policy (``object_store.RETRIES``), fixed into the process-wide tensorstore context at import.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class Settings:
     # The ports a relay server may listen on, first and last: a custom VPC's firewall opens
     # only the ports it names. None: any port the OS picks (ephemeral, different each time).
     relay_ports: tuple[int, int] | None = None  # TPU_CKPT_RELAY_PORTS, "50100-50199" or "50100"
-    # S3-compatible servers: tensorstore itself ignores the variable (storage.py).
+    # S3-compatible servers: tensorstore itself ignores the variable (object_store.py).
     aws_endpoint_url: str | None = None  # AWS_ENDPOINT_URL
 
     # Knobs.
