@@ -16,6 +16,7 @@ that leaf's rows.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 import threading
@@ -29,6 +30,7 @@ from tpu_ckpt.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MAX_INT,
+    LeafEntry,
     Manifest,
     PieceEntry,
     _leaf_to_json,
@@ -197,6 +199,20 @@ class LazyPieces(Sequence[PieceEntry]):
     def __repr__(self) -> str:
         r = self._ref
         return f"LazyPieces({r.key!r}: rows {r.row}..{r.row + r.count - 1} of {r.table})"
+
+
+def prefetch(leaves: Sequence[LeafEntry], threads: int) -> None:
+    """Reads the rows of ``leaves`` not yet read, ``threads`` leaves at a time (on an object
+    store each is a request: a full restore's thousands of leaves, one at a time, would cost
+    as many round trips). Raises the first leaf's error."""
+    lazy = [leaf.pieces for leaf in leaves if isinstance(leaf.pieces, LazyPieces) and not leaf.pieces.loaded]
+    if len(lazy) <= 1 or threads <= 1:
+        for pieces in lazy:
+            pieces._all()
+        return
+    with concurrent.futures.ThreadPoolExecutor(min(threads, len(lazy))) as pool:
+        for _ in pool.map(LazyPieces._all, lazy):
+            pass
 
 
 def _load(ref: _Ref) -> tuple[PieceEntry, ...]:
