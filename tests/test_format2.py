@@ -205,6 +205,13 @@ def test_bad_grids_and_references_are_typed_errors(ckpt, edit, fragment):
     assert fragment in str(e.value) and "'sharded'" in str(e.value)
 
 
+def test_a_format_1_manifest_with_tables_is_refused(ckpt):
+    path, _ = ckpt
+    write_manifest(path, {**manifest(path), "format_version": "1.2"})
+    with pytest.raises(tc.CorruptCheckpointError, match="format 2"):
+        tc.metadata(path)
+
+
 def test_moved_cut_points_are_refused_on_read(ckpt):
     """Cut points moved but as many cells: the pieces' lengths change, so their bytes no
     longer match their crc32c (or overlap) and the read is refused."""

@@ -132,6 +132,8 @@ class _Decoder:
         files = self.files(doc.get("files"))
         names = list(files)
         self.sizes = (names, list(files.values()))
+        if "tables" in doc and int(version.split(".")[0]) < 2:
+            raise self.fail("tables", f"appears in a format {version} manifest; piece tables came with format 2")
         tables = self.files(doc.get("tables", []), "tables")
         for name, size in tables.items():
             if size % piece_table.ROW_BYTES:
