@@ -27,11 +27,16 @@ def files(path: str) -> dict[str, int]:
 def leaf(path: str, key: str) -> dict:
     """One leaf's manifest entry, its pieces decoded into dicts (see FORMAT.md)."""
     doc = manifest(path)
-    names = [name for name, _ in doc["files"]]
     entry = next(e for e in doc["leaves"] if e["key"] == key)
+    if entry.get("kind") != "array":
+        return entry
+    from tpu_ckpt import storage
+    from tpu_ckpt.committed import read_manifest
+
+    decoded = next(e for e in read_manifest(storage.location(str(path))).leaves if e.key == key)
     entry["pieces"] = [
-        {"slice": spec, "file": names[f], "offset": offset, "length": length, "crc32c": crc}
-        for spec, f, offset, length, crc in entry.get("pieces", [])
+        {"slice": [list(ab) for ab in p.slice], "file": p.file, "offset": p.offset, "length": p.length, "crc32c": p.crc32c}
+        for p in decoded.pieces
     ]
     return entry
 
@@ -82,3 +87,20 @@ def sealed(doc: dict) -> bytes:
 def write_manifest(path: str, doc: dict) -> None:
     with open(os.path.join(path, "manifest.json"), "wb") as f:
         f.write(sealed(doc))
+
+
+def as_format_1_2(path) -> None:
+    """Rewrites the checkpoint at ``path`` as format 1.2 wrote it: every piece inline in the
+    sealed manifest, no piece tables. Tests of the checks on inline pieces start from it."""
+    import dataclasses
+
+    from tpu_ckpt import storage
+    from tpu_ckpt.committed import read_manifest
+
+    decoded = read_manifest(storage.location(str(path)))
+    leaves = tuple(dataclasses.replace(e, pieces=tuple(e.pieces)) for e in decoded.leaves)
+    flat = dataclasses.replace(decoded, leaves=leaves, version="1.2", tables={})
+    with open(os.path.join(path, "manifest.json"), "wb") as f:
+        f.write(flat.to_json())
+    for name in decoded.tables:
+        os.remove(os.path.join(path, name))

@@ -82,7 +82,7 @@ def test_ls_lists_steps_leftovers_sizes_and_file_counts(run_dir):
     assert table["step_1"][:3] == ["1", "step_1", "committed"]
     assert table["step_1"][3:6] == [f"{size / 1e3:.1f}", "KB", str(files)]
     link = os.path.getsize(run_dir / "serving" / "manifest.json")  # a link's data is its source's
-    assert table["serving"][:6] == ["-", "serving", "committed", f"{link / 1e3:.1f}", "KB", "1"]
+    assert table["serving"][:6] == ["-", "serving", "committed", f"{link / 1e3:.1f}", "KB", "2"]
     # A leftover's size is that of its files: a partial data file, and a manifest still staging.
     assert table["step_3"][:6] == ["-", "step_3", "uncommitted", "7", "B", "1"] and table["step_3"][6].endswith("s")
     staged = 7 + os.path.getsize(run_dir / "step_4.tmp-0a1b2c" / "manifest.json")
@@ -252,7 +252,7 @@ def test_export_link_copies_no_data(run_dir, tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"wrote {tmp_path / 'serving'}: a link to {source}, no data copied in ")
     assert "linked" in result.stderr  # -v: the library's log
-    assert os.listdir(tmp_path / "serving") == ["manifest.json"]
+    assert sorted(os.listdir(tmp_path / "serving")) == ["manifest.json", "pieces-00000.bin"]
     assert set(tc.restore(tmp_path / "serving")) == {"w", "b"}
 
 
@@ -383,7 +383,7 @@ def test_ls_verify_and_gc_work_on_object_store_urls(bucket, mesh42):
     raw = bucket.get("run/step_1/manifest.json")
     size = sum(n for _, n in json.loads(raw)["files"]) + len(raw)
     rows = [line.split() for line in tpu_ckpt("ls", bucket.url("run")).stdout.splitlines()[1:]]
-    assert rows == [["1", "step_1", "committed", f"{size / 1e3:.1f}", "KB", "10", "-"], ["-", "step_2", "uncommitted", "-", "1", "-"]]
+    assert rows == [["1", "step_1", "committed", f"{size / 1e3:.1f}", "KB", "11", "-"], ["-", "step_2", "uncommitted", "-", "1", "-"]]
     verified = tpu_ckpt("verify", bucket.url("run/step_1"))
     assert verified.returncode == 0 and verified.stdout.startswith(f"ok: {bucket.url('run/step_1')}: 3 leaves")
     assert tpu_ckpt("gc", bucket.url("run")).stdout == "removed step_2 (uncommitted, 1 file)\n"

@@ -15,7 +15,7 @@ from tpu_ckpt.decode import decode_manifest
 def test_golden_safetensors_header_of_a_two_tensor_shard():
     layout = fmt.safetensors_layout([("w[0:2,0:2]", "float32", (2, 2), 16), ("i[0:3]", "int4", (3,), 3)])
     header = (
-        b'{"__metadata__":{"format":"tpu_ckpt","format_version":"1.2","i[0:3]":"int4"},'
+        b'{"__metadata__":{"format":"tpu_ckpt","format_version":"2.0","i[0:3]":"int4"},'
         b'"w[0:2,0:2]":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},'
         b'"__pad_1":{"dtype":"U8","shape":[48],"data_offsets":[16,64]},'
         b'"i[0:3]":{"dtype":"U8","shape":[3],"data_offsets":[64,67]}}'
@@ -87,8 +87,8 @@ def test_minor_versions_are_read_major_versions_refused():
     doc = json.loads(_manifest().to_json())
     doc["format_version"] = "1.7"
     assert decode_manifest(sealed(doc), where="m").version == "1.7"
-    doc["format_version"] = "2.0"
-    with pytest.raises(tc.FormatVersionError, match="m has format version 2.0"):
+    doc["format_version"] = "3.0"
+    with pytest.raises(tc.FormatVersionError, match="m has format version 3.0"):
         decode_manifest(sealed(doc), where="m")
 
 

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-from tests.helpers import bits, manifest, sealed, write_manifest
+from tests.helpers import as_format_1_2, bits, manifest, sealed, write_manifest
 from tpu_ckpt.verify import verify
 
 
@@ -31,7 +31,10 @@ def _tree():
 
 @pytest.fixture
 def ckpt(tmp_path):
+    """A format 1.2 checkpoint (pieces inline): these checks are those of formats 1.x, still
+    read (format 2's piece tables: tests/test_format2.py)."""
     tc.save(tmp_path / "c", _tree())
+    as_format_1_2(tmp_path / "c")
     return tmp_path / "c"
 
 

@@ -51,7 +51,8 @@ def manifest(bucket, path: str) -> dict:
 def test_save_restore_is_bit_exact_onto_another_mesh(bucket, mesh42, mesh24):
     tc.save(bucket.url("c"), state(mesh42)).wait()
     files = [name for name, _ in manifest(bucket, "c")["files"]]
-    assert bucket.keys() == sorted(f"c/{name}" for name in [*files, "manifest.json"])
+    tables = [name for name, _ in manifest(bucket, "c")["tables"]]
+    assert bucket.keys() == sorted(f"c/{name}" for name in [*files, *tables, "manifest.json"])
 
     target = state(mesh42)
     target["params"]["w"] = jax.ShapeDtypeStruct((16, 8), np.float32, sharding=NamedSharding(mesh24, P(None, "model")))
@@ -193,7 +194,8 @@ def test_the_manifest_is_the_last_object_written(faulty, mesh42):
     proxy, bucket = faulty
     tc.save(bucket.url("c"), state(mesh42)).wait()
     uploads = [(r.method, r.path) for r in proxy.requests if _is_upload(r.method, r.path)]
-    assert len(uploads) == len(manifest(bucket, "c")["files"]) + 1
+    doc = manifest(bucket, "c")
+    assert len(uploads) == len(doc["files"]) + len(doc["tables"]) + 1
     assert _is_manifest_upload(*uploads[-1]) and not any(_is_manifest_upload(*u) for u in uploads[:-1])
 
 

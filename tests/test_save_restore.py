@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-from tests.helpers import bits, files, leaf, manifest, read_chars, write_manifest
+from tests.helpers import as_format_1_2, bits, files, leaf, manifest, read_chars, write_manifest
 
 DTYPES = [
     np.float32, np.float16, np.float64, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2,
@@ -218,8 +218,8 @@ def test_corruption_is_detected_and_named(tmp_path, mesh42):
 
 def test_newer_format_major_version_is_refused(tmp_path):
     tc.save(tmp_path / "c", {"a": np.ones(3)})
-    write_manifest(tmp_path / "c", {**manifest(tmp_path / "c"), "format_version": "2.0"})
-    with pytest.raises(tc.FormatVersionError, match="format version 2.0.*upgrade tpu_ckpt"):
+    write_manifest(tmp_path / "c", {**manifest(tmp_path / "c"), "format_version": "3.0"})
+    with pytest.raises(tc.FormatVersionError, match="format version 3.0.*upgrade tpu_ckpt"):
         tc.restore(tmp_path / "c")
 
 
@@ -359,6 +359,7 @@ def test_a_format_1_0_checkpoint_with_unaligned_pieces_restores(tmp_path):
     checkpoint the 1.0 way (padding removed, offsets and version patched) and read it back."""
     tree = {"a": np.arange(3, dtype=np.int8), "b": np.arange(6, dtype=np.float32).reshape(2, 3)}
     tc.save(tmp_path / "c", tree)
+    as_format_1_2(tmp_path / "c")
     doc = manifest(tmp_path / "c")
     (name, _), = doc["files"]
     data = (tmp_path / "c" / name).read_bytes()

@@ -13,7 +13,7 @@ import dataclasses
 import functools
 from collections.abc import Iterable, Mapping, Sequence
 
-from tpu_ckpt import storage
+from tpu_ckpt import piece_table, storage
 from tpu_ckpt.decode import decode_manifest
 from tpu_ckpt.errors import CheckpointError
 from tpu_ckpt.format import MANIFEST_FILE, LeafEntry, Manifest, PieceEntry
@@ -56,7 +56,7 @@ def commit(
         indexes = [own, *pool.map(functools.partial(_take_index, store), others)]
     manifest = merge_indexes(planned, indexes)
     storage.check_written(store, manifest.files)
-    store.write(MANIFEST_FILE, [manifest.to_json()]).result()
+    piece_table.write(store, manifest, MANIFEST_FILE)
     storage.commit(store.location, final)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import Any, NoReturn
 
-from tpu_ckpt import listing, storage
+from tpu_ckpt import listing, piece_table, storage
 from tpu_ckpt.decode import decode_manifest
 from tpu_ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UncommittedCheckpointError
 from tpu_ckpt.format import MANIFEST_FILE, Manifest, crc32c
@@ -21,10 +21,28 @@ def read_manifest(loc: storage.Location) -> Manifest:
         files = store.list() if data is None else []
     if data is None:
         _raise_missing(loc, files)
-    manifest = decode_manifest(data, where=loc.child(MANIFEST_FILE))
+    manifest = decode_manifest(data, where=loc.child(MANIFEST_FILE), tables=table_source(loc))
     if manifest.source is not None:
         _check_link(loc, manifest.source)
     return manifest
+
+
+def table_source(loc: storage.Location) -> piece_table.TableSource:
+    """Reads ranges of the piece tables at ``loc`` (format 2), each read through a store of
+    its own: a leaf's rows are read once, when its pieces are first used."""
+
+    def read(name: str, start: int, length: int) -> bytes:
+        with storage.Store(loc, threads=1) as store:
+            return store.read(name, start, [length]).result()[0].tobytes()
+
+    return piece_table.TableSource(read, loc.child)
+
+
+def store_tables(store: Any) -> piece_table.TableSource:
+    """Reads ranges of the piece tables through an open store (a relay's)."""
+    return piece_table.TableSource(
+        lambda name, start, length: store.read(name, start, [length]).result()[0].tobytes(), store.location.child
+    )
 
 
 def _raise_missing(loc: storage.Location, files: list[str]) -> NoReturn:

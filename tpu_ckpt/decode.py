@@ -8,6 +8,11 @@ times item size, pieces tiling their leaf, keys distinct and consistent with the
 Sizes are checked against each other before anything proportional to one is allocated. A
 damaged manifest is a :class:`CorruptCheckpointError` naming the file and the field.
 
+Format 2 moves the pieces of gridded leaves into binary piece tables: such a leaf's rows are
+read and checked when its pieces are first used (``piece_table.py``), so pieces that are
+never used are never read; their byte ranges are checked against those of the other loaded
+leaves by a restore, and against all by ``verify`` (``check_byte_ranges``).
+
 Per-process index files, written during a save, use the same form and the same checks,
 except that a process's pieces need not tile a leaf (``complete=False``).
 """
@@ -19,7 +24,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from tpu_ckpt import keys, slices
+from tpu_ckpt import keys, piece_table, slices
 from tpu_ckpt.errors import CorruptCheckpointError, FormatVersionError
 from tpu_ckpt.format import (
     FORMAT_NAME,
@@ -40,8 +45,13 @@ _VALUE_TYPES = (bool, int, float, str, type(None))
 _FIRST_SEALED = (1, 2)
 
 
-def decode_manifest(data: bytes, *, where: str, complete: bool = True) -> Manifest:
-    """The manifest in ``data`` (the bytes of ``where``), checked throughout (see module docstring)."""
+def decode_manifest(
+    data: bytes, *, where: str, complete: bool = True, tables: piece_table.TableSource | None = None
+) -> Manifest:
+    """The manifest in ``data`` (the bytes of ``where``), checked throughout (see module docstring).
+
+    Format 2: a gridded leaf's pieces are read from ``tables`` when first used, and checked
+    then (``piece_table.py``); without ``tables`` only its shape, dtype and grid are known."""
     body, sealed = unseal(data, where=where)
     doc = _parse_json(body, where)
     version = _version(doc, where)
@@ -51,7 +61,7 @@ def decode_manifest(data: bytes, *, where: str, complete: bool = True) -> Manife
             "and this one does not: it is damaged or was edited by hand.",
             file=where,
         )
-    manifest = _Decoder(where, complete).manifest(doc, ".".join(map(str, version)))
+    manifest = _Decoder(where, complete, tables).manifest(doc, ".".join(map(str, version)))
     _check_layout(manifest, where, complete)
     return manifest
 
@@ -89,8 +99,11 @@ def _short(value: Any) -> str:
 class _Decoder:
     """Builds the manifest's objects from its JSON, refusing any field of the wrong type or range."""
 
-    def __init__(self, where: str, complete: bool):
+    def __init__(self, where: str, complete: bool, source: piece_table.TableSource | None = None):
         self.where = where
+        self.table_source = source
+        self.tables: list[tuple[str, int]] = []
+        self.sizes: tuple[list[str], list[int]] = ([], [])
         self.complete = complete  # an index file's leaves carry their key, not their path
 
     def fail(self, field: str, problem: str) -> CorruptCheckpointError:
@@ -118,22 +131,30 @@ class _Decoder:
     def manifest(self, doc: dict[str, Any], version: str) -> Manifest:
         files = self.files(doc.get("files"))
         names = list(files)
+        self.sizes = (names, list(files.values()))
+        if "tables" in doc and int(version.split(".")[0]) < 2:
+            raise self.fail("tables", f"appears in a format {version} manifest; piece tables came with format 2")
+        tables = self.files(doc.get("tables", []), "tables")
+        for name, size in tables.items():
+            if size % piece_table.ROW_BYTES:
+                raise self.fail("tables", f"gives {name} {size} bytes, not a whole number of {piece_table.ROW_BYTES}-byte rows")
+        self.tables = list(tables.items())
         raw_leaves = self.list(doc.get("leaves"), "leaves")
         leaves = tuple(self.leaf(d, f"leaves[{i}]", names, len(raw_leaves)) for i, d in enumerate(raw_leaves))
         return Manifest(
             leaves, files, self.int(doc.get("process_count"), "process_count", 1 << 31),
             self.str(doc.get("sharding_callback"), "sharding_callback"), version, self.source(doc.get("source")),
-            self.metrics(doc.get("metrics")),
+            self.metrics(doc.get("metrics")), tables,
         )
 
-    def files(self, value: Any) -> dict[str, int]:
+    def files(self, value: Any, field: str = "files") -> dict[str, int]:
         files: dict[str, int] = {}
-        for i, item in enumerate(self.list(value, "files")):
-            name, size = self.list(item, f"files[{i}]", 2)
-            name = self.str(name, f"files[{i}] (name)")
+        for i, item in enumerate(self.list(value, field)):
+            name, size = self.list(item, f"{field}[{i}]", 2)
+            name = self.str(name, f"{field}[{i}] (name)")
             if name in files:
-                raise self.fail(f"files[{i}]", f"repeats the file name {name!r}")
-            files[name] = self.int(size, f"files[{i}] (size)")
+                raise self.fail(f"{field}[{i}]", f"repeats the file name {name!r}")
+            files[name] = self.int(size, f"{field}[{i}] (size)")
         return files
 
     def source(self, value: Any) -> dict[str, Any] | None:
@@ -174,13 +195,17 @@ class _Decoder:
             return LeafEntry(key, path, "value", value=value)
         if kind != "array":
             raise self.fail(f"{field}.kind", f"must be 'array' or 'value', got {_short(kind)}")
+        if "table" in doc and self.complete:
+            return self.array_leaf(doc, field, key, path, None, files)
         raw = self.list(doc.get("pieces"), f"{field}.pieces")
         if not self.complete:  # an index file: pieces of leaves whose shape the leader knows
             pieces = tuple(self.piece(p, f"{field}.pieces[{j}]", None, 0, files) for j, p in enumerate(raw))
             return LeafEntry(key, path, "array", pieces=pieces)
         return self.array_leaf(doc, field, key, path, raw, files)
 
-    def array_leaf(self, doc: dict[str, Any], field: str, key: str, path: list[Any], raw: list[Any], files: Sequence[str]) -> LeafEntry:
+    def array_leaf(
+        self, doc: dict[str, Any], field: str, key: str, path: list[Any], raw: list[Any] | None, files: Sequence[str]
+    ) -> LeafEntry:
         shape = tuple(self.int(n, f"{field}.shape") for n in self.list(doc.get("shape"), f"{field}.shape"))
         if len(shape) > MAX_RANK or math.prod(shape) > MAX_INT:
             raise self.fail(f"{field}.shape", f"is not a shape an array can have: {_short(list(shape))}")
@@ -191,7 +216,14 @@ class _Decoder:
         sharding = doc.get("sharding")
         if sharding is not None and type(sharding) is not dict:
             raise self.fail(f"{field}.sharding", f"must be an object or null, got {_short(sharding)}")
-        pieces = tuple(self.piece(p, f"{field}.pieces[{j}]", shape, itemsize, files) for j, p in enumerate(raw))
+        if raw is None:  # format 2: the rows of a piece table, read when first used
+            if "pieces" in doc:
+                raise self.fail(field, "has both pieces and a table")
+            pieces: Sequence[PieceEntry] = piece_table.lazy_pieces(
+                self, doc, field, key, shape, itemsize, self.sizes, self.tables, self.table_source
+            )
+        else:
+            pieces = tuple(self.piece(p, f"{field}.pieces[{j}]", shape, itemsize, files) for j, p in enumerate(raw))
         return LeafEntry(key, path, "array", shape, dtype, doc["is_slot"], sharding, pieces)
 
     def path_entry(self, entry: Any, field: str, leaf_count: int) -> tuple[str, Any]:
@@ -256,14 +288,16 @@ class _Decoder:
 def _check_layout(manifest: Manifest, where: str, complete: bool) -> None:
     """What no single field shows: names, byte ranges and keys against each other."""
     linked = manifest.source["path"] if manifest.source else None
-    for name in manifest.files:
-        problem = _file_name_problem(name, linked)
+    for name in [*manifest.files, *manifest.tables]:
+        problem = _file_name_problem(name, linked if name in manifest.files else None)
         if problem:
             raise CorruptCheckpointError(f"{where}: data file name {name!r} {problem}", file=where)
     _check_keys(manifest, where)
-    _check_byte_ranges(manifest, where)
+    check_byte_ranges(manifest, where, loaded_only=True)
     if complete:
         for leaf in manifest.leaves:
+            if isinstance(leaf.pieces, piece_table.LazyPieces):
+                continue  # a grid's cells tile the leaf by construction (checked on load)
             problem = leaf.kind == "array" and slices.tiling_problem(leaf.shape, [p.slice for p in leaf.pieces])
             if problem:
                 raise CorruptCheckpointError(
@@ -282,11 +316,15 @@ def _file_name_problem(name: str, linked: str | None) -> str | None:
     return None
 
 
-def _check_byte_ranges(manifest: Manifest, where: str) -> None:
+def check_byte_ranges(manifest: Manifest, where: str, *, loaded_only: bool = False) -> None:
     """Every piece lies inside its file, and no two share a byte (so each read is checked
-    against its own crc32c: a range read once serves exactly one piece)."""
+    against its own crc32c: a range read once serves exactly one piece). ``loaded_only``:
+    only the pieces already in memory (a format 2 leaf's rows are read when used); else
+    every leaf's rows are read (verify)."""
     by_file: dict[str, list[tuple[int, int, str]]] = {}
     for leaf in manifest.leaves:
+        if loaded_only and isinstance(leaf.pieces, piece_table.LazyPieces) and not leaf.pieces.loaded:
+            continue
         for p in leaf.pieces:
             if p.length:
                 by_file.setdefault(p.file, []).append((p.offset, p.offset + p.length, leaf.key))

@@ -18,7 +18,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from tpu_ckpt import keys, read_plan, storage
+from tpu_ckpt import keys, piece_table, read_plan, storage
 from tpu_ckpt.committed import read_manifest
 from tpu_ckpt.errors import CheckpointExistsError, TargetMismatchError
 from tpu_ckpt.format import MANIFEST_FILE, LeafEntry, Manifest, crc32c, dtype_from_name
@@ -140,7 +140,7 @@ def _link(src: storage.Location, dst: storage.Location, subtree: str) -> str:
     )
     staging = dst.staging(storage.new_token())
     with storage.open_staging(staging) as store:
-        store.write(MANIFEST_FILE, [doc.to_json()]).result()
+        piece_table.write(store, doc, MANIFEST_FILE)
     storage.commit(staging, dst)
     logger.info("tpu_ckpt: linked %s to %s (%d leaves, no data copied)", dst.url, src.url, len(linked))
     return dst.url

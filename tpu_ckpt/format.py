@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # annotations only: the format itself needs no JAX
     from tpu_ckpt.pieces import SliceSpec
 
 FORMAT_NAME = "tpu_ckpt"
-FORMAT_VERSION = "1.2"
+FORMAT_VERSION = "2.0"
 MANIFEST_FILE = "manifest.json"
 MAX_METRICS = 1000  # a manifest's metrics are few numbers (a loss, an accuracy), never a log
 MIN_INT, MAX_INT = -(1 << 63), (1 << 63) - 1
@@ -110,7 +110,7 @@ class LeafEntry:
     dtype: str = ""
     is_slot: bool = False
     sharding: dict[str, Any] | None = None
-    pieces: tuple[PieceEntry, ...] = ()
+    pieces: Sequence[PieceEntry] = ()  # a tuple, or (format 2) a ``piece_table.LazyPieces``
     value: Any = None
 
     @property
@@ -154,8 +154,18 @@ class Manifest:
     version: str = FORMAT_VERSION
     source: dict[str, Any] | None = None  # a linked checkpoint: {"path", "manifest_crc32c"}
     metrics: dict[str, float | int] | None = None  # e.g. {"loss": 0.25}: what best-k retention ranks
+    tables: dict[str, int] = dataclasses.field(default_factory=dict)  # format 2: piece table name -> size
+
+    def encode(self) -> tuple[bytes, dict[str, bytes]]:
+        """The manifest as format 2 writes it, and its piece tables by file name: the
+        tables go first, the manifest (the commit) last. Leaves whose pieces form a grid
+        keep their pieces in a table; the others (rare) keep them inline."""
+        from tpu_ckpt import piece_table
+
+        return piece_table.encode(self)
 
     def to_json(self) -> bytes:
+        """Every leaf with its pieces inline (an index file; any reader reads it)."""
         # Pieces name their file by its index in "files": a manifest lists tens of thousands
         # of pieces, and its size is read (and parsed) on every restore.
         file_index = {name: i for i, name in enumerate(self.files)}

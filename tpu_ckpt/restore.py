@@ -32,8 +32,8 @@ from tpu_ckpt import (
     shared_storage,
     storage,
 )
-from tpu_ckpt.committed import read_manifest
-from tpu_ckpt.decode import decode_manifest
+from tpu_ckpt.committed import read_manifest, store_tables
+from tpu_ckpt.decode import check_byte_ranges, decode_manifest
 from tpu_ckpt.errors import CheckpointError, UncommittedCheckpointError
 from tpu_ckpt.format import MANIFEST_FILE, LeafEntry, Manifest, dtype_from_name
 from tpu_ckpt.gc_pause import gc_paused
@@ -166,7 +166,7 @@ def _serve(loc: storage.Location, coord: distributed.Coordinator) -> Iterator[tu
     with storage.Store(loc) as store:
         server = relay_server.RelayServer(
             store, distributed.relay_host(), coord.timeout, peers=coord.count - 1,
-            serves={MANIFEST_FILE: None, **manifest.files},
+            serves={MANIFEST_FILE: None, **manifest.files, **manifest.tables},
         )
         try:
             coord.publish("serve", "ok " + server.contact())
@@ -187,7 +187,7 @@ def _relayed(
         data = store.read_file(MANIFEST_FILE)
         if data is None:
             raise UncommittedCheckpointError(f"{loc.url} lost its {MANIFEST_FILE} during the restore", file=loc.url)
-        yield store, decode_manifest(data, where=loc.child(MANIFEST_FILE))
+        yield store, decode_manifest(data, where=loc.child(MANIFEST_FILE), tables=store_tables(store))
 
 
 def _restore_from(
@@ -198,6 +198,8 @@ def _restore_from(
     plan = plan_restore(
         manifest, target, subtree, options.skip_slot_variables, batch_bytes=settings().read_batch_bytes, url=store.location.url
     )
+    if manifest.tables:  # format 2: the leaves read so far share no byte (1.x: checked on decode)
+        check_byte_ranges(manifest, store.location.child(MANIFEST_FILE), loaded_only=True)
     with gc_paused(), _piece_source(store, plan, options, coord) as source:
         results, nbytes = restore_exec.execute(plan, source)
     return plan.tree(results), len(results), nbytes

@@ -18,10 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpu_ckpt import keys, read_plan
+from tpu_ckpt import keys, piece_table, read_plan
 from tpu_ckpt.errors import TargetMismatchError
 from tpu_ckpt.format import LeafEntry, Manifest, PieceEntry, dtype_from_name, tensor_name
 from tpu_ckpt.pieces import SliceSpec, full_slice, index_to_slice
+from tpu_ckpt.settings import settings
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -146,10 +147,13 @@ def plan_restore(
         )
     if target is None:
         kept = [leaf for leaf in leaves.values() if not (skip_slots and leaf.is_slot)]  # slots left out
+        piece_table.prefetch(kept, settings().io_threads)  # format 2: the rows of these leaves at once
         entries = [_whole(leaf) for leaf in kept]
         treedef, paths = None, tuple(tuple(leaf.path[depth:]) for leaf in kept)
     else:
         flat, treedef = keys.flatten(target)
+        named = (leaves.get(_join(prefix, key)) for key, _, _ in flat)
+        piece_table.prefetch([leaf for leaf in named if leaf is not None and not (skip_slots and leaf.is_slot)], settings().io_threads)
         entries = [_plan_leaf(leaves, _join(prefix, key), t, skip_slots, url) for key, _, t in flat]
         paths = ()
     return RestorePlan(tuple(entries), tuple(map(tuple, read_plan.batches(_units(entries, batch_bytes), _unit_bytes, batch_bytes))), treedef, paths)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from tpu_ckpt import storage
+from tpu_ckpt import piece_table, storage
 from tpu_ckpt.errors import CheckpointError, CheckpointExistsError
 from tpu_ckpt.format import (
     MANIFEST_FILE,
@@ -91,7 +91,7 @@ class StreamWriter:
         )
         manifest = Manifest(leaves, dict(self._files), 1, self._description)
         storage.check_written(self._store, manifest.files)
-        self._store.write(MANIFEST_FILE, [manifest.to_json()]).result()
+        piece_table.write(self._store, manifest, MANIFEST_FILE)
         storage.commit(self._staging, self.final)
         self._committed = True
         return self.final.url

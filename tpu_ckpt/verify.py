@@ -21,15 +21,16 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from tpu_ckpt import read_plan, storage
+from tpu_ckpt import piece_table, read_plan, storage
 from tpu_ckpt.committed import read_manifest
+from tpu_ckpt.decode import check_byte_ranges
 from tpu_ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     UncommittedCheckpointError,
 )
-from tpu_ckpt.format import Manifest, PieceEntry, crc32c, tensor_name
+from tpu_ckpt.format import MANIFEST_FILE, Manifest, PieceEntry, crc32c, tensor_name
 from tpu_ckpt.settings import settings
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,10 @@ def verify(
     loc = storage.location(path)
     try:
         manifest = read_manifest(loc)
+        piece_table.prefetch(manifest.leaves, threads or settings().io_threads)
+        # Format 2: every leaf's rows, each run against its crc32c, then every piece's bytes
+        # against every other's (a restore of some leaves checks only theirs).
+        check_byte_ranges(manifest, loc.child(MANIFEST_FILE))
     except CheckpointError as e:
         if type(e) is CheckpointNotFoundError and e.file == loc.url:
             raise
