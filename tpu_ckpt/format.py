@@ -175,7 +175,7 @@ class Manifest:
             "process_count": self.process_count,
             "sharding_callback": self.sharding_callback,
             "files": [[name, size] for name, size in self.files.items()],
-            "leaves": [_leaf_to_json(leaf, file_index) for leaf in self.leaves],
+            "leaves": [leaf_to_json(leaf, file_index) for leaf in self.leaves],
         }
         if self.source is not None:
             doc["source"] = self.source
@@ -225,7 +225,7 @@ def _abridged(value: Any) -> str:
     return text if len(text) <= 60 else f"a {type(value).__name__} ({text[:40]}...)"
 
 
-def _leaf_to_json(leaf: LeafEntry, file_index: dict[str, int]) -> dict[str, Any]:
+def leaf_to_json(leaf: LeafEntry, file_index: dict[str, int]) -> dict[str, Any]:
     doc: dict[str, Any] = {"key": leaf.key, "path": [list(e) for e in leaf.path], "kind": leaf.kind}
     if leaf.kind == "value":
         doc["value"] = leaf.value

@@ -33,8 +33,8 @@ from tpu_ckpt.format import (
     LeafEntry,
     Manifest,
     PieceEntry,
-    _leaf_to_json,
     crc32c,
+    leaf_to_json,
     seal,
 )
 
@@ -95,7 +95,7 @@ def encode(manifest: Manifest) -> tuple[bytes, dict[str, bytes]]:
     sizes: list[int] = []
     leaves = []
     for leaf in manifest.leaves:
-        doc = _leaf_to_json(leaf, file_index)
+        doc = leaf_to_json(leaf, file_index)
         grid = grid_of(leaf.shape, leaf.pieces) if leaf.kind == "array" else None
         if grid is not None:
             cuts, cells = grid
