@@ -6,8 +6,6 @@ through /proc/self/clear_refs. Shards are 64 MiB, above glibc's largest mmap thr
 freed host copy leaves RSS at once instead of waiting in the allocator's free lists.
 """
 
-import ctypes
-import ctypes.util
 import json
 import os
 import sys
@@ -18,27 +16,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from rss import reset_peak, rss  # noqa: E402  (tests/rss.py: this script's directory)
 
 import tpu_ckpt as tc  # noqa: E402
 
 ASYNC = tc.CheckpointOptions(enable_async=True)
-
-
-def rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
-def reset_peak() -> None:
-    """Returns free heap pages to the OS (so a copy cannot hide in them), then resets VmHWM."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
-    if hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 directory, megabytes = sys.argv[1], int(sys.argv[2])
@@ -47,7 +29,7 @@ n = megabytes * (1 << 20) // 4
 x = jax.jit(lambda: jnp.arange(n, dtype=jnp.float32).reshape(-1, 1024), out_shardings=NamedSharding(mesh, P("data")))()
 x.block_until_ready()
 tc.save(os.path.join(directory, "warmup"), {"x": jnp.ones(8)}, options=ASYNC).wait()
-reset_peak()
+reset_peak(trim=True)
 base = rss("VmRSS")
 result = tc.save(os.path.join(directory, "c"), {"x": x}, options=ASYNC)
 returned = rss("VmRSS") - base

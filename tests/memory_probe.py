@@ -14,22 +14,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from rss import reset_peak, rss  # noqa: E402  (tests/rss.py: this script's directory)
 
 import tpu_ckpt as tc  # noqa: E402
-
-
-def rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
-def reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
 
 directory, megabytes = sys.argv[1], int(sys.argv[2])
 mesh = jax.make_mesh((4, 2), ("data", "model"))

@@ -320,6 +320,16 @@ def peer_killed_before_commit(directory: str, io: str = "") -> dict:
     return {"error": None, "peer_killed": True}
 
 
+def _manager_loop(manager: tc.CheckpointManager, mesh: jax.sharding.Mesh, last: int) -> tuple[list[int], dict]:
+    """Saves steps 1..last (``w`` = GLOBAL + step), waits, and returns the steps kept and the
+    latest restored onto the reversed mesh."""
+    for step in range(1, last + 1):
+        manager.save(step, {"w": _global_array(mesh, P("data", "model"), GLOBAL + step), "step": step})
+    manager.wait_until_finished()
+    target = {"w": jax.ShapeDtypeStruct(GLOBAL.shape, GLOBAL.dtype, sharding=NamedSharding(_reversed_mesh(), P())), "step": 0}
+    return manager.all_steps(), manager.restore(target=target)
+
+
 def io_device_manager(directory: str, io: str) -> dict:
     """A CheckpointManager whose directory exists only on the io_device process's "local
     disk": every process sees the same steps, restores the latest, and retention runs there."""
@@ -329,12 +339,7 @@ def io_device_manager(directory: str, io: str) -> dict:
     mesh = _job_mesh()
     options = tc.CheckpointOptions(io_device=io, enable_async=True, coordination_timeout=60)
     with tc.CheckpointManager("run", max_to_keep=2, options=options) as manager:
-        for step in range(1, 4):
-            manager.save(step, {"w": _global_array(mesh, P("data", "model"), GLOBAL + step), "step": step})
-        manager.wait_until_finished()
-        steps = manager.all_steps()
-        target = {"w": jax.ShapeDtypeStruct(GLOBAL.shape, GLOBAL.dtype, sharding=NamedSharding(_reversed_mesh(), P())), "step": 0}
-        restored = manager.restore(target=target)
+        steps, restored = _manager_loop(manager, mesh, 3)
     return {
         "steps": steps,
         "mismatches": _mismatches(restored, {"w": GLOBAL + 3, "step": 3}),
@@ -436,12 +441,7 @@ def manager_lists_on_the_leader_only(directory: str) -> dict:
     seen = _watch_storage(run)
     mesh = _job_mesh()
     with tc.CheckpointManager(run, max_to_keep=2, options=tc.CheckpointOptions(enable_async=True)) as manager:
-        for step in range(1, 5):
-            manager.save(step, {"w": _global_array(mesh, P("data", "model"), GLOBAL + step), "step": step})
-        manager.wait_until_finished()
-        steps = manager.all_steps()
-        target = {"w": jax.ShapeDtypeStruct(GLOBAL.shape, GLOBAL.dtype, sharding=NamedSharding(_reversed_mesh(), P())), "step": 0}
-        restored = manager.restore(target=target)
+        steps, restored = _manager_loop(manager, mesh, 4)
     return {"process": jax.process_index(), "steps": steps, "seen": seen,
             "mismatches": _mismatches(restored, {"w": GLOBAL + 4, "step": 4})}
 

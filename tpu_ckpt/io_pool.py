@@ -61,3 +61,19 @@ def _run(fn: Callable[..., Any], args: tuple[Any, ...], then: Callable[[Any], An
         return result, None
     except BaseException as error:  # noqa: BLE001 - delivered through the future
         return None, error
+
+
+class PooledStore:
+    """What every store shares: IO on an :class:`IOPool` (``self._pool``), shut down on
+    :meth:`close`, and ``with`` closing it."""
+
+    _pool: IOPool
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._pool.shutdown()

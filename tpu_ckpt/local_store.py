@@ -25,28 +25,19 @@ import numpy as np
 
 from tpu_ckpt import safe_reads
 from tpu_ckpt.errors import CheckpointError
-from tpu_ckpt.io_pool import IOPool
+from tpu_ckpt.io_pool import IOPool, PooledStore
 
 if TYPE_CHECKING:  # storage opens this backend: importing it here would be a cycle
     from tpu_ckpt.storage import Location
 
 
-class LocalStore:
+class LocalStore(PooledStore):
     """The files of one checkpoint directory (``storage.Backend``)."""
 
     def __init__(self, loc: Location, *, threads: int):
         self.location = loc
         self._pool = IOPool(threads)
         self._root = os.path.abspath(loc.local_path)
-
-    def __enter__(self) -> LocalStore:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._pool.shutdown()
 
     def write(self, name: str, buffers: Sequence[Any]) -> concurrent.futures.Future:
         return self._pool.submit(self._write, name, buffers)

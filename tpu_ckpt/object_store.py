@@ -38,7 +38,7 @@ import tensorstore as ts
 
 from tpu_ckpt import safe_reads
 from tpu_ckpt.errors import CheckpointError, CorruptCheckpointError
-from tpu_ckpt.io_pool import IOPool
+from tpu_ckpt.io_pool import IOPool, PooledStore
 
 if TYPE_CHECKING:  # storage opens this backend: importing it here would be a cycle
     from tpu_ckpt.storage import Location
@@ -49,7 +49,7 @@ RETRIES = {"max_retries": 8, "initial_delay": "1s", "max_delay": "32s"}
 _CONTEXT = ts.Context({"gcs_request_retries": RETRIES, "s3_request_retries": RETRIES})
 
 
-class ObjectStore:
+class ObjectStore(PooledStore):
     """The objects under one checkpoint's prefix (``storage.Backend``)."""
 
     def __init__(self, loc: Location, *, threads: int):
@@ -61,15 +61,6 @@ class ObjectStore:
             self._kv = ts.KvStore.open(spec, context=_CONTEXT).result()  # the bucket's root (module docstring)
         except ValueError as e:
             raise CheckpointError(f"Could not open {loc.url}: {e}", file=loc.url) from e
-
-    def __enter__(self) -> ObjectStore:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._pool.shutdown()
 
     def write(self, name: str, buffers: Sequence[Any]) -> concurrent.futures.Future:
         data = b"".join(buffers)  # the kvstore API takes bytes only

@@ -37,11 +37,11 @@ from typing import Any
 import numpy as np
 
 from tpu_ckpt import errors, relay_wire, safe_reads, storage
-from tpu_ckpt.io_pool import IOPool
+from tpu_ckpt.io_pool import IOPool, PooledStore
 from tpu_ckpt.settings import settings
 
 
-class RelayStore(storage.CheckpointStore):
+class RelayStore(PooledStore, storage.CheckpointStore):
     """Stands in for the storage backend on every process but the IO process."""
 
     def __init__(
@@ -64,14 +64,8 @@ class RelayStore(storage.CheckpointStore):
             raise
         self._pool = IOPool(connections)
 
-    def __enter__(self) -> RelayStore:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
     def close(self) -> None:
-        self._pool.shutdown()
+        super().close()
         self._close_connections()
 
     def _close_connections(self) -> None:
