@@ -511,3 +511,45 @@ def exec_file(directory: str, code_path: str) -> dict:
         source = f.read()
     exec(compile(source, code_path, "exec"), {"__name__": "__main__"})
     return {"ok": True, "process": jax.process_index()}
+
+
+class _CountingClient:
+    """JAX's real distributed-runtime client, with every call counted by method name."""
+
+    def __init__(self, client):
+        self.client, self.calls = client, {}
+
+    def __getattr__(self, name):
+        method = getattr(self.client, name)
+
+        def counted(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return method(*args, **kwargs)
+
+        return counted
+
+
+def coordination_calls_while_waiting(directory: str, late_seconds: str) -> dict:
+    """A save and an io_device restore with the last process ``late_seconds`` late to each,
+    and the coordination calls each process made in them: a wait blocks in the service, so
+    the count must not grow with how long it waits."""
+    from jax._src.distributed import global_state
+
+    mesh = _job_mesh()
+    tree = {"w": _global_array(mesh, P("data", "model"))}
+    target = {"w": jax.ShapeDtypeStruct(GLOBAL.shape, GLOBAL.dtype, sharding=NamedSharding(_reversed_mesh(), P()))}
+    late = jax.process_index() == jax.process_count() - 1
+    path = os.path.join(directory, "ckpt")
+    tc.save(path, tree)  # the first save into a directory proves it shared: not counted
+    real, global_state.client = global_state.client, _CountingClient(global_state.client)
+    try:
+        if late:
+            time.sleep(float(late_seconds))
+        tc.save(path + "-2", tree, options=tc.CheckpointOptions(coordination_timeout=60))
+        if late:
+            time.sleep(float(late_seconds))
+        restored = tc.restore(path + "-2", target, options=tc.CheckpointOptions(io_device=0, coordination_timeout=60))
+        calls = global_state.client.calls
+    finally:
+        global_state.client = real
+    return {"calls": calls, "mismatches": _shard_mismatches(restored["w"], GLOBAL)}

@@ -245,3 +245,15 @@ def test_sixteen_processes_with_one_device_each(tmp_path):
 
 def test_four_processes_with_two_devices_each(tmp_path):
     _pod_like(tmp_path, 4, 2)
+
+
+def test_waits_block_in_the_coordination_service_instead_of_polling(tmp_path):
+    """Processes 0-2 wait ~4 s for process 3 at a save's commit and at an io_device restore.
+    Polling made ~40 key-value reads a second each; blocking makes a handful of calls per
+    stage however long the wait (the count is of what this code calls, on the real client)."""
+    results = _ok(multiprocess.run("coordination_calls_while_waiting", 4, str(tmp_path), "4"))
+    for process, res in enumerate(results):
+        assert res["mismatches"] == [], res
+        calls = res["calls"]
+        assert sum(calls.values()) <= 30, (process, calls)
+        assert calls.get("blocking_key_value_get", 0) >= 1 or process != 0, (process, calls)

@@ -2,10 +2,14 @@
 
 Checkpointing must never hang silently, and must never issue device collectives (they can
 deadlock with a training step running on another thread). So every cross-process wait here
-is a poll of the coordination service's key-value store: each process publishes
-``<op>/<stage>/<process>`` and waiters read the directory until everyone has arrived, someone
-reported an error, or ``timeout`` passes. On timeout the error names the processes that
-never arrived and the stage, which ``wait_at_barrier`` cannot do.
+blocks inside the coordination service's key-value store, with the operation's timeout, on
+one key: the stage's *release*. A stage every process reaches is released by whichever
+arrives last (an atomic counter says which); a value one process sends is its release. A
+process that fails sets its failure report, then releases, marked failed, every stage
+someone waits at, so the others raise at once instead of at the timeout. On a timeout the
+error names the processes that never arrived and the stage, which ``wait_at_barrier``
+cannot do. Per stage that is O(1) calls for each process and O(N) on the service, never a
+poll (docs/scaling.md counts them).
 
 Operation ids come from a per-process counter: like ``jax.jit``, checkpoint calls are SPMD,
 made by every process in the same order, so the n-th call has the same id everywhere. An
@@ -31,8 +35,12 @@ from tpu_ckpt.settings import settings
 
 logger = logging.getLogger(__name__)
 
-_ERROR = "error"
-_FINISHED = "finished"  # the counter of processes done with the operation; no stage's name
+_ERROR = "error"  # <op>/error/<process>: a failure report
+_FINISHED = "finished"  # the counter of processes done with the operation
+_ARRIVED = "arrived"  # <op>/arrived/<stage>: the counter of processes that reached it
+_VALUES = "values"  # <op>/values/<stage>/<process>: what each process brought to a stage
+_RELEASED = "released"  # <op>/released/<stage>: "v<value>" once it is over, "x" if a failure ended it
+_WAITING = "waiting"  # <op>/waiting/<stage>: present once some process blocks there
 _op_counter = itertools.count()
 
 
@@ -84,7 +92,8 @@ def _client() -> Any:
 
 
 class Coordinator:
-    """Named, time-bounded rendezvous points for one checkpoint operation.
+    """Named, time-bounded rendezvous points for one checkpoint operation. Each stage name
+    is used once per operation.
 
     Every process must :meth:`close` it (or use it as a context manager) when it has done
     its part, failed or not, so that the operation's keys are deleted."""
@@ -121,39 +130,54 @@ class Coordinator:
             return
         self._closed = True
         try:
-            if self._client.key_value_increment(f"{self.prefix}/{_FINISHED}", 1) == self.count:
+            if self._client.key_value_increment(self._key(_FINISHED), 1) == self.count:
                 self._client.key_value_delete(self.prefix)  # the directory: every key under it
         except Exception as error:  # noqa: BLE001 - the operation's outcome stands; only the tidying failed
             logger.warning("tpu_ckpt: could not delete the coordination keys of %s: %s", self.what, error)
 
-    def gather(self, stage: str, value: str = "") -> dict[int, str]:
-        """Publishes ``value`` for ``stage`` and waits for every process's value."""
+    def barrier(self, stage: str) -> None:
+        """Waits until every process reached ``stage``."""
+        if self._client is not None:
+            self._arrive(stage, "")
+            self._block(stage, None)
+
+    def collect(self, stage: str, value: str, at: int) -> dict[int, str]:
+        """Brings ``value`` to ``stage``; process ``at`` waits for everyone's and gets them
+        all, the others go on at once and get nothing (an empty dict)."""
         if self._client is None:
             return {self.me: value}
-        self._client.key_value_set(f"{self.prefix}/{stage}/{self.me}", value)
-        return self._wait(stage, set(range(self.count)))
+        self._arrive(stage, value)
+        if self.me != at:
+            return {}
+        self._block(stage, None)
+        return self._values(stage)
 
     def publish(self, stage: str, value: str = "") -> None:
-        """Publishes a value others may :meth:`receive` (e.g. process 0's decision)."""
+        """Sends a value others may :meth:`receive` (e.g. process 0's decision)."""
         if self._client is not None:
-            self._client.key_value_set(f"{self.prefix}/{stage}/{self.me}", value)
+            self._release(stage, "v" + value)
 
     def receive(self, stage: str, sender: int) -> str:
         """Waits for ``sender``'s value for ``stage``."""
         if self._client is None:
             raise RuntimeError("receive() needs more than one process")
-        return self._wait(stage, {sender})[sender]
+        return self._block(stage, sender)
 
     def report_failure(self, error: BaseException, abandoned: bool = False) -> None:
-        """Tells the other processes this one failed, so they stop waiting for it at once.
-        ``abandoned``: it gave the operation up before any commit (see :meth:`abandoned`)."""
+        """Tells the other processes this one failed, and wakes those that wait, so they
+        stop waiting for it at once. ``abandoned``: it gave the operation up before any
+        commit (see :meth:`abandoned`)."""
         if self._client is None:
             return
         report: dict[str, Any] = {"message": f"{type(error).__name__}: {error}", "abandoned": abandoned}
         if isinstance(error, CoordinationTimeoutError):  # others waiting there learn who is late
             report.update(stage=error.stage, missing=error.missing)
         try:
-            self._client.key_value_set(f"{self.prefix}/{_ERROR}/{self.me}", json.dumps(report), allow_overwrite=True)
+            self._client.key_value_set(self._key(_ERROR, self.me), json.dumps(report), allow_overwrite=True)
+            # The report first, then the waiters: one that registers after this listing
+            # finds the report before it blocks (see _block).
+            for key, _ in self._client.key_value_dir_get(self._key(_WAITING) + "/"):
+                self._release(key.rsplit("/", 1)[1], "x")
         except Exception:  # noqa: BLE001 - the coordinator may itself be gone
             pass
 
@@ -161,7 +185,7 @@ class Coordinator:
         """Whether ``process`` reported that it gave the operation up before committing it."""
         if self._client is None:
             return False
-        report = self._entries(_ERROR).get(process)
+        report = self._try_get(self._key(_ERROR, process))
         return report is not None and bool(json.loads(report).get("abandoned"))
 
     def raise_if_another_failed(self, stage: str, grace: float = 0.0) -> None:
@@ -176,59 +200,89 @@ class Coordinator:
             failures = self._failures()
             if failures or time.monotonic() >= deadline:
                 break
-            time.sleep(0.05)
+            time.sleep(0.05)  # only on a failure's path, at most ``grace`` long
         if not failures:
             return
         who, text = sorted(failures.items())[0]
         report = json.loads(text)
         if "missing" in report:
-            missing = report["missing"]
-            raise CoordinationTimeoutError(
-                f"{self.what}: processes {missing} did not reach stage '{report['stage']}' within "
-                f"coordination_timeout={self.timeout:g}s (as process {who} found; this is process "
-                f"{self.me} of {self.count}). Check those hosts' logs; raise coordination_timeout "
-                "if they are merely slow.",
-                stage=report["stage"],
-                missing=missing,
-            )
+            raise self._timeout_error(report["stage"], report["missing"], f"as process {who} found; ")
         raise RemoteProcessError(
             f"{self.what}: process {who} failed while this process ({self.me}) was at "
             f"stage '{stage}': {report['message']}"
         )
 
-    def _wait(self, stage: str, expected: set[int]) -> dict[int, str]:
-        deadline = time.monotonic() + self.timeout
-        delay = 0.001
-        while True:
-            # Failures first: a value its sender published before reporting a failure is then
-            # seen, and counts (what it waited for came, even if someone failed since).
-            failed = bool(self._failures())
-            arrived = self._entries(stage)
-            if expected <= arrived.keys():
-                return {p: arrived[p] for p in expected}
-            if failed:
-                self.raise_if_another_failed(stage)
-            if time.monotonic() > deadline:
-                if len(expected) < self.count:
-                    # Waiting on a sender that may itself wait on a straggler: its report names
-                    # the straggler, where this process could only name the sender.
-                    self.raise_if_another_failed(stage, grace=min(5.0, self.timeout / 4))
-                missing = sorted(expected - arrived.keys())
-                raise CoordinationTimeoutError(
-                    f"{self.what}: processes {missing} did not reach stage '{stage}' within "
-                    f"coordination_timeout={self.timeout:g}s (this is process {self.me} of {self.count}). "
-                    "Check those hosts' logs; raise coordination_timeout if they are merely slow.",
-                    stage=stage,
-                    missing=missing,
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, settings().coordination_poll_seconds)
+    def _arrive(self, stage: str, value: str) -> None:
+        self._client.key_value_set(self._key(_VALUES, stage, self.me), value)
+        if self._client.key_value_increment(self._key(_ARRIVED, stage), 1) == self.count:
+            self._release(stage, "v")
+
+    def _release(self, stage: str, mark: str) -> None:
+        """Ends the wait at ``stage``, once: a value sent after a failure ended it is dropped."""
+        try:
+            self._client.key_value_set(self._key(_RELEASED, stage), mark)
+        except Exception as error:  # noqa: BLE001 - the service's error type is not public
+            if "ALREADY_EXISTS" not in str(error):
+                raise
+
+    def _block(self, stage: str, sender: int | None) -> str:
+        """Waits for the release of ``stage`` (``sender``'s value, or everyone's arrival when
+        None) and returns its value; raises if a failure ended it or the timeout passed."""
+        released_key = self._key(_RELEASED, stage)
+        self._client.key_value_set(self._key(_WAITING, stage), "", allow_overwrite=True)
+        if self._failures():  # checked after registering: see report_failure
+            released = self._try_get(released_key)
+        else:
+            released = self._blocking_get(released_key, stage, sender)
+        if released is None or released.startswith("x"):
+            # A value published before its sender failed still counts; anything else raises.
+            self.raise_if_another_failed(stage)
+            raise RemoteProcessError(f"{self.what}: a failure report ended the wait at stage '{stage}'")
+        return released[1:]
+
+    def _blocking_get(self, key: str, stage: str, sender: int | None) -> str:
+        started = time.monotonic()
+        try:
+            return self._client.blocking_key_value_get(key, max(1, int(self.timeout * 1000)))
+        except Exception as error:  # noqa: BLE001 - the service's error type is not public
+            if "DEADLINE_EXCEEDED" not in str(error) and time.monotonic() - started < self.timeout:
+                raise
+        if sender is not None:
+            # Waiting on a sender that may itself wait on a straggler: its report names
+            # the straggler, where this process could only name the sender.
+            self.raise_if_another_failed(stage, grace=min(5.0, self.timeout / 4))
+            missing = [sender]
+        else:
+            self.raise_if_another_failed(stage)
+            missing = sorted(set(range(self.count)) - self._values(stage).keys())
+        raise self._timeout_error(stage, missing, "")
+
+    def _timeout_error(self, stage: str, missing: list[int], finder: str) -> CoordinationTimeoutError:
+        return CoordinationTimeoutError(
+            f"{self.what}: processes {missing} did not reach stage '{stage}' within "
+            f"coordination_timeout={self.timeout:g}s ({finder}this is process {self.me} of {self.count}). "
+            "Check those hosts' logs; raise coordination_timeout if they are merely slow.",
+            stage=stage,
+            missing=missing,
+        )
+
+    def _values(self, stage: str) -> dict[int, str]:
+        entries = self._client.key_value_dir_get(self._key(_VALUES, stage) + "/")
+        return {int(key.rsplit("/", 1)[1]): value for key, value in entries}
 
     def _failures(self) -> dict[int, str]:
-        failures = self._entries(_ERROR) if self._client is not None else {}
+        entries = self._client.key_value_dir_get(self._key(_ERROR) + "/")
+        failures = {int(key.rsplit("/", 1)[1]): value for key, value in entries}
         failures.pop(self.me, None)
         return failures
 
-    def _entries(self, stage: str) -> dict[int, str]:
-        entries = self._client.key_value_dir_get(f"{self.prefix}/{stage}/")
-        return {int(key.rsplit("/", 1)[1]): value for key, value in entries}
+    def _try_get(self, key: str) -> str | None:
+        try:
+            return self._client.key_value_try_get(key)
+        except Exception as error:  # noqa: BLE001 - the service's error type is not public
+            if "NOT_FOUND" not in str(error):
+                raise
+            return None
+
+    def _key(self, *parts: object) -> str:
+        return "/".join((self.prefix, *map(str, parts)))

@@ -140,11 +140,11 @@ def _open(
         elif coord.me == io:
             with _serve(loc, coord) as (store, manifest):
                 yield store, manifest, coord
-                coord.gather("restored")
+                coord.collect("restored", "", at=io)  # serves until everyone has restored
         else:
             with _relayed(loc, coord, io) as (store, manifest):
                 yield store, manifest, coord
-            coord.gather("restored")
+            coord.collect("restored", "", at=io)
     except BaseException as error:
         coord.report_failure(error)
         if isinstance(error, relay_wire.RelayConnectionError):  # the peer's own report says more

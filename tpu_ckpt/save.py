@@ -155,17 +155,17 @@ class _Job:
             files, self._unwritten = collections.deque(self._unwritten), ()
             own = _write_files(store, files)  # lets go of each file once it is written
             if coord.me == self.leader:
-                coord.gather("written")
+                coord.collect("written", "", at=self.leader)
                 others = [p for p in range(coord.count) if p != self.leader]
                 commit.commit(store, self.final, self._planned(), own, others)
                 hands_off = True  # committed
                 coord.publish("committed")
             else:
                 store.write(index_file(coord.me), [own.to_json()]).result()
-                coord.gather("written")
-                # Everyone has written: the staging area is the leader's to commit or remove. On
-                # an object store it is the final prefix, which a late removal here could empty
-                # under a manifest the leader already wrote.
+                coord.collect("written", "", at=self.leader)
+                # This process has written: the staging area is the leader's to commit or
+                # remove. On an object store it is the final prefix, which a late removal here
+                # could empty under a manifest the leader already wrote.
                 hands_off = True
                 coord.receive("committed", self.leader)
         except BaseException as error:

@@ -51,7 +51,6 @@ class Settings:
     # stock kernel); a size set here turns autotuning off and is capped at net.core.rmem_max
     # (about 208 KiB on a stock kernel), so set it only on hosts tuned for it.
     relay_socket_buffer_bytes: int = 0
-    coordination_poll_seconds: float = 0.05  # the longest pause between polls of a cross-process wait
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -104,7 +104,7 @@ class SharedReads(StoreReads):
         self._peers: dict[int, relay.RelayStore] = {}
         self._lock = threading.Lock()
         try:
-            self._contacts = coord.gather("serve", self._server.contact())
+            coord.publish(f"serve{coord.me}", self._server.contact())
         except BaseException:
             self._server.close()
             raise
@@ -122,7 +122,7 @@ class SharedReads(StoreReads):
     def finish(self) -> None:
         """Waits until every process has its pieces (they may still need this one's), then closes."""
         try:
-            self.coord.gather("restored")
+            self.coord.barrier("restored")
         finally:
             self.close()
 
@@ -142,8 +142,9 @@ class SharedReads(StoreReads):
     def _peer(self, process: int) -> relay.RelayStore:
         with self._lock:
             if process not in self._peers:
+                contact = self.coord.receive(f"serve{process}", process)  # only of the peers it reads from
                 self._peers[process] = relay.RelayStore(
-                    self.store.location, self._contacts[process], self.coord.timeout, process, connections=2
+                    self.store.location, contact, self.coord.timeout, process, connections=2
                 )
             return self._peers[process]
 

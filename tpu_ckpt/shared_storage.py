@@ -15,6 +15,7 @@ leader alone decides, and tells the others with the staging name, so all take pa
 
 from __future__ import annotations
 
+import json
 import os
 
 from tpu_ckpt import distributed, storage
@@ -45,18 +46,17 @@ def prove_staging(coord: distributed.Coordinator, final: storage.Location, stagi
     The leader alone gathers what everyone saw and publishes the verdict: a process that
     arrives after the leader gave up waiting (and removed ``staging``) then hears why,
     rather than concluding that it cannot see the directory."""
-    if coord.me != leader:
-        coord.publish(_STAGE, _SEEN if os.path.isdir(staging.local_path) else _UNSEEN)
-        verdict = coord.receive(_VERDICT, leader)
-    else:
-        views = coord.gather(_STAGE, _SEEN)
+    views = coord.collect(_STAGE, _SEEN if os.path.isdir(staging.local_path) else _UNSEEN, at=leader)
+    if coord.me == leader:
         blind = sorted(process for process, view in views.items() if view != _SEEN)
         verdict = "" if not blind else (
-            f"save {final.url}: {_who(blind, coord.count)} cannot see the staging directory "
+            f"save {final.url}: {_who(blind[0], len(blind), coord.count)} cannot see the staging directory "
             f"{staging.url} that process {leader} created: this path is not one directory shared by "
             f"every process (on a pod each host's local disk is its own). Nothing was written. {WAYS_OUT}"
         )
         coord.publish(_VERDICT, verdict)
+    else:
+        verdict = coord.receive(_VERDICT, leader)
     if verdict:
         raise CheckpointError(verdict, file=final.url)
     if coord.me == leader:
@@ -66,21 +66,28 @@ def prove_staging(coord: distributed.Coordinator, final: storage.Location, stagi
 def read_manifest_everywhere(coord: distributed.Coordinator, loc: storage.Location) -> Manifest:
     """Every process of a coordinated restore reading the manifest itself: on a local path,
     if some processes find the checkpoint and others do not (which a missing checkpoint
-    alone cannot cause), every process raises the same error naming one that does not."""
+    alone cannot cause), every process raises the same error naming one that does not.
+    Process 0 counts the views and tells everyone one blind process, one seeing process
+    and how many are blind: O(1) for each process."""
     if not loc.is_local:
         return read_manifest(loc)
     try:
         manifest, missing = read_manifest(loc), None
     except CheckpointNotFoundError as error:
         manifest, missing = None, error
-    views = coord.gather(_STAGE, _SEEN if missing is None else _UNSEEN)
-    blind = sorted(process for process, view in views.items() if view != _SEEN)
-    if blind and len(blind) < coord.count:
-        seer = min(set(range(coord.count)) - set(blind))
+    views = coord.collect(_STAGE, _SEEN if missing is None else _UNSEEN, at=0)
+    if coord.me == 0:
+        blind = sorted(process for process, view in views.items() if view != _SEEN)
+        seers = sorted(set(views) - set(blind))
+        coord.publish(_VERDICT, json.dumps([len(blind), blind[:1], seers[:1]]))
+        blind_count, first_blind, first_seer = len(blind), blind[:1], seers[:1]
+    else:
+        blind_count, first_blind, first_seer = json.loads(coord.receive(_VERDICT, 0))
+    if first_blind and first_seer:
         raise CheckpointError(
-            f"restore {loc.url}: {_who(blind, coord.count)} cannot see the checkpoint that process "
-            f"{seer} reads there: this path is not one directory shared by every process (on a pod "
-            f"each host's local disk is its own). {WAYS_OUT}",
+            f"restore {loc.url}: {_who(first_blind[0], blind_count, coord.count)} cannot see the checkpoint that "
+            f"process {first_seer[0]} reads there: this path is not one directory shared by every process (on a "
+            f"pod each host's local disk is its own). {WAYS_OUT}",
             file=loc.url,
         )
     if missing is not None:
@@ -88,10 +95,10 @@ def read_manifest_everywhere(coord: distributed.Coordinator, loc: storage.Locati
     return manifest
 
 
-def _who(blind: list[int], count: int) -> str:
-    if len(blind) == 1:
-        return f"process {blind[0]}"
-    return f"process {blind[0]} (and {len(blind) - 1} more of the {count} processes)"
+def _who(first: int, blind: int, count: int) -> str:
+    if blind == 1:
+        return f"process {first}"
+    return f"process {first} (and {blind - 1} more of the {count} processes)"
 
 
 def _parent(loc: storage.Location) -> str:
