@@ -304,23 +304,30 @@ def safetensors_layout(tensors: Sequence[tuple[str, str, tuple[int, ...], int]])
     would start unaligned is preceded by a ``__pad_<n>`` entry of ``U8`` zeros, because
     safetensors allows no holes between tensors.
     """
-    header: dict[str, Any] = {"__metadata__": {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}}
-    relative = 0
-    starts, padding = [], []
-    for name, dtype, shape, nbytes in tensors:
+    return _layout([(json.dumps(name), dtype, shape, nbytes) for name, dtype, shape, nbytes in tensors])
+
+
+def _layout(tensors: Sequence[tuple[str, str, tuple[int, ...], int]]) -> DataFileLayout:
+    """``safetensors_layout`` of tensors named by JSON strings; the header is built as text,
+    as dicts then serialised a million pieces' entries cost seconds more."""
+    metadata: dict[str, str] = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}
+    entries: list[str] = []
+    relative, starts, padding = 0, [], []
+    for quoted, dtype, shape, nbytes in tensors:
         pad = -relative % ALIGNMENT
         if pad:
-            header[f"__pad_{len(starts)}"] = {"dtype": "U8", "shape": [pad], "data_offsets": [relative, relative + pad]}
+            entries.append(f'"__pad_{len(starts)}":{{"dtype":"U8","shape":[{pad}],"data_offsets":[{relative},{relative + pad}]}}')
             relative += pad
         code = _SAFETENSORS_CODES.get(dtype)
-        st_shape = list(shape) if code else [nbytes]
         if not code:
-            header["__metadata__"][name] = dtype
-        header[name] = {"dtype": code or "U8", "shape": st_shape, "data_offsets": [relative, relative + nbytes]}
+            metadata[json.loads(quoted)] = dtype
+        dims = ",".join(map(str, shape)) if code else str(nbytes)
+        entries.append(f'{quoted}:{{"dtype":"{code or "U8"}","shape":[{dims}],"data_offsets":[{relative},{relative + nbytes}]}}')
         starts.append(relative)
         padding.append(pad)
         relative += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
+    head = json.dumps({"__metadata__": metadata}, separators=(",", ":"))[:-1]
+    raw = (head + "".join("," + e for e in entries) + "}").encode()
     raw += b" " * (-(8 + len(raw)) % ALIGNMENT)
     base = 8 + len(raw)
     return DataFileLayout(len(raw).to_bytes(8, "little") + raw, padding, [base + s for s in starts], base + relative)
@@ -331,14 +338,19 @@ def data_file(
 ) -> tuple[DataFileLayout, list[PieceEntry]]:
     """Lays out ``(key, slice, dtype name, shape, bytes)`` tensors as the data file ``name``;
     returns the layout and each tensor's manifest entry (offset, length, crc32c)."""
-    layout = safetensors_layout([(tensor_name(key, spec), dtype, shape, buf.nbytes) for key, spec, dtype, shape, buf in tensors])
-    entries = [
-        PieceEntry(spec, name, offset, buf.nbytes, crc32c(buf))
-        for (_, spec, _, _, buf), offset in zip(tensors, layout.offsets)
-    ]
+    quoted_keys: dict[str, str] = {}  # a key's JSON text, made once for all its pieces
+    for key, *_ in tensors:
+        if key not in quoted_keys:
+            quoted_keys[key] = json.dumps(key)[:-1]
+    layout = _layout([(f'{quoted_keys[k]}[{_slice_text(s)}]"', d, shape, b.nbytes) for k, s, d, shape, b in tensors])
+    entries = [PieceEntry(t[1], name, offset, t[4].nbytes, crc32c(t[4])) for t, offset in zip(tensors, layout.offsets)]
     return layout, entries
 
 
 def tensor_name(key: str, slice_spec: SliceSpec) -> str:
     """The safetensors name of a piece: its key and its slice, e.g. ``w[0:4,0:2]``."""
-    return f"{key}[{','.join(f'{a}:{b}' for a, b in slice_spec)}]"
+    return f"{key}[{_slice_text(slice_spec)}]"
+
+
+def _slice_text(slice_spec: SliceSpec) -> str:
+    return ",".join(f"{a}:{b}" for a, b in slice_spec)

@@ -88,7 +88,7 @@ class LocalStore(PooledStore):
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
+                views = [v for v in map(safe_reads.byte_view, buffers) if len(v)]
                 while views:
                     written = os.writev(fd, views[: safe_reads.IOV_MAX])
                     views = safe_reads.advance(views, written)

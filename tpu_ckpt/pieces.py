@@ -131,13 +131,46 @@ class WriteBalance:
         return chosen
 
 
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where every array of one sharding and shape keeps its blocks, worked out once per save
+    from the first such leaf: jax builds a ``Shard`` object per device for each array's
+    ``addressable_shards`` (~10 µs each, seconds at 2,200 leaves over 512 devices), where
+    ``addressable_data(position)`` of a later leaf costs a tenth of that."""
+
+    spans_processes: bool
+    local_blocks: tuple[tuple[int, Any, SliceSpec], ...]  # (position, device, block), a holder each
+    holders: dict[SliceSpec, list[int]]  # block -> the processes holding it; multi-process only
+
+    @staticmethod
+    def of(leaf: jax.Array) -> _Layout:
+        shape = tuple(leaf.shape)
+        spans = len({d.process_index for d in leaf.sharding.device_set}) > 1
+        blocks: dict[SliceSpec, tuple[int, Any, SliceSpec]] = {}
+        for position, shard in enumerate(leaf.addressable_shards):
+            region = index_to_slice(shard.index, shape)
+            if region not in blocks and (spans or shard.replica_id == 0):  # else replica 0 is written
+                blocks[region] = (position, shard.device, region)
+        holders: dict[SliceSpec, list[int]] = {}
+        if spans:
+            for device, index in leaf.sharding.devices_indices_map(shape).items():
+                processes = holders.setdefault(index_to_slice(index, shape), [])
+                if device.process_index not in processes:
+                    processes.append(device.process_index)
+            for processes in holders.values():
+                processes.sort()
+        return _Layout(spans, tuple(blocks.values()), holders)
+
+
 def array_pieces(
-    key: str, leaf: Any, *, process_index: int, is_slot: bool = False, balance: WriteBalance | None = None
+    key: str, leaf: Any, *, process_index: int, is_slot: bool = False, balance: WriteBalance | None = None,
+    layouts: dict[Any, _Layout] | None = None,
 ) -> list[ShardableTensor]:
     """The pieces of one array leaf that the calling process must write.
 
     ``balance`` carries the assignments of the leaves before this one across a save; every
-    process must pass its own, fed the same leaves in the same order.
+    process must pass its own, fed the same leaves in the same order. ``layouts`` caches
+    the layouts of the shardings seen so far in the save (see ``_Layout``).
     """
     if not isinstance(leaf, jax.Array):
         array = np.asarray(leaf)
@@ -147,39 +180,32 @@ def array_pieces(
         return [ShardableTensor(array, key, full_slice(shape), shape, array.dtype, None, is_slot)]
     shape = tuple(leaf.shape)
     dtype = np.dtype(leaf.dtype)
+    layouts = {} if layouts is None else layouts
+    layout = layouts.get((leaf.sharding, shape))
+    if layout is None:
+        layout = layouts[leaf.sharding, shape] = _Layout.of(leaf)
     # Decided from the global sharding, the same on every process (``balance`` must be fed
     # alike everywhere); an array on one process's devices alone is that process's to write.
-    spans_processes = len({d.process_index for d in leaf.sharding.device_set}) > 1
-    mine = _my_blocks(leaf, process_index, balance or WriteBalance()) if spans_processes else None
-    pieces, done = [], set()
-    for shard in leaf.addressable_shards:
-        if mine is None and shard.replica_id != 0:
-            continue  # a replica: replica 0 is written
-        region = index_to_slice(shard.index, shape)
-        if region in done or (mine is not None and region not in mine):
+    mine = _my_blocks(layout, dtype.itemsize, process_index, balance or WriteBalance()) if layout.spans_processes else None
+    pieces = []
+    for position, device, region in layout.local_blocks:
+        part = region if mine is None else mine.get(region)
+        if part is None:
             continue
-        done.add(region)
-        part = region if mine is None else mine[region]
-        data = shard.data
-        tensor = np.asarray(data) if shard.device.platform == "cpu" else data
+        # A fully replicated array's data is its first shard's, whichever position: the same values.
+        data = leaf.addressable_data(position)
+        tensor = np.asarray(data) if device.platform == "cpu" else data
         if part != region:
             tensor = tensor[tuple(slice(a - r0, b - r0) for (a, b), (r0, _) in zip(part, region))]
-        pieces.append(ShardableTensor(tensor, key, part, shape, dtype, shard.device, is_slot))
+        pieces.append(ShardableTensor(tensor, key, part, shape, dtype, device, is_slot))
     return pieces
 
 
-def _my_blocks(leaf: jax.Array, me: int, balance: WriteBalance) -> dict[SliceSpec, SliceSpec]:
+def _my_blocks(layout: _Layout, itemsize: int, me: int, balance: WriteBalance) -> dict[SliceSpec, SliceSpec]:
     """For a multi-process array: each block this process writes (or part of it, when big
     blocks are split between their holders), updating ``balance`` for every block."""
-    holders: dict[SliceSpec, list[int]] = {}
-    for device, index in leaf.sharding.devices_indices_map(tuple(leaf.shape)).items():
-        processes = holders.setdefault(index_to_slice(index, leaf.shape), [])
-        if device.process_index not in processes:
-            processes.append(device.process_index)
-    itemsize = np.dtype(leaf.dtype).itemsize
     mine = {}
-    for region, processes in holders.items():
-        processes.sort()
+    for region, processes in layout.holders.items():
         nbytes = math.prod(b - a for a, b in region) * itemsize
         parts = _split(region, processes, itemsize)
         if parts is None:

@@ -141,7 +141,7 @@ class RelayStore(PooledStore, storage.CheckpointStore):
             raise
 
     def write(self, name: str, buffers: Sequence[Any]) -> concurrent.futures.Future:
-        views = [memoryview(b).cast("B") for b in buffers]
+        views = [safe_reads.byte_view(b) for b in buffers]
         return self._pool.submit(self._call, {"op": "write", "name": name}, views, None)
 
     def read(
