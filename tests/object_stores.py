@@ -73,12 +73,17 @@ class Server:
 
     def keys(self, bucket: str, prefix: str) -> list[str]:
         """Every object name in ``bucket`` starting with ``prefix``, as the server lists it."""
+        return sorted(self.sizes(bucket, prefix))
+
+    def sizes(self, bucket: str, prefix: str) -> dict[str, int]:
+        """The size of every object in ``bucket`` starting with ``prefix``, by name, as the
+        server lists them."""
         if self._s3 is not None:
             pages = self._s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-            return sorted(item["Key"] for page in pages for item in page.get("Contents", []))
+            return {item["Key"]: item["Size"] for page in pages for item in page.get("Contents", [])}
         query = urllib.parse.urlencode({"prefix": prefix})
         reply = json.loads(_request("GET", f"{self.endpoint}/storage/v1/b/{bucket}/o?{query}"))
-        return sorted(item["name"] for item in reply.get("items", []))
+        return {item["name"]: int(item["size"]) for item in reply.get("items", [])}
 
     def get(self, bucket: str, key: str) -> bytes:
         if self._s3 is not None:
@@ -121,6 +126,11 @@ class Bucket:
         """Object names under ``path`` (relative to this test's prefix)."""
         base = f"{self.prefix}/"
         return [k[len(base) :] for k in self.server.keys(self.name, base + path)]
+
+    def sizes(self, path: str = "") -> dict[str, int]:
+        """Object sizes by name under ``path`` (names relative to this test's prefix)."""
+        base = f"{self.prefix}/"
+        return {k[len(base) :]: size for k, size in self.server.sizes(self.name, base + path).items()}
 
     def get(self, path: str) -> bytes:
         return self.server.get(self.name, f"{self.prefix}/{path}")
@@ -256,6 +266,8 @@ class FaultyProxy:
 
     ``fail(match, statuses)``: the next requests for which ``match(method, path)`` holds get
     ``statuses`` in turn. ``requests`` records every request seen, in order of arrival.
+    ``delay_s`` holds every request that long before it is answered (a distant store), and
+    ``most_in_flight`` is the most requests it held at once.
     """
 
     def __init__(self, target: str):
@@ -263,7 +275,10 @@ class FaultyProxy:
         self._faults: list[tuple[Callable[[str, str], bool], int]] = []
         self._lock = threading.Lock()
         self.requests: list[Request] = []
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.delay_s = 0.0
+        self.most_in_flight = 0
+        self._in_flight = 0
+        self._server = _ProxyServer(("127.0.0.1", 0), self._handler())
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
@@ -284,6 +299,21 @@ class FaultyProxy:
                     del self._faults[i]
                     return status
         return None
+
+    def _answer(self, method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, list, bytes]:
+        """An injected error, or the server's reply, after ``delay_s``; counts requests in flight."""
+        with self._lock:
+            self._in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self._in_flight)
+        try:
+            time.sleep(self.delay_s)
+            status = self._injected(method, path)
+            if status is not None:
+                return status, [("Content-Type", "text/plain")], b"injected by the test"
+            return self._forward(method, path, {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}, body)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
 
     def _forward(self, method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, list, bytes]:
         connection = http.client.HTTPConnection(self._target.hostname, self._target.port, timeout=30)
@@ -307,12 +337,7 @@ class FaultyProxy:
                     return
                 arrived = time.monotonic()
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                status = proxy._injected(self.command, self.path)
-                if status is None:
-                    headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_HEADERS}
-                    status, reply_headers, payload = proxy._forward(self.command, self.path, headers, body)
-                else:
-                    reply_headers, payload = [("Content-Type", "text/plain")], b"injected by the test"
+                status, reply_headers, payload = proxy._answer(self.command, self.path, dict(self.headers.items()), body)
                 with proxy._lock:
                     proxy.requests.append(Request(self.command, self.path, status, arrived))
                 self.send_response(status)
@@ -328,6 +353,10 @@ class FaultyProxy:
                 pass
 
         return Handler
+
+
+class _ProxyServer(http.server.ThreadingHTTPServer):
+    request_queue_size = 128  # a client opening dozens of connections at once is not refused
 
 
 _HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "expect", "upgrade"}

@@ -14,9 +14,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tpu_ckpt import storage
+from tpu_ckpt.data_writes import Writes, _private_host_value, fetch_started
 from tpu_ckpt.local_store import LocalStore, make_directory
 from tpu_ckpt.pieces import full_slice
-from tpu_ckpt.save import _fetch_started, _private_host_value, _write_files
 from tpu_ckpt.save_plan import DataFile, PlannedPiece
 
 SLACK = 96 << 20  # interpreter, allocator and page-table noise
@@ -29,7 +29,7 @@ def test_a_fetched_host_value_is_the_snapshot_and_stays_off_the_callers_array():
     mesh = jax.make_mesh((8,), ("d",))
     expected = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
     x = jax.device_put(expected, NamedSharding(mesh, P("d")))
-    handle = _fetch_started(x)
+    handle = fetch_started(x)
     host = _private_host_value(handle)
     assert host is handle._npy_value  # no second copy made
     assert x._npy_value is None  # the caller's array keeps no host value of the save's
@@ -41,7 +41,7 @@ def test_a_fetched_host_value_is_the_snapshot_and_stays_off_the_callers_array():
 def test_a_cpu_buffer_is_copied_once():
     """On CPU numpy views the device buffer itself: the snapshot must be a copy of it."""
     x = jax.device_put(np.arange(1000, dtype=np.int32), jax.devices()[0])
-    host = _private_host_value(_fetch_started(x))
+    host = _private_host_value(fetch_started(x))
     assert not np.shares_memory(host, np.asarray(x))
     np.testing.assert_array_equal(host, np.arange(1000))
 
@@ -59,20 +59,38 @@ def test_each_file_is_let_go_once_written(tmp_path):
     del arrays
     store = LocalStore(location, threads=1)
     try:
-        index = _write_files(store, files)
-        assert not files
+        writes = Writes(store, None)
+        while files:
+            writes.start(files.popleft())
+        index = writes.index()
         assert [ref() is None for ref in alive] == [True, True, True]
     finally:
         store.close()
     assert sorted(index.files) == [f"d{i}.safetensors" for i in range(3)]
 
 
-@pytest.mark.slow
-def test_async_save_holds_one_host_copy(tmp_path):
+def _probe(tmp_path, mode: str) -> dict:
     megabytes = 256  # 4 shards of 64 MiB
     probe = os.path.join(os.path.dirname(__file__), "host_copies_probe.py")
-    out = subprocess.run([sys.executable, probe, str(tmp_path), str(megabytes)], capture_output=True, text=True, check=True)
-    grown = json.loads(out.stdout.strip().splitlines()[-1])
+    out = subprocess.run([sys.executable, probe, str(tmp_path), str(megabytes), mode], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_async_save_holds_one_host_copy_and_reuses_it(tmp_path):
+    grown = _probe(tmp_path, "reuse")
     state = grown["state_bytes"]
-    assert grown["peak"] <= state + SLACK, grown  # one host copy, never two
-    assert grown["after"] <= SLACK, grown  # and none left once the save is done
+    assert grown["first"]["peak"] <= state + SLACK, grown  # one host copy, never two
+    assert grown["first"]["after"] >= state - SLACK, grown  # kept for the next snapshot
+    assert grown["second"]["peak"] <= SLACK, grown  # which copies into it: no new memory
+    assert grown["second"]["after"] <= SLACK, grown
+    assert grown["second_restores_exactly"], grown
+
+
+@pytest.mark.slow
+def test_async_save_without_reuse_leaves_no_copy(tmp_path):
+    grown = _probe(tmp_path, "no-reuse")
+    state = grown["state_bytes"]
+    for save in ("first", "second"):
+        assert grown[save]["peak"] <= state + SLACK, grown
+        assert grown[save]["after"] <= SLACK, grown  # none left once the save is done

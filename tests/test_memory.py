@@ -26,3 +26,21 @@ def test_save_and_restore_peak_memory(tmp_path):
     assert peaks["save_peak"] <= Settings().writes_in_flight * (state // 8) + SLACK, peaks
     # A restore holds the restored arrays plus two read batches (one being read, one placed).
     assert peaks["restore_peak"] <= state + 2 * Settings().read_batch_bytes + MAX_READ_BYTES + SLACK, peaks
+
+
+def test_host_memory_limit_bounds_saves_and_restores(tmp_path):
+    """Issue 13: with host_memory_limit=128 MiB and a 576 MiB state, a sync save, an async
+    save (whose snapshot cannot fit: the call writes the first files itself) and a restore
+    each hold at most the limit + 64 MiB beyond the live arrays and the restored result."""
+    limit, megabytes = 128 << 20, 576
+    probe = os.path.join(os.path.dirname(__file__), "memory_limit_probe.py")
+    out = subprocess.run(
+        [sys.executable, probe, str(tmp_path), str(megabytes), str(limit)], capture_output=True, text=True, check=True
+    )
+    peaks = json.loads(out.stdout.strip().splitlines()[-1])
+    state = peaks["state_bytes"]
+    assert peaks["sync_save"] <= limit + (64 << 20), peaks
+    assert peaks["async_save"] <= limit + (64 << 20), peaks
+    assert peaks["restore"] <= state + limit + (64 << 20), peaks
+    assert peaks["restored_exactly"], peaks
+    assert peaks["files"] >= state // (limit // Settings().writes_in_flight), peaks  # files cut to a share of it

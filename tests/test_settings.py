@@ -53,7 +53,9 @@ def test_relay_socket_buffers_may_be_left_to_the_kernel():
     assert Settings(relay_socket_buffer_bytes=0).relay_socket_buffer_bytes == 0
 
 
-@pytest.mark.parametrize("knob", ["io_threads", "writes_in_flight", "read_batch_bytes", "relay_heartbeat_seconds", "relay_connect_seconds"])
+@pytest.mark.parametrize(
+    "knob", ["io_threads", "writes_in_flight", "read_batch_bytes", "object_bytes", "object_reads_in_flight", "relay_heartbeat_seconds", "relay_connect_seconds"]
+)
 def test_a_knob_must_be_positive(knob):
     with pytest.raises(ValueError, match=f"Settings.{knob} must be positive"):
         Settings(**{knob: 0})

@@ -124,7 +124,7 @@ def _link(src: storage.Location, dst: storage.Location, subtree: str) -> str:
             leaf,
             key=keys.join(leaf.path[depth:]),
             path=leaf.path[depth:],
-            pieces=tuple(dataclasses.replace(p, file=renamed[p.file]) for p in leaf.pieces),
+            pieces=tuple(p._replace(file=renamed[p.file]) for p in leaf.pieces),
         )
         for leaf in leaves
     ]

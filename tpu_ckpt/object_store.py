@@ -1,8 +1,9 @@
 """The storage backend of a checkpoint in an object store (``gs://``, ``s3://``) or in
 ``memory://``, through tensorstore kvstores; the only module that imports tensorstore.
 
-All kvstores share one process-wide tensorstore context: AWS credentials and the request
-limits are then set up once per process, not once per store. Where settings come from:
+All kvstores share one process-wide tensorstore context: AWS credentials and the retry
+policy are then set up once per process, not once per store (each store brings its own
+request limit, below). Where settings come from:
 
 - ``gs://``: the ``gcs`` driver. ``TENSORSTORE_GCS_HTTP_URL`` (an emulator) is read by
   tensorstore when it opens a bucket that no store has open; Google credentials once per
@@ -19,6 +20,20 @@ rely on tensorstore's default of 32 retries (a quarter of an hour against an end
 down): 8 retries, delays doubling from 1 s to at most 32 s plus up to 1 s of jitter, about two
 minutes in all. Then the operation fails with a ``CheckpointError`` naming the object:
 tensorstore raises ValueError, or NotImplementedError, for whatever went wrong.
+
+Writes: a data file arrives as buffers, which the kvstore API takes only joined into one
+``bytes`` value, and which tensorstore copies (twice: its binding makes a ``std::string``,
+then a Cord of it) into a request of its own before ``write`` returns. The write is issued
+at once and the join dropped, so a write in flight holds one copy of its object, three
+while it is being issued; ``plan_save`` keeps objects to ``object_bytes``
+(``bounded_files.py``), which a retried request re-sends at most.
+
+Reads: a ranged read is cut into requests of at most ``REQUEST_BYTES``, and a store keeps
+``object_reads_in_flight`` (a setting, default 32) requests in flight: it has that many IO
+threads (or ``io_threads``, if more), each issuing one read's requests together, and a
+request limit as high of its own in tensorstore, whose default limit (32) is shared by every
+store of the process. A range comes back as a numpy view into the ``bytes`` tensorstore
+returned, copied only when it spans several requests (``_chunks``).
 
 Listing a prefix is filtered here as well as by the server: the ``gcs`` driver asks for a key
 range (``startOffset``/``endOffset``) and trusts the reply, so a GCS-compatible server that
@@ -52,19 +67,23 @@ _CONTEXT = ts.Context({"gcs_request_retries": RETRIES, "s3_request_retries": RET
 class ObjectStore(PooledStore):
     """The objects under one checkpoint's prefix (``storage.Backend``)."""
 
-    def __init__(self, loc: Location, *, threads: int):
+    def __init__(self, loc: Location, *, threads: int, reads_in_flight: int):
         self.location = loc
-        self._pool = IOPool(threads)
+        self._pool = IOPool(max(threads, reads_in_flight))  # a thread waits on each read or write
         spec = loc.kvstore_spec()
         self._prefix = spec.pop("path").lstrip("/")
+        if spec["driver"] in ("gcs", "s3"):  # memory:// has no requests
+            spec[f"{spec['driver']}_request_concurrency"] = {"limit": max(threads, reads_in_flight)}
         try:
             self._kv = ts.KvStore.open(spec, context=_CONTEXT).result()  # the bucket's root (module docstring)
         except ValueError as e:
             raise CheckpointError(f"Could not open {loc.url}: {e}", file=loc.url) from e
 
     def write(self, name: str, buffers: Sequence[Any]) -> concurrent.futures.Future:
-        data = b"".join(buffers)  # the kvstore API takes bytes only
-        return self._pool.submit(lambda: self._wait(self._kv.write(self._prefix + name, data), "Writing", name))
+        """Issues the write here, so that only tensorstore's copy of the object outlives this
+        call (module docstring); an IO thread waits for it."""
+        written = self._kv.write(self._prefix + name, b"".join(buffers))  # the kvstore API takes bytes only
+        return self._pool.submit(self._wait, written, "Writing", name)
 
     def read(
         self, name: str, start: int, lengths: Sequence[int], then: Callable[[list[np.ndarray]], Any] | None = None
@@ -76,10 +95,11 @@ class ObjectStore(PooledStore):
         result = self._wait(self._kv.read(self._key(name)), "Reading", name)
         if result.state == "missing":
             return None
-        if len(result.value) > max_bytes:
+        value = result.value  # a new copy at every access
+        if len(value) > max_bytes:
             where = self.location.child(name)
-            raise CorruptCheckpointError(f"{where} is {len(result.value)} bytes, more than {max_bytes}", file=where)
-        return result.value
+            raise CorruptCheckpointError(f"{where} is {len(value)} bytes, more than {max_bytes}", file=where)
+        return value
 
     def list(self) -> list[str]:
         keys = self._wait(self._kv.list(_prefix_range(self._prefix)), "Listing", "")
@@ -118,25 +138,83 @@ class ObjectStore(PooledStore):
         return self._prefix + name
 
     def _read_ranges(self, name: str, start: int, lengths: Sequence[int]) -> list[np.ndarray]:
-        where = self.location.child(name)
-        stop = start + sum(lengths)
-        try:
-            result = self._kv.read(self._key(name), byte_range=slice(start, stop)).result()
-        except ValueError as e:
-            if "OUT_OF_RANGE" not in str(e):
-                raise CheckpointError(f"Reading {where} failed: {e}", file=where) from e
-            # The object is shorter than the manifest says.
-            raise CorruptCheckpointError(f"{where} is truncated ({e})", file=where) from None
-        if result.state == "missing":
-            raise CorruptCheckpointError(f"data file {where} is missing", file=where)
-        if len(result.value) != stop - start:
-            raise CorruptCheckpointError(f"{where} is truncated", file=where)
-        data, out, offset = np.frombuffer(result.value, np.uint8), [], 0
-        for n in lengths:
-            out.append(safe_reads.aligned_empty(n))
-            out[-1][:] = data[offset : offset + n]
-            offset += n
-        return out
+        """All requests of one read are issued at once (tensorstore queues those beyond the
+        store's request limit), then awaited."""
+        key, where = self._key(name), self.location.child(name)
+        ranges = request_ranges(start, lengths)
+        issued = [self._kv.read(key, byte_range=slice(a, b)) for a, b in ranges]
+        return _chunks(start, lengths, ranges, [_received(f, b - a, where) for f, (a, b) in zip(issued, ranges)])
+
+
+REQUEST_BYTES = 8 << 20
+"""The most one ranged request reads. A read batch (``read_batch_bytes``, 256 MiB) is then at
+least 32 requests, the ``object_reads_in_flight`` a store runs at once; a request of 8 MiB
+spends most of its time transferring (GCS: tens of ms to the first byte, then ~100 MB/s or
+more per stream)."""
+
+
+def request_ranges(start: int, lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """The byte ranges of at most ``REQUEST_BYTES`` that a read of consecutive ``lengths``
+    from ``start`` is cut into, back to back: lengths are kept whole in one request while
+    they fit, and one longer than that is cut (so only it spans requests)."""
+    out, first, at = [], start, start
+    for n in lengths:
+        if at > first and at + n - first > REQUEST_BYTES:
+            out.append((first, at))
+            first = at
+        at += n
+        while at - first > REQUEST_BYTES:
+            out.append((first, first + REQUEST_BYTES))
+            first += REQUEST_BYTES
+    if at > first or not out:
+        out.append((first, at))
+    return out
+
+
+def _received(future: Any, size: int, where: str) -> np.ndarray:
+    """One request's bytes, as a read-only view of the ``bytes`` tensorstore made; its failure,
+    or a short or missing object, as a CheckpointError naming the object."""
+    try:
+        result = future.result()
+    except ValueError as e:
+        if "OUT_OF_RANGE" not in str(e):
+            raise CheckpointError(f"Reading {where} failed: {e}", file=where) from e
+        # The object is shorter than the manifest says.
+        raise CorruptCheckpointError(f"{where} is truncated ({e})", file=where) from None
+    if result.state == "missing":
+        raise CorruptCheckpointError(f"data file {where} is missing", file=where)
+    value = result.value  # a new bytes object, copied out of tensorstore's Cord, at every access
+    if len(value) != size:
+        raise CorruptCheckpointError(f"{where} is truncated", file=where)
+    return np.frombuffer(value, np.uint8)
+
+
+def _chunks(start: int, lengths: Sequence[int], ranges: Sequence[tuple[int, int]], data: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """One array per length, from the requests' bytes: a view where the length lies in one
+    request, else a fresh aligned array it is copied into.
+
+    The one copy of a range that is unavoidable is tensorstore's, out of the Cord it received
+    into the ``bytes`` its Python API returns; views add none. They are read-only (``bytes``
+    are immutable, so the file's later fate cannot change them either) and 16-byte aligned
+    (CPython's allocators), not 64: JAX's CPU backend copies them where it would adopt an
+    aligned array, and what the restore hands to the user is copied (``restore_exec``).
+    """
+    out, at, r = [], start, 0
+    for n in lengths:
+        while at >= ranges[r][1] and r + 1 < len(ranges):
+            r += 1
+        if at + n <= ranges[r][1]:
+            out.append(data[r][at - ranges[r][0] : at - ranges[r][0] + n])
+        else:
+            chunk = safe_reads.aligned_empty(n)
+            for (first, last), received in zip(ranges[r:], data[r:]):
+                a, b = max(first, at), min(last, at + n)
+                chunk[a - at : b - at] = received[a - first : b - first]
+                if b == at + n:
+                    break
+            out.append(chunk)
+        at += n
+    return out
 
 
 def _prefix_range(prefix: str) -> Any:

@@ -70,6 +70,12 @@ class CheckpointOptions:
         need once (on one of them) and send it to the others over TCP instead of having
         each read it from storage (see ``shared_reads.py``). Refused together with
         ``io_device``, where one process already reads everything once.
+      host_memory_limit: ``None`` (the default: unbounded, as fast as memory allows), or the
+        most bytes of host memory a save or restore holds beyond the live arrays and the
+        restored result (our extension; not in TF): data files in flight, an async save's
+        snapshot (``save`` then blocks until the last of it fits), read batches and the
+        pieces ``load_and_broadcast`` keeps for peers. README "Memory" says what each
+        operation holds.
 
     TF spellings (``experimental_io_device``, ``experimental_write_callbacks``,
     ``experimental_skip_slot_variables``, ``experimental_sharding_callback``, and the
@@ -85,7 +91,7 @@ class CheckpointOptions:
 
     __slots__ = (
         "io_device", "enable_async", "write_callbacks", "skip_slot_variables",
-        "sharding_callback", "coordination_timeout", "load_and_broadcast",
+        "sharding_callback", "coordination_timeout", "load_and_broadcast", "host_memory_limit",
     )
 
     io_device: int | None
@@ -95,6 +101,7 @@ class CheckpointOptions:
     sharding_callback: ShardingCallback
     coordination_timeout: float
     load_and_broadcast: bool
+    host_memory_limit: int | None
 
     def __init__(
         self,
@@ -105,6 +112,7 @@ class CheckpointOptions:
         sharding_callback: ShardingCallback | None = _NONE,
         coordination_timeout: float = 300.0,
         load_and_broadcast: bool = False,
+        host_memory_limit: int | None = None,
         *,
         experimental_io_device: int | jax.Device | str | None = _NONE,
         experimental_enable_async_checkpoint: bool = _FALSE,
@@ -143,6 +151,7 @@ class CheckpointOptions:
         set_(self, "sharding_callback", _check_sharding_callback(policy))
         set_(self, "coordination_timeout", _check_timeout(coordination_timeout))
         set_(self, "load_and_broadcast", share)
+        set_(self, "host_memory_limit", _check_memory_limit(host_memory_limit))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"CheckpointOptions is immutable; build a new one (tried to set {name!r})")
@@ -306,3 +315,17 @@ def _check_timeout(timeout: Any) -> float:
     if not (timeout > 0 and math.isfinite(timeout)):
         raise ValueError(f"coordination_timeout must be a positive, finite number of seconds, got {timeout!r}")
     return float(timeout)
+
+
+MIN_HOST_MEMORY_LIMIT = 16 << 20
+"""Below this, per-file and per-batch overheads dominate: a smaller limit is a mistake."""
+
+
+def _check_memory_limit(limit: Any) -> int | None:
+    if limit is None:
+        return None
+    if isinstance(limit, (bool, np.bool_)) or not isinstance(limit, numbers.Integral):
+        raise TypeError(f"host_memory_limit must be None or a number of bytes (int), got {limit!r} of type {type(limit).__name__}")
+    if limit < MIN_HOST_MEMORY_LIMIT:
+        raise ValueError(f"host_memory_limit must be at least {MIN_HOST_MEMORY_LIMIT} bytes (16 MiB), got {limit}")
+    return int(limit)

@@ -76,7 +76,14 @@ class MaxShardSizePolicy(ShardingCallback):
         return "Split tensors into shards with a max shard size."
 
     def __call__(self, shardable_tensors: Sequence[ShardableTensor]) -> list[Shard]:
-        return _Packer(self.max_shard_size).pack(shardable_tensors)
+        return pack(shardable_tensors, self.max_shard_size)
+
+
+def pack(pieces: Sequence[ShardableTensor], max_bytes: int) -> list[Shard]:
+    """``pieces`` in shards of at most ``max_bytes`` element bytes, packed and cut as
+    ``MaxShardSizePolicy`` does; also how a save cuts data files to an object store's object
+    size (``bounded_files.py``)."""
+    return _Packer(max_bytes).pack(pieces)
 
 
 class _Packer:

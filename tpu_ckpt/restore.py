@@ -196,13 +196,23 @@ def _restore_from(
 ) -> tuple[Any, int, int]:
     """The restored tree, its number of leaves and the bytes read."""
     plan = plan_restore(
-        manifest, target, subtree, options.skip_slot_variables, batch_bytes=settings().read_batch_bytes, url=store.location.url
+        manifest, target, subtree, options.skip_slot_variables, batch_bytes=_share(options, settings().read_batch_bytes),
+        url=store.location.url,
     )
     if manifest.tables:  # format 2: the leaves read so far share no byte (1.x: checked on decode)
         check_byte_ranges(manifest, store.location.child(MANIFEST_FILE), loaded_only=True)
     with gc_paused(), _piece_source(store, plan, options, coord) as source:
         results, nbytes = restore_exec.execute(plan, source)
     return plan.tree(results), len(results), nbytes
+
+
+def _share(options: CheckpointOptions, unbounded: int | None) -> int | None:
+    """A quarter of ``host_memory_limit``: a read batch (two in flight, and one being
+    assembled) and the pieces load_and_broadcast keeps for peers each get one."""
+    limit = options.host_memory_limit
+    if limit is None:
+        return unbounded
+    return limit // 4 if unbounded is None else min(unbounded, limit // 4)
 
 
 @contextlib.contextmanager
@@ -217,7 +227,7 @@ def _piece_source(
     arrays = [entry for entry in plan.leaves if isinstance(entry, ArrayRead)]
     the_plan = shared_reads.plan([(a.leaf, a.sharding) for a in arrays], coord.count)
     pieces = {(p.file, p.offset): (a.leaf.key, p) for a in arrays for p in a.leaf.pieces}
-    source = shared_reads.SharedReads(store, coord, the_plan, pieces)
+    source = shared_reads.SharedReads(store, coord, the_plan, pieces, keep_bytes=_share(options, None))
     try:
         yield source
     except BaseException:

@@ -4,7 +4,9 @@ The next batch is being read while the current one is assembled and placed on it
 devices, so the host holds at most two batches of read bytes beyond the restored arrays
 themselves. Pieces are read into fresh aligned arrays (never mapped: a restored array must
 not follow later edits of its file); a piece a device holds whole goes to JAX as that
-array, with no further copy on CPU.
+array, with no further copy on CPU. From an object store a piece may instead be a read-only
+view of the bytes received: JAX copies it to its device as it would any array, and a numpy
+result is copied once, so that the user may write to it.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ def execute(plan: RestorePlan, source: shared_reads.StoreReads) -> tuple[list[An
     total = 0
     pending = _start_reads(source, batches[0]) if batches else None
     for i, batch in enumerate(batches):
-        reads = pending
-        pending = _start_reads(source, batches[i + 1]) if i + 1 < len(batches) else None
+        reads = pending if pending is not None else _start_reads(source, batch)
+        overlap = i + 1 < len(batches) and plan.overlaps(i)
+        pending = _start_reads(source, batches[i + 1]) if overlap else None
         total += _place(batch, _collect(reads), results, placed)
     for position, shards in placed.items():
         array = plan.leaves[position]
@@ -58,7 +61,7 @@ def _place(
         if array.python_type is not None:
             results[unit.position] = array.python_type(assembled[()].item())
         elif array.sharding is None:
-            (results[unit.position],) = assembled.values()
+            (results[unit.position],) = map(_owned, assembled.values())
         elif unit.whole:
             shape = array.leaf.shape
             results[unit.position] = jax.make_array_from_callback(
@@ -138,6 +141,12 @@ def _assemble(array: ArrayRead, region: Region, data: PieceData) -> np.ndarray:
     if out.dtype != array.dtype:
         out = out.astype(array.dtype)
     return out
+
+
+def _owned(host: np.ndarray) -> np.ndarray:
+    """A host array the user may write to: a read-only view of an object store's bytes
+    (``object_store._chunks``) copied, once; anything else as it is."""
+    return host if host.flags.writeable else host.copy()
 
 
 def _piece_array(piece: PieceEntry, dtype: np.dtype, data: PieceData) -> np.ndarray:

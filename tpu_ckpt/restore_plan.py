@@ -101,6 +101,13 @@ class RestorePlan:
     batches: tuple[tuple[Unit, ...], ...]
     treedef: Any  # the target's; None: the result is nested dicts/lists built from ``paths``
     paths: tuple[tuple[keys.PathEntry, ...], ...]  # per leaf, below the subtree (no target only)
+    batch_bytes: int = 1 << 62
+
+    def overlaps(self, i: int) -> bool:
+        """Whether batch ``i + 1`` may be read while batch ``i`` is placed: not when a unit
+        bigger than a batch (one device's region) makes the two exceed two batches."""
+        nbytes = [sum(p.length for unit in self.batches[j] for p in unit.pieces) for j in (i, i + 1)]
+        return sum(nbytes) <= 2 * self.batch_bytes
 
     def tree(self, results: Sequence[Any]) -> Any:
         """The restored tree from one result per leaf."""
@@ -156,7 +163,8 @@ def plan_restore(
         piece_table.prefetch([leaf for leaf in named if leaf is not None and not (skip_slots and leaf.is_slot)], settings().io_threads)
         entries = [_plan_leaf(leaves, _join(prefix, key), t, skip_slots, url) for key, _, t in flat]
         paths = ()
-    return RestorePlan(tuple(entries), tuple(map(tuple, read_plan.batches(_units(entries, batch_bytes), _unit_bytes, batch_bytes))), treedef, paths)
+    batches = tuple(map(tuple, read_plan.batches(_units(entries, batch_bytes), _unit_bytes, batch_bytes)))
+    return RestorePlan(tuple(entries), batches, treedef, paths, batch_bytes)
 
 
 def _join(prefix: str, key: str) -> str:

@@ -17,24 +17,19 @@ reference to a device buffer, so the caller may donate or delete them at once.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-import jax
-import numpy as np
-
-from tpu_ckpt import commit, distributed, relay, relay_wire, storage
+from tpu_ckpt import commit, data_writes, distributed, relay, relay_wire, storage
 from tpu_ckpt.background import WRITER, SaveResult
-from tpu_ckpt.errors import CheckpointError
-from tpu_ckpt.format import Manifest, PieceEntry, data_file, dtype_name, metric_values
+from tpu_ckpt.format import Manifest, metric_values
 from tpu_ckpt.gc_pause import gc_paused
 from tpu_ckpt.options import CheckpointOptions, io_process, wants_path
-from tpu_ckpt.save_plan import DataFile, SavePlan, index_file, plan_save
+from tpu_ckpt.save_plan import SavePlan, index_file, plan_save
 from tpu_ckpt.settings import settings
 from tpu_ckpt.slots import SlotPredicate
 from tpu_ckpt.staging import Staging, prepare
@@ -93,7 +88,8 @@ def _start(
     try:
         io = io_process(options, coord.count)
         plan = plan_save(
-            tree, options, process_index=coord.me, process_count=coord.count, is_slot=is_slot, metrics=metrics
+            tree, options, process_index=coord.me, process_count=coord.count, is_slot=is_slot, metrics=metrics,
+            max_file_bytes=_largest_file(final, options),
         )
         leader = 0 if io is None else io
         staging = prepare(final, coord, leader, options.coordination_timeout, relayed=io is not None)
@@ -103,6 +99,15 @@ def _start(
             _explain(coord, error)
         raise
     return _Job(plan, final, coord, leader, options, staging)
+
+
+def _largest_file(final: storage.Location, options: CheckpointOptions) -> int | None:
+    """The most bytes a data file may hold: one object on an object store; under
+    ``host_memory_limit``, a share of it, so that several files are written at once."""
+    bounds = [] if final.is_local else [settings().object_bytes]
+    if options.host_memory_limit is not None:
+        bounds.append(options.host_memory_limit // settings().writes_in_flight)
+    return min(bounds, default=None)
 
 
 def _explain(coord: distributed.Coordinator, error: BaseException, leader: int | None = None) -> None:
@@ -137,11 +142,25 @@ class _Job:
         self.options = options
         self.staging = staging
         self._unwritten = plan.files
+        self._writes = data_writes.Writes(staging.store, options.host_memory_limit)
+        self._copied = False  # whether the data to write are host copies of our own
         self._own_files = (*(f.name for f in plan.files), index_file(coord.me))
 
     def snapshot(self) -> None:
-        """Replaces the data to write by host copies (see ``_host_copies``)."""
-        self._unwritten = _host_copies(self._unwritten)
+        """Replaces the data to write by host copies (see ``data_writes.host_copies``).
+
+        Under ``host_memory_limit``, the files that do not fit in it are first written from
+        the arrays themselves (so the call blocks longer), and only the rest is copied."""
+        limit = self.options.host_memory_limit
+        files = collections.deque(self._unwritten)
+        if limit is not None:
+            rest = sum(f.nbytes for f in files)
+            while files and rest > limit:
+                rest -= files[0].nbytes
+                self._writes.start(files.popleft())
+            self._writes.drain()  # they read the caller's buffers, which it may donate once this returns
+        self._unwritten = data_writes.host_copies(files)
+        self._copied = True
 
     def run(self) -> None:
         self.write_and_commit()
@@ -153,7 +172,9 @@ class _Job:
         hands_off = False  # set once this process may delete nothing any more
         try:
             files, self._unwritten = collections.deque(self._unwritten), ()
-            own = _write_files(store, files)  # lets go of each file once it is written
+            while files:
+                self._writes.start(files.popleft(), recycle=self._copied)  # each let go of once written
+            own = self._writes.index()
             if coord.me == self.leader:
                 coord.collect("written", "", at=self.leader)
                 others = [p for p in range(coord.count) if p != self.leader]
@@ -218,109 +239,3 @@ class _Job:
                 callback(self.final.url)
             else:
                 callback()
-
-
-def _host_copies(files: Sequence[DataFile]) -> tuple[DataFile, ...]:
-    """``files`` with every piece's data replaced by one host copy of its own (see
-    ``_private_host_value``), so no device buffer is referenced any more.
-
-    All device-to-host transfers start before any is waited on, and the CPU copies run on a
-    few threads (numpy releases the GIL while copying): host memory bandwidth, not one
-    core, is then the limit.
-    """
-    pieces = [p for file in files for p in file.pieces]
-    handles = [_fetch_started(p.data) for p in pieces]
-    with concurrent.futures.ThreadPoolExecutor(settings().copy_threads) as pool:
-        copies = iter(list(pool.map(_private_host_value, handles)))
-    del handles  # off CPU, JAX's other hold on each copy: it now goes once its file is written
-    return tuple(
-        DataFile(file.name, tuple(dataclasses.replace(p, data=next(copies)) for p in file.pieces)) for file in files
-    )
-
-
-def _fetch_started(data: Any) -> Any:
-    """``data``, or for a ``jax.Array`` a new array over the same device buffers with its
-    device-to-host copy started.
-
-    JAX keeps the host value it fetches on the array object it fetched it for, for as long
-    as that object lives (``ArrayImpl._value`` caches it as ``_npy_value``, jaxlib's
-    ``PyHostValue`` holds it too), and a piece's ``shard.data`` is the one object the
-    caller's array caches for that shard: fetching through it would leave a host copy of
-    the state on the caller's arrays until they die. ``make_array_from_single_device_arrays``
-    reuses the device buffers (no device copy), so the host value lives on this handle
-    instead, and goes when the save lets go of it.
-    """
-    if not isinstance(data, jax.Array):
-        return data
-    handle = jax.make_array_from_single_device_arrays(
-        data.shape, data.sharding, [shard.data for shard in data.addressable_shards]
-    )
-    handle.copy_to_host_async()
-    return handle
-
-
-def _private_host_value(handle: Any) -> np.ndarray:
-    """The value of ``handle`` (from ``_fetch_started``) in host memory that nothing else
-    writes or frees, made without a second host copy.
-
-    Off CPU that is the copy JAX fetched: ``ArrayImpl._value`` caches a host value as
-    ``_npy_value`` only when it copied (``_single_device_array_to_np_array_did_copy``),
-    read-only, in memory that donating or deleting the device buffer leaves alone. On CPU
-    numpy views the device buffer itself (and a numpy piece is the caller's own array), so
-    that is copied once.
-    """
-    host = np.asarray(handle)
-    if isinstance(handle, jax.Array) and getattr(handle, "_npy_value", None) is host:
-        return host
-    return np.array(host, copy=True)
-
-
-def _host_bytes(data: Any) -> np.ndarray:
-    """The bytes of ``data`` (a host array, or a handle from ``_fetch_started``, whose host
-    value this then waits for) as a flat uint8 view."""
-    host = np.ascontiguousarray(np.asarray(data))
-    return host.reshape(-1).view(np.uint8)
-
-
-def _write_files(store: storage.CheckpointStore, files: collections.deque[DataFile]) -> Manifest:
-    """Writes ``files``, at most ``writes_in_flight`` (a setting) at a time, taking each out
-    of ``files`` as it starts, so that its host bytes go once it is written; returns this
-    process's index."""
-    pieces: dict[str, list[PieceEntry]] = collections.defaultdict(list)
-    sizes: dict[str, int] = {}
-    in_flight: collections.deque = collections.deque()
-    while files:
-        # Wait for a free slot *before* bringing the next file's pieces to the host.
-        while len(in_flight) >= settings().writes_in_flight:
-            _finish(in_flight.popleft(), store)
-        name, future, entries, sizes[name] = _start_write(store, files.popleft())
-        for key, entry in entries:
-            pieces[key].append(entry)
-        in_flight.append((name, future))
-    while in_flight:
-        _finish(in_flight.popleft(), store)
-    return commit.index(pieces, sizes)
-
-
-def _start_write(
-    store: storage.CheckpointStore, file: DataFile
-) -> tuple[str, concurrent.futures.Future, list[tuple[str, PieceEntry]], int]:
-    """Starts writing one data file: its name, the write, its pieces' entries, its size.
-    Only the write holds the file's host bytes once this returns."""
-    handles = [_fetch_started(p.data) for p in file.pieces]  # every transfer starts before any is awaited
-    buffers = [_host_bytes(h) for h in handles]
-    tensors = [(p.key, p.slice, dtype_name(p.data.dtype), tuple(p.data.shape), b) for p, b in zip(file.pieces, buffers)]
-    layout, entries = data_file(file.name, tensors)
-    keyed = [(p.key, entry) for p, entry in zip(file.pieces, entries)]
-    return file.name, store.write(file.name, layout.buffers(buffers)), keyed, layout.size
-
-
-def _finish(pending: tuple[str, Any], store: storage.CheckpointStore) -> None:
-    name, future = pending
-    try:
-        future.result()
-    except CheckpointError:
-        raise  # already names the file
-    except Exception as e:
-        where = store.location.child(name)
-        raise CheckpointError(f"Writing {where} failed: {e}", file=where) from e

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 
 from tpu_ckpt import keys
+from tpu_ckpt.bounded_files import bounded
 from tpu_ckpt.format import LeafEntry, Manifest, dtype_name, metric_values, tensor_name
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.pieces import Shard, ShardableTensor, WriteBalance, array_pieces, describe_sharding
@@ -113,13 +114,17 @@ def plan_save(
     process_count: int | None = None,
     is_slot: SlotPredicate | None = None,
     metrics: Mapping[str, Any] | None = None,
+    max_file_bytes: int | None = None,
 ) -> SavePlan:
     """Plans this process's part of saving ``tree`` (see :func:`tpu_ckpt.save` for ``is_slot``
     and ``metrics``).
 
     ``process_index`` and ``process_count`` default to this process's place in the JAX job;
-    the executor passes its coordinator's. Raises what a save raises before writing: a leaf
-    that a checkpoint cannot hold, or a sharding callback's invalid result.
+    the executor passes its coordinator's. ``max_file_bytes`` bounds every data file, header
+    included, by cutting bigger ones (``bounded_files.py``): the executor passes the
+    ``object_bytes`` setting when the destination is an object store, where a file is one
+    object. Raises what a save raises before writing: a leaf that a checkpoint cannot hold,
+    or a sharding callback's invalid result.
     """
     options = options or CheckpointOptions()
     me = jax.process_index() if process_index is None else process_index
@@ -130,6 +135,8 @@ def plan_save(
     shards = [s for s in callback(pieces) if s]
     if type(callback) not in BUILT_IN_POLICIES:  # ours are tested to be valid; at a million pieces the check is seconds
         validate_shards(shards, pieces, callback.description)
+    if max_file_bytes is not None:
+        shards = bounded(shards, max_file_bytes, {entry.key: entry.shape for entry in entries})
     files = tuple(DataFile(data_file(me, number), _planned(shard)) for number, shard in enumerate(shards))
     manifest = Manifest(
         tuple(entries), {}, count, callback.description, metrics=None if metrics is None else metric_values(metrics)
@@ -145,7 +152,7 @@ def _leaf_entries(
     leaves: list[tuple[str, list, Any]], me: int, slots: set[str]
 ) -> tuple[list[LeafEntry], list[ShardableTensor]]:
     """Manifest entries (without piece locations) for every leaf, and this process's pieces."""
-    entries, pieces, balance = [], [], WriteBalance()
+    entries, pieces, balance, layouts = [], [], WriteBalance(), {}
     for key, path, leaf in leaves:
         if isinstance(leaf, _PYTHON_VALUES):
             entries.append(LeafEntry(key, path, "value", value=leaf))
@@ -167,7 +174,7 @@ def _leaf_entries(
         shape = tuple(int(d) for d in leaf.shape)
         slot = key in slots
         entries.append(LeafEntry(key, path, "array", shape, name, slot, describe_sharding(leaf)))
-        pieces.extend(array_pieces(key, leaf, process_index=me, is_slot=slot, balance=balance))
+        pieces.extend(array_pieces(key, leaf, process_index=me, is_slot=slot, balance=balance, layouts=layouts))
     return entries, pieces
 
 

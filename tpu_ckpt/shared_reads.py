@@ -18,6 +18,7 @@ the same target, as with any SPMD call.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -91,13 +92,14 @@ class SharedReads(StoreReads):
     """Reads the pieces this process reads for everyone, and fetches the others' from them."""
 
     def __init__(
-        self, store: storage.CheckpointStore, coord: distributed.Coordinator, the_plan: Plan, pieces: dict[PieceId, tuple[str, PieceEntry]]
+        self, store: storage.CheckpointStore, coord: distributed.Coordinator, the_plan: Plan,
+        pieces: dict[PieceId, tuple[str, PieceEntry]], keep_bytes: int | None = None,
     ):
         super().__init__(store)
         self.coord = coord
         self.plan = the_plan
         mine = {pid: pieces[pid] for pid, reader in the_plan.readers.items() if reader == coord.me}
-        self._cache = _ReadOnce(store, mine, the_plan.needers)
+        self._cache = _ReadOnce(store, mine, the_plan.needers, keep_bytes)
         self._server = relay_server.RelayServer(
             store, distributed.relay_host(), coord.timeout, peers=coord.count - 1, shared=self._cache.take
         )
@@ -151,14 +153,21 @@ class SharedReads(StoreReads):
 
 class _ReadOnce:
     """The pieces this process reads for several: each read at its first request and kept
-    until every process that needs it has taken it."""
+    until every process that needs it has taken it, or, beyond ``keep_bytes`` of them
+    (``host_memory_limit``), until newer ones push it out: a peer that asks for it later
+    gets it read again, which costs a read where waiting could deadlock."""
 
-    def __init__(self, store: storage.CheckpointStore, pieces: dict[PieceId, tuple[str, PieceEntry]], needers: dict[PieceId, frozenset[int]]):
+    def __init__(
+        self, store: storage.CheckpointStore, pieces: dict[PieceId, tuple[str, PieceEntry]],
+        needers: dict[PieceId, frozenset[int]], keep_bytes: int | None = None,
+    ):
         self._store = store
         self._pieces = pieces
         self._needers = needers
+        self._keep_bytes = keep_bytes
         self._lock = threading.Lock()
-        self._held: dict[PieceId, tuple[concurrent.futures.Future, set[int]]] = {}
+        self._held: collections.OrderedDict[PieceId, tuple[concurrent.futures.Future, set[int]]] = collections.OrderedDict()
+        self._held_bytes = 0
         self._given_out: set[PieceId] = set()
 
     def take(self, file: str, offset: int, process: int) -> concurrent.futures.Future:
@@ -174,12 +183,19 @@ class _ReadOnce:
                 return self._read(pid)
             if pid not in self._held:
                 self._held[pid] = (self._read(pid), set())
+                self._held_bytes += self._pieces[pid][1].length
             future, taken = self._held[pid]
             taken.add(process)
             if taken >= self._needers[pid]:
-                del self._held[pid]
+                self._drop(pid)
                 self._given_out.add(pid)
+            while self._keep_bytes is not None and self._held_bytes > self._keep_bytes and len(self._held) > 1:
+                self._drop(next(iter(self._held)))  # the oldest
         return future
+
+    def _drop(self, pid: PieceId) -> None:
+        del self._held[pid]
+        self._held_bytes -= self._pieces[pid][1].length
 
     def _read(self, pid: PieceId) -> concurrent.futures.Future:
         key, piece = self._pieces[pid]

@@ -119,11 +119,14 @@ class CheckpointStore(Protocol):
     ) -> concurrent.futures.Future:
         """Starts reading consecutive byte ranges of a file, beginning at ``start``.
 
-        Resolves to one writable uint8 array per length (one read request for all of them),
-        after running ``then`` on them in the IO thread (e.g. checksums, which thereby run in
-        parallel). The arrays are fresh and 64-byte aligned: nothing done to the file later
-        changes them. Fails with ``CorruptCheckpointError`` when the file is missing, too
-        short, not a regular file, or named outside the checkpoint (``safe_reads``).
+        Resolves to one uint8 array per length, after running ``then`` on them in the IO
+        thread (e.g. checksums, which thereby run in parallel). Nothing done to the file
+        later changes the arrays. From a local file or a relay they are fresh, writable and
+        64-byte aligned (one read request for all of them); from an object store they may be
+        read-only views of the bytes received, 16-byte aligned (``object_store._chunks``), so
+        a caller that writes into one, or hands it to the user, copies it first. Fails with
+        ``CorruptCheckpointError`` when the file is missing, too short, not a regular file,
+        or named outside the checkpoint (``safe_reads``).
         """
 
     def read_file(self, name: str) -> bytes | None:
@@ -161,7 +164,7 @@ def Store(loc: Location, *, threads: int | None = None) -> Backend:
     threads = settings().io_threads if threads is None else threads
     if loc.is_local:
         return local_store.LocalStore(loc, threads=threads)
-    return object_store.ObjectStore(loc, threads=threads)
+    return object_store.ObjectStore(loc, threads=threads, reads_in_flight=settings().object_reads_in_flight)
 
 
 def is_empty(loc: Location) -> bool:
