@@ -73,7 +73,7 @@ def host_copies(files: Sequence[DataFile]) -> tuple[DataFile, ...]:
         copies = iter(list(pool.map(_private_host_value, handles, targets)))
     del handles  # off CPU, JAX's other hold on each copy: it now goes once its file is written
     return tuple(
-        DataFile(file.name, tuple(dataclasses.replace(p, data=next(copies)) for p in file.pieces)) for file in files
+        DataFile(file.name, tuple(p._replace(data=next(copies)) for p in file.pieces)) for file in files
     )
 
 
@@ -128,8 +128,9 @@ def _private_host_value(handle: Any, into: np.ndarray | None = None) -> np.ndarr
 def _host_bytes(data: Any) -> np.ndarray:
     """The bytes of ``data`` (a host array, or a handle from ``fetch_started``, whose host
     value this then waits for) as a flat uint8 view."""
-    host = np.ascontiguousarray(np.asarray(data))
-    return host.reshape(-1).view(np.uint8)
+    if type(data) is not np.ndarray or not data.flags.c_contiguous:  # else skip two calls a piece
+        data = np.ascontiguousarray(np.asarray(data))
+    return data.reshape(-1).view(np.uint8)
 
 
 @dataclasses.dataclass

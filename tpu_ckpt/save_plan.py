@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -30,14 +30,14 @@ from tpu_ckpt.validation import validate_shards
 _PYTHON_VALUES = (bool, int, float, str, type(None))
 
 
-@dataclasses.dataclass(frozen=True)
-class PlannedPiece:
+class PlannedPiece(NamedTuple):
     """One block of one leaf in a data file, as the sharding callback cut it, with its data
-    (a numpy array, or a single-device ``jax.Array`` off CPU until the write or snapshot)."""
+    (a numpy array, or a single-device ``jax.Array`` off CPU until the write or snapshot).
+    A named tuple: a save plans one per piece, a million at pod scale."""
 
     key: str
     slice: SliceSpec
-    data: Any = dataclasses.field(repr=False, compare=False)
+    data: Any
 
     @property
     def name(self) -> str:
