@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from tpu_ckpt import storage
 from tpu_ckpt.local_store import LocalStore, make_directory
 from tpu_ckpt.pieces import full_slice
-from tpu_ckpt.save import _fetch_started, _private_host_value, _write_files
+from tpu_ckpt.save import _fetch_started, _private_host_value, write_files
 from tpu_ckpt.save_plan import DataFile, PlannedPiece
 
 SLACK = 96 << 20  # interpreter, allocator and page-table noise
@@ -59,7 +59,7 @@ def test_each_file_is_let_go_once_written(tmp_path):
     del arrays
     store = LocalStore(location, threads=1)
     try:
-        index = _write_files(store, files)
+        index = write_files(store, files)
         assert not files
         assert [ref() is None for ref in alive] == [True, True, True]
     finally:

@@ -86,7 +86,7 @@ def save(
 def _start(
     path: str | os.PathLike[str], tree: Any, options: CheckpointOptions, is_slot: SlotPredicate | None,
     metrics: dict[str, float | int] | None,
-) -> _Job:
+) -> SaveJob:
     """Everything before the first byte is written: the plan, and the staging area."""
     final = storage.location(path)
     coord = distributed.Coordinator(f"save {final.url}", options.coordination_timeout)
@@ -102,7 +102,7 @@ def _start(
             coord.report_failure(error)
             _explain(coord, error)
         raise
-    return _Job(plan, final, coord, leader, options, staging)
+    return SaveJob(plan, final, coord, leader, options, staging)
 
 
 def _explain(coord: distributed.Coordinator, error: BaseException, leader: int | None = None) -> None:
@@ -116,7 +116,7 @@ def _explain(coord: distributed.Coordinator, error: BaseException, leader: int |
         coord.raise_if_another_failed("save")  # e.g. the leader gave up and removed the staging area
 
 
-class _Job:
+class SaveJob:
     """One planned save being carried out.
 
     It keeps the plan's manifest for the commit, and owns the data still to be written (the
@@ -140,8 +140,8 @@ class _Job:
         self._own_files = (*(f.name for f in plan.files), index_file(coord.me))
 
     def snapshot(self) -> None:
-        """Replaces the data to write by host copies (see ``_host_copies``)."""
-        self._unwritten = _host_copies(self._unwritten)
+        """Replaces the data to write by host copies (see ``host_copies``)."""
+        self._unwritten = host_copies(self._unwritten)
 
     def run(self) -> None:
         self.write_and_commit()
@@ -152,8 +152,7 @@ class _Job:
         coord, store = self.coord, self.staging.store
         hands_off = False  # set once this process may delete nothing any more
         try:
-            files, self._unwritten = collections.deque(self._unwritten), ()
-            own = _write_files(store, files)  # lets go of each file once it is written
+            own = self.write_own(store)
             if coord.me == self.leader:
                 coord.collect("written", "", at=self.leader)
                 others = [p for p in range(coord.count) if p != self.leader]
@@ -185,6 +184,12 @@ class _Job:
             self.final.url, len(self.manifest.leaves), self.piece_count, len(own.files), sum(own.files.values()) / 1e6,
             time.perf_counter() - started,
         )
+
+    def write_own(self, store: storage.CheckpointStore) -> Manifest:
+        """Writes this process's data files; returns its index. Each file's host bytes go
+        once it is written. (The local tier's upload writes files it already has instead.)"""
+        files, self._unwritten = collections.deque(self._unwritten), ()
+        return write_files(store, files)
 
     def _planned(self) -> Manifest:
         """The plan's manifest, naming the sharding callback by its description as read now,
@@ -220,7 +225,7 @@ class _Job:
                 callback()
 
 
-def _host_copies(files: Sequence[DataFile]) -> tuple[DataFile, ...]:
+def host_copies(files: Sequence[DataFile]) -> tuple[DataFile, ...]:
     """``files`` with every piece's data replaced by one host copy of its own (see
     ``_private_host_value``), so no device buffer is referenced any more.
 
@@ -282,7 +287,7 @@ def _host_bytes(data: Any) -> np.ndarray:
     return host.reshape(-1).view(np.uint8)
 
 
-def _write_files(store: storage.CheckpointStore, files: collections.deque[DataFile]) -> Manifest:
+def write_files(store: storage.CheckpointStore, files: collections.deque[DataFile]) -> Manifest:
     """Writes ``files``, at most ``writes_in_flight`` (a setting) at a time, taking each out
     of ``files`` as it starts, so that its host bytes go once it is written; returns this
     process's index."""
