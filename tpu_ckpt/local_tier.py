@@ -26,13 +26,14 @@ by its next local save, and the previous step stays the newest.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -159,43 +160,43 @@ class _LocalSave:
     def _save(self) -> None:
         coord = self.coord
         staging = os.path.join(self.root, f"step_{self.step}.tmp-{storage.new_token()}")
-        server = None
         try:
             local_store.make_directory(staging)
-            with storage.Store(storage.Location(staging)) as store:
-                server = self._serve(store)
+            with storage.Store(storage.Location(staging)) as store, self._receiving(store):
                 if coord.me == 0:
                     coord.publish("token", storage.new_token())
                 names = self._write(store)
                 self._replicate(staging, names)
                 coord.barrier("stored")  # every part and every replica is on disk, everywhere
-                token = coord.receive("token", 0) if coord.count > 1 else storage.new_token()
+            token = coord.receive("token", 0) if coord.count > 1 else storage.new_token()
             _commit(self.root, self.step, staging, token, coord.count)
         except BaseException as error:
             coord.report_failure(error)
-            if server is not None:
-                server.close()  # first: no late write lands in what is removed next
-                server = None
             shutil.rmtree(staging, ignore_errors=True)
             if isinstance(error, relay_wire.RelayConnectionError):  # the peer's own report says more
                 coord.raise_if_another_failed("stored", grace=2.0)
             raise
         finally:
-            if server is not None:
-                server.close()
             coord.close()
 
-    def _serve(self, store: storage.Backend) -> relay_server.RelayServer | None:
+    @contextlib.contextmanager
+    def _receiving(self, store: storage.Backend) -> Iterator[None]:
         """Receives the parts this process keeps for others into its staging directory,
-        accepting only their files."""
-        if not self.keeps:
-            return None
-        server = relay_server.RelayServer(
-            store, distributed.relay_host(), self.coord.timeout, peers=len(self.keeps),
-            accepts=lambda name: written_by(name) in self.keeps,
-        )
-        self.coord.publish(f"serve{self.coord.me}", server.contact())
-        return server
+        accepting only their files; stops (and with it every write into ``store``) on exit,
+        before the store closes."""
+        server = None
+        if self.keeps:
+            server = relay_server.RelayServer(
+                store, distributed.relay_host(), self.coord.timeout, peers=len(self.keeps),
+                accepts=lambda name: written_by(name) in self.keeps,
+            )
+        try:
+            if server is not None:
+                self.coord.publish(f"serve{self.coord.me}", server.contact())
+            yield
+        finally:
+            if server is not None:
+                server.close()
 
     def _write(self, store: storage.Backend) -> list[str]:
         """Writes this process's data files, then its part's index; returns their names."""
