@@ -55,3 +55,9 @@ def test_a_host_killed_during_a_local_save_leaves_the_previous_step(tmp_path):
         assert res["after"] == ["step_2", "step_3"], res  # the next save removed any leftover
     assert [n for n in resumed[1]["before"] if not n.startswith("step_3.tmp-")] == ["step_1", "step_2"], resumed[1]
     assert len(resumed[1]["before"]) == 3, resumed[1]  # the killed process's part of step 3, never committed
+
+
+def test_a_local_directory_shared_by_the_processes_is_refused(tmp_path):
+    for res in _ok(multiprocess.run("tier_scenarios.shared_local_directory", 2, str(tmp_path))):
+        assert res["error"] == "CheckpointError" and "is shared with other processes" in res["message"], res
+    assert sorted(os.listdir(tmp_path / "local")) == []  # nothing committed, nothing left

@@ -158,3 +158,15 @@ def killed_during_a_local_save(directory: str, phase: str) -> dict:
     manager.wait_until_finished()
     out["after"] = _local_steps()
     return out
+
+
+def shared_local_directory(directory: str) -> dict:
+    """Both processes given one local_directory that both see (a shared file system)."""
+    persistent = os.path.join(directory, "persistent")
+    options = tc.CheckpointOptions(coordination_timeout=30)
+    manager = tc.CheckpointManager(persistent, local_directory=os.path.join(directory, "local"), options=options)
+    try:
+        manager.save(1, _state(1))
+    except tc.CheckpointError as e:
+        return {"error": type(e).__name__, "message": str(e)}
+    return {"error": None}

@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 TIER_FILE = "tier.json"
 _COMMITTED = re.compile(r"step_(\d+)")
 _LEFTOVER = re.compile(r"step_\d+\.(tmp|old)-[0-9a-f]+")
+_proved: set[str] = set()  # local directories this process has proved are its own (see _prove_private)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,25 +160,35 @@ class _LocalSave:
 
     def _save(self) -> None:
         coord = self.coord
-        staging = os.path.join(self.root, f"step_{self.step}.tmp-{storage.new_token()}")
+        staging = ""
         try:
+            token = self._token()
+            staging = os.path.join(self.root, f"step_{self.step}.tmp-{token}{coord.me:06x}")
             local_store.make_directory(staging)
             with storage.Store(storage.Location(staging)) as store, self._receiving(store):
-                if coord.me == 0:
-                    coord.publish("token", storage.new_token())
                 names = self._write(store)
                 self._replicate(staging, names)
                 coord.barrier("stored")  # every part and every replica is on disk, everywhere
-            token = coord.receive("token", 0) if coord.count > 1 else storage.new_token()
+            _prove_private(coord, self.root, f"step_{self.step}.tmp-{token}", staging)
             _commit(self.root, self.step, staging, token, coord.count)
         except BaseException as error:
             coord.report_failure(error)
-            shutil.rmtree(staging, ignore_errors=True)
+            if staging:
+                shutil.rmtree(staging, ignore_errors=True)
             if isinstance(error, relay_wire.RelayConnectionError):  # the peer's own report says more
                 coord.raise_if_another_failed("stored", grace=2.0)
             raise
         finally:
             coord.close()
+
+    def _token(self) -> str:
+        """The save's id, the same on every process (process 0's): it names the staging
+        directories and marks the committed step, so no step mixes the parts of two saves."""
+        if self.coord.me == 0 or self.coord.count == 1:
+            token = storage.new_token()
+            self.coord.publish("token", token)
+            return token
+        return self.coord.receive("token", 0)
 
     @contextlib.contextmanager
     def _receiving(self, store: storage.Backend) -> Iterator[None]:
@@ -254,6 +265,30 @@ def _commit(root: str, step: int, staging: str, token: str, count: int) -> None:
         local_store.fsync_dir(root)
     except OSError as e:
         raise CheckpointError(f"Could not commit the local step {step} in {root}: {e}", file=staging) from e
+
+
+def _prove_private(coord: distributed.Coordinator, root: str, prefix: str, mine: str) -> None:
+    """Refuses, on every process, a ``local_directory`` that several processes see (a shared
+    file system), where their commits would replace each other's steps. Checked at the first
+    local save into ``root``: after the barrier every process's staging directory of the save
+    exists, and process 0 gathers who sees another's before anyone commits."""
+    if root in _proved or coord.count == 1:
+        return
+    seen = sorted(n for n in os.listdir(root) if n.startswith(prefix) and n != os.path.basename(mine))
+    views = coord.collect("private", seen[0] if seen else "", at=0)
+    if coord.me == 0:
+        verdict = next((view for _, view in sorted(views.items()) if view), "")
+        coord.publish("shared", verdict)
+    else:
+        verdict = coord.receive("shared", 0)
+    if verdict:
+        raise CheckpointError(
+            f"local_directory {root} is shared with other processes of this job (their staging directory "
+            f"{verdict} is here): the local tier needs each host's own disk (local SSD, RAM disk). Give each "
+            "host a path on its own disk, or leave local_directory out and save to the shared directory.",
+            file=root,
+        )
+    _proved.add(root)
 
 
 def prune(root: str, keep: int | None, protected: int | None) -> None:
