@@ -10,12 +10,14 @@ piece. What each host's disk holds:
     <local_directory>/step_<s>/               a committed local step, renamed into place
         tier.json                             {"token": the save's id, the same on every host,
                                                "count": the job's process count}
+        plan.json                             the save's manifest without pieces (every leaf)
         d<p>-<n>.safetensors, index-<p>.json  the part of each process p this host holds: its
                                               own, and those it keeps as a replica
     <local_directory>/step_<s>.tmp-<hex>/     a local save in progress (or interrupted)
 
-A part's index is the plan's manifest with only that process's pieces and files, so parts
-that cover every process merge into a full manifest (``commit.merge_indexes``). A host
+A part's index is what an ordinary save's process writes (its pieces and data files), so the
+plan and parts covering every process merge into a full manifest as a commit merges them
+(``commit.merge_indexes``). A host
 renames its step into place only after a barrier says that every process has written its
 part and its replicas durably: a directory ``step_<s>`` holds complete parts only, and a step
 can be restored when the parts on the hosts still alive cover every process
@@ -42,7 +44,6 @@ import numpy as np
 from tpu_ckpt import distributed, local_store, relay, relay_server, relay_wire, storage
 from tpu_ckpt.background import WRITER, SaveResult
 from tpu_ckpt.errors import CheckpointError
-from tpu_ckpt.format import Manifest
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.save import host_copies, write_files
 from tpu_ckpt.save_plan import SavePlan, index_file, plan_save, written_by
@@ -50,6 +51,7 @@ from tpu_ckpt.save_plan import SavePlan, index_file, plan_save, written_by
 logger = logging.getLogger(__name__)
 
 TIER_FILE = "tier.json"
+PLAN_FILE = "plan.json"  # the plan's manifest: every leaf, no piece (decoded with tiled=False)
 _COMMITTED = re.compile(r"step_(\d+)")
 _LEFTOVER = re.compile(r"step_\d+\.(tmp|old)-[0-9a-f]+")
 _proved: set[str] = set()  # local directories this process has proved are its own (see _prove_private)
@@ -210,12 +212,13 @@ class _LocalSave:
                 server.close()
 
     def _write(self, store: storage.Backend) -> list[str]:
-        """Writes this process's data files, then its part's index; returns their names."""
+        """Writes this process's data files, its index and the plan; returns the names of
+        its part (the plan is the same on every process: each host keeps its own copy)."""
         files, self._files = collections.deque(self._files), ()
         index = write_files(store, files)
-        part = part_manifest(self.planned, index)
         name = index_file(self.coord.me)
-        store.write(name, [part.to_json()]).result()
+        for future in (store.write(name, [index.to_json()]), store.write(PLAN_FILE, [self.planned.to_json()])):
+            future.result()
         return [*index.files, name]
 
     def _replicate(self, staging: str, names: list[str]) -> None:
@@ -232,13 +235,6 @@ class _LocalSave:
         finally:
             for peer in peers:
                 peer.close()
-
-
-def part_manifest(planned: Manifest, index: Manifest) -> Manifest:
-    """The plan's manifest with only this process's pieces and data files: one part's index."""
-    own = {leaf.key: leaf.pieces for leaf in index.leaves}
-    leaves = tuple(dataclasses.replace(leaf, pieces=tuple(own.get(leaf.key, ()))) for leaf in planned.leaves)
-    return dataclasses.replace(planned, leaves=leaves, files=dict(index.files))
 
 
 def mapped(path: str) -> Any:

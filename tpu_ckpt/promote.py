@@ -50,44 +50,45 @@ class Upload:
         coord = self.coord
         try:
             source = local_tier.step_dir(root, self.step)
-            part = _own_part(source, coord.me)
+            plan = _decoded(os.path.join(source, local_tier.PLAN_FILE), tiled=False)
+            index = _decoded(os.path.join(source, index_file(coord.me)), complete=False)
             staging = prepare(self.final, coord, 0, self.options.coordination_timeout, relayed=False)
         except BaseException as error:
             with coord:
                 coord.report_failure(error)
             raise
-        _FromLocalFiles(part, source, self.final, coord, self.options, staging).run()
+        _FromLocalFiles(plan, index, source, self.final, coord, self.options, staging).run()
 
 
-def _own_part(source: str, me: int) -> Manifest:
-    with open(os.path.join(source, index_file(me)), "rb") as f:
-        return decode_manifest(f.read(), where=os.path.join(source, index_file(me)), tiled=False)
+def _decoded(path: str, **how: bool) -> Manifest:
+    with open(path, "rb") as f:
+        return decode_manifest(f.read(), where=path, **how)
 
 
 class _FromLocalFiles(SaveJob):
     """An ordinary save's job whose data files are copied from the local step."""
 
     def __init__(
-        self, part: Manifest, source: str, final: storage.Location, coord: distributed.Coordinator,
-        options: CheckpointOptions, staging: Staging,
+        self, plan: Manifest, index: Manifest, source: str, final: storage.Location,
+        coord: distributed.Coordinator, options: CheckpointOptions, staging: Staging,
     ):
-        pieces = sum(len(leaf.pieces) for leaf in part.leaves)
-        super().__init__(SavePlan(coord.me, part, (), pieces), final, coord, 0, options, staging)
-        self._part = part
+        pieces = sum(len(leaf.pieces) for leaf in index.leaves)
+        super().__init__(SavePlan(coord.me, plan, (), pieces), final, coord, 0, options, staging)
+        self._index = index
         self._source = source
-        self._own_files = (*part.files, index_file(coord.me))
+        self._own_files = (*index.files, index_file(coord.me))
 
     def write_own(self, store: storage.CheckpointStore) -> Manifest:
         """Copies this process's data files, ``writes_in_flight`` at a time, each mapped
         from the local disk rather than read into memory; returns this process's index."""
         in_flight: collections.deque = collections.deque()
-        for name in self._part.files:
+        for name in self._index.files:
             while len(in_flight) >= settings().writes_in_flight:
                 _finish(*in_flight.popleft())
             in_flight.append((name, store.write(name, [local_tier.mapped(os.path.join(self._source, name))]), store))
         while in_flight:
             _finish(*in_flight.popleft())
-        return self._part
+        return self._index
 
 
 def _finish(name: str, future: object, store: storage.CheckpointStore) -> None:

@@ -122,25 +122,26 @@ def _serve(coord: distributed.Coordinator, own: storage.Backend, parts: list[int
     if not parts or coord.count == 1:
         return None
     root = own.location.local_path
-    serves = {n: os.path.getsize(os.path.join(root, n)) for n in os.listdir(root) if written_by(n) in parts}
+    names = [n for n in os.listdir(root) if written_by(n) in parts or n == local_tier.PLAN_FILE]
+    serves = {n: os.path.getsize(os.path.join(root, n)) for n in names}
     server = relay_server.RelayServer(own, distributed.relay_host(), coord.timeout, peers=coord.count - 1, serves=serves)
     coord.publish(f"serve{coord.me}", server.contact())
     return server
 
 
 def _manifest(store: _Parts, count: int) -> Manifest:
-    """Every part's index, merged and checked like a committed manifest (pieces inside
-    their files, none sharing a byte, every leaf tiled)."""
-    where = store.location.url
+    """The plan and every part's index, merged and checked like a committed manifest (pieces
+    inside their files, none sharing a byte, every leaf tiled)."""
+    names = [local_tier.PLAN_FILE, *(index_file(owner) for owner in range(count))]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        texts = list(pool.map(lambda owner: store.read_file(index_file(owner)), range(count)))
-    parts = []
-    for owner, text in enumerate(texts):
+        texts = list(pool.map(store.read_file, names))
+    for name, text in zip(names, texts):
         if text is None:
-            raise CorruptCheckpointError(f"{where}: the index of process {owner}'s part is missing", file=where)
-        parts.append(decode_manifest(text, where=f"{where}/{index_file(owner)}", tiled=False))
-    manifest = merge_indexes(parts[0], parts)
-    check_byte_ranges(manifest, where)
+            raise CorruptCheckpointError(f"{store.location.child(name)} is missing", file=store.location.child(name))
+    plan = decode_manifest(texts[0], where=store.location.child(names[0]), tiled=False)
+    indexes = [decode_manifest(text, where=store.location.child(name), complete=False) for name, text in zip(names[1:], texts[1:])]
+    manifest = merge_indexes(plan, indexes)
+    check_byte_ranges(manifest, store.location.url)
     return manifest
 
 
@@ -170,7 +171,12 @@ class _Parts:
         self._own.close()
 
     def _store_of(self, name: str) -> Any:
-        holder = self._holders.get(written_by(name))
+        """The store holding ``name``: its part's server; the plan from this process when it
+        serves a part of this save, else from the server of process 0's part."""
+        if name == local_tier.PLAN_FILE:
+            holder = self._coord.me if self._coord.me in self._holders.values() else self._holders[0]
+        else:
+            holder = self._holders.get(written_by(name))
         if holder is None:
             raise CorruptCheckpointError(f"{self.location.child(name)} belongs to no part of this local step", file=name)
         if holder == self._coord.me:
