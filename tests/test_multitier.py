@@ -61,3 +61,11 @@ def test_a_local_directory_shared_by_the_processes_is_refused(tmp_path):
     for res in _ok(multiprocess.run("tier_scenarios.shared_local_directory", 2, str(tmp_path))):
         assert res["error"] == "CheckpointError" and "is shared with other processes" in res["message"], res
     assert sorted(os.listdir(tmp_path / "local")) == []  # nothing committed, nothing left
+
+
+def test_a_local_step_restores_onto_another_process_count(tmp_path):
+    saved = _ok(multiprocess.run("tier_scenarios.another_process_count", 4, str(tmp_path), "save"))
+    assert [f for f in saved[0]["local"]["step_2"] if f.startswith("index-")] == [
+        "index-00000.json", "index-00002.json", "index-00003.json"]
+    for res in _ok(multiprocess.run("tier_scenarios.another_process_count", 2, str(tmp_path), "restore")):
+        assert res["step"] == 2 and res["mismatches"] == [] and res["persistent_opened"] == [], res

@@ -170,3 +170,19 @@ def shared_local_directory(directory: str) -> dict:
     except tc.CheckpointError as e:
         return {"error": type(e).__name__, "message": str(e)}
     return {"error": None}
+
+
+def another_process_count(directory: str, phase: str) -> dict:
+    """``save``: 4 processes, each part kept by two others (local_replicas=2), local steps 1
+    and 2. ``restore``: 2 processes on the disks of hosts 0 and 1, which between them hold
+    every part (0 holds 0, 3, 2; 1 holds 1, 0, 3): step 2 from the local tier, onto 8 devices."""
+    persistent = _enter_host(directory)
+    options = tc.CheckpointOptions(coordination_timeout=30)
+    manager = tc.CheckpointManager(persistent, save_interval_steps=100, local_directory="local",
+                                   local_replicas=2, options=options)
+    if phase == "save":
+        manager.save(1, _state(1))
+        manager.save(2, _state(2))
+        manager.wait_until_finished()
+        return {"local": {name: sorted(os.listdir(os.path.join("local", name))) for name in _local_steps()}}
+    return _restore(manager, _watch_opens(persistent), 2)
