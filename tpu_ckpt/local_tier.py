@@ -44,6 +44,7 @@ import numpy as np
 from tpu_ckpt import distributed, local_store, relay, relay_server, relay_wire, storage
 from tpu_ckpt.background import WRITER, SaveResult
 from tpu_ckpt.errors import CheckpointError
+from tpu_ckpt.gc_pause import gc_paused
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.save import host_copies, write_files
 from tpu_ckpt.save_plan import SavePlan, index_file, plan_save, written_by
@@ -118,17 +119,19 @@ def save_local(
     WRITER.settle()  # one save in flight per process, local or not
     coord = distributed.Coordinator(f"local save of step {step} in {root}", options.coordination_timeout)
     try:
-        plan = plan_save(tree, options, process_index=coord.me, process_count=coord.count, metrics=metrics)
-        job = _LocalSave(root, step, plan, coord, replicas, then)
-        if options.enable_async:
-            job.snapshot()
+        with gc_paused():
+            plan = plan_save(tree, options, process_index=coord.me, process_count=coord.count, metrics=metrics)
+            job = _LocalSave(root, step, plan, coord, replicas, then)
+            if options.enable_async:
+                job.snapshot()
     except BaseException as error:
         with coord:
             coord.report_failure(error)
         then(error)
         raise
     if not options.enable_async:
-        job.run()
+        with gc_paused():
+            job.run()
         return SaveResult(step_dir(root, step))
     return WRITER.start(step_dir(root, step), job.run)
 

@@ -99,9 +99,10 @@ def restore_local(
     """Restores the chosen local step (collective); returns the tree and the bytes read."""
     path = local_tier.step_dir(root, choice.step)
     own = storage.Store(storage.Location(path))
-    server = _serve(coord, own, [o for o, h in choice.holders.items() if h == coord.me])
     store = _Parts(own, choice.holders, coord)
+    server = None
     try:
+        server = _serve(coord, own, [o for o, h in choice.holders.items() if h == coord.me])
         manifest = _manifest(store, len(choice.holders))
         tree, _, nbytes = restore_from(store, manifest, target, options, None, None)
         coord.barrier("restored")  # serves until everyone has what it needs

@@ -57,9 +57,12 @@ class LocalTier:
                 if upload is not None:
                     upload.abandon(error)
                 return
-            local_tier.prune(self.root, self.max_to_keep, self._uploader.step)
             if upload is not None:
                 self._uploader.start(upload, self.root)
+            try:
+                local_tier.prune(self.root, self.max_to_keep, self._uploader.step)
+            except OSError as e:  # the step is committed; a step not removed now goes at the next save
+                logger.warning("tpu_ckpt: could not remove old local steps in %s: %s", self.root, e)
 
         result = local_tier.save_local(self.root, step, tree, options, replicas=self.replicas, metrics=metrics, then=then)
         self.cadence.counts_from(step)
