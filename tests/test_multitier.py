@@ -38,6 +38,7 @@ def test_local_tier_survives_lost_hosts_and_falls_back_to_the_persistent_tier(tm
         assert res["two_lost"]["step"] == 5 and res["two_lost"]["mismatches"] == [], res
         assert any(f.endswith(".safetensors") for f in res["two_lost"]["persistent_opened"]), res
         assert res["plain_restore_mismatches"] == []
+        assert res["keys_left"] == []  # every local save, upload and tier restore deleted its keys
     manifest = tmp_path / "persistent" / "step_5" / "manifest.json"
     assert manifest.exists() and not os.path.exists(tmp_path / "persistent" / "step_6")
     assert json.loads(manifest.read_bytes().rsplit(b',"manifest_crc32c"', 1)[0] + b"}")["process_count"] == 4

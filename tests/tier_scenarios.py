@@ -120,6 +120,10 @@ def survivors_and_lost_hosts(directory: str) -> dict:
     out["two_lost"] = _restore(replaced, opened, 5)
     out["plain_restore_mismatches"] = _mismatches(
         tc.restore(os.path.join(persistent, "step_5"), _targets(_state(0), _job_mesh())), {"w": GLOBAL + 5, "step": 5})
+    from jax._src.distributed import global_state
+
+    global_state.client.wait_at_barrier("tiers_done", 60_000)  # every process has ended every operation
+    out["keys_left"] = [key for key, _ in global_state.client.key_value_dir_get("tpu_ckpt/")]
     return out
 
 
