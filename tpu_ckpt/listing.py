@@ -18,7 +18,7 @@ import logging
 import os
 import re
 
-from tpu_ckpt import distributed, storage
+from tpu_ckpt import storage
 from tpu_ckpt.decode import decode_manifest
 from tpu_ckpt.errors import CheckpointError, CheckpointNotFoundError
 from tpu_ckpt.format import MANIFEST_FILE
@@ -224,6 +224,8 @@ def list_on_leader(loc: storage.Location, leader: int, timeout: float) -> Listin
     The leader lists and tells the others, which never list storage: one listing per call
     for the whole job, and with ``io_device`` the directory may be that process's local
     disk, which only it sees. Every process must therefore make the same manager calls."""
+    from tpu_ckpt import distributed  # here: ``tpu-ckpt ls`` and ``gc`` list without importing JAX
+
     if distributed.process_count() == 1:
         return list_run(loc)
     with distributed.Coordinator(f"list {loc.url}", timeout) as coord:
