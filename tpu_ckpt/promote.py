@@ -14,6 +14,7 @@ them, and background threads finish in no fixed order.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import os
 import threading
@@ -91,9 +92,9 @@ class _FromLocalFiles(SaveJob):
         return self._index
 
 
-def _finish(name: str, future: object, store: storage.CheckpointStore) -> None:
+def _finish(name: str, future: concurrent.futures.Future, store: storage.CheckpointStore) -> None:
     try:
-        future.result()  # type: ignore[attr-defined]
+        future.result()
     except CheckpointError:
         raise
     except Exception as e:
