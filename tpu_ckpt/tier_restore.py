@@ -5,16 +5,19 @@ each reports the local steps it holds and whose parts (``local_tier.held_steps``
 picks the newest local step whose parts, on the hosts alive now, cover every process of the
 job that saved it (a replaced host with an empty disk simply reports nothing), compares it
 with the newest step of the persistent directory, and tells everyone, with the process that
-serves each part. A local restore then reads through :class:`_Parts`, a store that sends
-each data file's reads to its holder: this host's disk, or another host over the relay. The
-ordinary restore plan and executor do the rest, so a different mesh works as from any
-checkpoint, and every piece is checked against its crc32c wherever it came from.
+serves each part. Process 0 merges the plan and the parts' indexes into a manifest and
+sends it to the others (``_agreed_manifest``). A local restore then reads through
+:class:`_Parts`, a store that sends each data file's reads to its holder: this host's disk,
+or another host over the relay. The ordinary restore plan and executor do the rest, so a
+different mesh or process count works as from any checkpoint, and every piece is checked
+against its crc32c wherever it came from.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
@@ -28,7 +31,7 @@ from tpu_ckpt import distributed, local_tier, relay, relay_server, relay_wire, s
 from tpu_ckpt.commit import merge_indexes
 from tpu_ckpt.decode import check_byte_ranges, decode_manifest
 from tpu_ckpt.errors import CorruptCheckpointError
-from tpu_ckpt.format import Manifest
+from tpu_ckpt.format import MANIFEST_FILE, Manifest
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.restore import restore_from
 from tpu_ckpt.save_plan import index_file, written_by
@@ -97,37 +100,56 @@ def restore_local(
     coord: distributed.Coordinator, root: str, choice: Choice, target: Any, options: CheckpointOptions
 ) -> tuple[Any, int]:
     """Restores the chosen local step (collective); returns the tree and the bytes read."""
-    path = local_tier.step_dir(root, choice.step)
-    own = storage.Store(storage.Location(path))
+    own = storage.Store(storage.Location(local_tier.step_dir(root, choice.step)))
     store = _Parts(own, choice.holders, coord)
-    server = None
-    try:
-        server = _serve(coord, own, [o for o, h in choice.holders.items() if h == coord.me])
-        manifest = _manifest(store, len(choice.holders))
-        tree, _, nbytes = restore_from(store, manifest, target, options, None, None)
-        coord.barrier("restored")  # serves until everyone has what it needs
-    except BaseException as error:
-        coord.report_failure(error)
-        if isinstance(error, relay_wire.RelayConnectionError):  # the peer's own report says more
-            coord.raise_if_another_failed("restore", grace=2.0)
-        raise
-    finally:
-        if server is not None:
-            server.close()
-        store.close()
+    with contextlib.ExitStack() as serving:  # servers stop first, then the stores close
+        serving.callback(store.close)
+        try:
+            _serve(coord, own, [o for o, h in choice.holders.items() if h == coord.me], serving)
+            manifest = _agreed_manifest(coord, store, len(choice.holders), serving)
+            tree, _, nbytes = restore_from(store, manifest, target, options, None, None)
+            coord.barrier("restored")  # serves until everyone has what it needs
+        except BaseException as error:
+            coord.report_failure(error)
+            if isinstance(error, relay_wire.RelayConnectionError):  # the peer's own report says more
+                coord.raise_if_another_failed("restore", grace=2.0)
+            raise
     return tree, nbytes
 
 
-def _serve(coord: distributed.Coordinator, own: storage.Backend, parts: list[int]) -> relay_server.RelayServer | None:
+def _serve(coord: distributed.Coordinator, own: storage.Backend, parts: list[int], serving: contextlib.ExitStack) -> None:
     """Serves the files of the parts assigned to this process, and nothing else."""
     if not parts or coord.count == 1:
-        return None
+        return
     root = own.location.local_path
     names = [n for n in os.listdir(root) if written_by(n) in parts or n == local_tier.PLAN_FILE]
     serves = {n: os.path.getsize(os.path.join(root, n)) for n in names}
     server = relay_server.RelayServer(own, distributed.relay_host(), coord.timeout, peers=coord.count - 1, serves=serves)
+    serving.callback(server.close)
     coord.publish(f"serve{coord.me}", server.contact())
-    return server
+
+
+def _agreed_manifest(coord: distributed.Coordinator, store: _Parts, count: int, serving: contextlib.ExitStack) -> Manifest:
+    """Process 0 merges the plan and every part's index, and serves the result; the others
+    fetch it and check it as any manifest. So the job reads the N indexes once, not N times,
+    and a process connects only to process 0 and the servers of the pieces it needs."""
+    if coord.me != 0:
+        contact = coord.receive("manifest", 0)
+        with relay.RelayStore(store.location, contact, coord.timeout, 0, connections=1) as leader:
+            data = leader.read_file(MANIFEST_FILE)
+        where = f"process 0's merged manifest of {store.location.url}"
+        if data is None:
+            raise CorruptCheckpointError(f"{where} is missing", file=store.location.url)
+        return decode_manifest(data, where=where)
+    manifest = _manifest(store, count)
+    if coord.count > 1:
+        merged = _OneFile(store.location, MANIFEST_FILE, manifest.to_json())
+        server = relay_server.RelayServer(
+            merged, distributed.relay_host(), coord.timeout, peers=coord.count - 1, serves={MANIFEST_FILE: None}
+        )
+        serving.callback(server.close)
+        coord.publish("manifest", server.contact())
+    return manifest
 
 
 def _manifest(store: _Parts, count: int) -> Manifest:
@@ -144,6 +166,18 @@ def _manifest(store: _Parts, count: int) -> Manifest:
     manifest = merge_indexes(plan, indexes)
     check_byte_ranges(manifest, store.location.url)
     return manifest
+
+
+class _OneFile:
+    """One file held in memory, for a relay server to serve whole (the merged manifest)."""
+
+    def __init__(self, location: storage.Location, name: str, data: bytes):
+        self.location = location
+        self._name = name
+        self._data = data
+
+    def read_file(self, name: str) -> bytes | None:
+        return self._data if name == self._name else None
 
 
 class _Parts:
