@@ -70,3 +70,9 @@ def test_a_local_step_restores_onto_another_process_count(tmp_path):
         "index-00000.json", "index-00002.json", "index-00003.json"]
     for res in _ok(multiprocess.run("tier_scenarios.another_process_count", 2, str(tmp_path), "restore")):
         assert res["step"] == 2 and res["mismatches"] == [] and res["persistent_opened"] == [], res
+
+
+def test_a_damaged_part_fails_the_restore_on_every_process(tmp_path):
+    merging, other = _ok(multiprocess.run("tier_scenarios.damaged_index", 2, str(tmp_path)))
+    assert merging["error"] == "CorruptCheckpointError" and "index-00001.json" in merging["message"], merging
+    assert other["error"] == "RemoteProcessError" and "index-00001.json" in other["message"], other

@@ -190,3 +190,21 @@ def another_process_count(directory: str, phase: str) -> dict:
         manager.wait_until_finished()
         return {"local": {name: sorted(os.listdir(os.path.join("local", name))) for name in _local_steps()}}
     return _restore(manager, _watch_opens(persistent), 2)
+
+
+def damaged_index(directory: str) -> dict:
+    """Local step 1 on 2 processes; process 1 then damages its own part's index (the part it
+    serves): the restore fails on both processes, naming the file, instead of hanging."""
+    me = jax.process_index()
+    persistent = _enter_host(directory)
+    manager = _manager(persistent, enable_async=False, every=100)
+    manager.save(1, _state(1))
+    if me == 1:
+        with open(os.path.join("local", "step_1", "index-00001.json"), "r+b") as f:
+            f.seek(10)
+            f.write(b"#")
+    try:
+        manager.restore(None, _targets(_state(0), _job_mesh()))
+    except tc.CheckpointError as e:
+        return {"error": type(e).__name__, "message": str(e)}
+    return {"error": None}
