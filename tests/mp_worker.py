@@ -1,5 +1,6 @@
 """One process of a multi-process test: initialize JAX's distributed runtime, run a scenario."""
 
+import importlib
 import json
 import os
 import sys
@@ -11,9 +12,9 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.config.update("jax_enable_x64", True)
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=int(num_processes), process_id=int(process_id))
 
-from tests import mp_scenarios  # noqa: E402  (after initialize, like a real training script)
-
-result = getattr(mp_scenarios, scenario)(*args)
+module, _, function = scenario.rpartition(".")  # "tier_scenarios.f": another module's scenario
+scenarios = importlib.import_module(f"tests.{module or 'mp_scenarios'}")  # after initialize, like a training script
+result = getattr(scenarios, function)(*args)
 print("RESULT " + json.dumps(result), flush=True)
 if result.get("peer_killed"):
     os._exit(0)  # shutdown() would wait for the dead peer

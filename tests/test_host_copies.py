@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tpu_ckpt import storage
-from tpu_ckpt.data_writes import Writes, _private_host_value, fetch_started
+from tpu_ckpt.data_writes import Writes, _private_host_value, fetch_started, write_all
 from tpu_ckpt.local_store import LocalStore, make_directory
 from tpu_ckpt.pieces import full_slice
 from tpu_ckpt.save_plan import DataFile, PlannedPiece
@@ -59,10 +59,8 @@ def test_each_file_is_let_go_once_written(tmp_path):
     del arrays
     store = LocalStore(location, threads=1)
     try:
-        writes = Writes(store, None)
-        while files:
-            writes.start(files.popleft())
-        index = writes.index()
+        index = write_all(Writes(store, None), files)
+        assert not files
         assert [ref() is None for ref in alive] == [True, True, True]
     finally:
         store.close()

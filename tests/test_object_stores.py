@@ -157,6 +157,24 @@ def test_async_saves_commit_in_the_background(bucket, mesh42):
     assert tc.CheckpointManager(bucket.url("run")).restore()["step"] == 2
 
 
+def test_a_multi_tier_manager_uploads_its_persistent_steps_from_the_local_tier(bucket, tmp_path):
+    options = tc.CheckpointOptions(enable_async=True)
+    tiers = dict(save_interval_steps=2, local_directory=str(tmp_path / "local"), local_max_to_keep=1, options=options)
+    with tc.CheckpointManager(bucket.url("run"), **tiers) as manager:
+        for step in range(1, 5):
+            manager.save(step, tree(step))
+    assert {key.split("/")[1] for key in bucket.keys("run/")} == {"step_1", "step_3"}
+    # local_max_to_keep=1, and step 3 while it was being uploaded
+    assert sorted(os.listdir(tmp_path / "local")) in (["step_4"], ["step_3", "step_4"])
+    assert tc.restore(bucket.url("run/step_3"))["step"] == 3  # an ordinary checkpoint
+    with tc.CheckpointManager(bucket.url("run"), **tiers) as manager:
+        assert manager.latest_step() == 4 and manager.restore()["step"] == 4  # the local tier
+    os.rename(tmp_path / "local", tmp_path / "lost")
+    with tc.CheckpointManager(bucket.url("run"), **tiers) as manager:
+        assert manager.latest_step() == 3
+        np.testing.assert_array_equal(manager.restore()["w"], tree(3)["w"])  # the bucket
+
+
 def test_keep_every_n_hours_is_refused_where_there_are_no_mtimes(bucket):
     with pytest.raises(ValueError, match="object stores .* report no modification times"):
         tc.CheckpointManager(bucket.url("run"), keep_checkpoint_every_n_hours=1)

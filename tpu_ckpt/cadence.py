@@ -15,6 +15,7 @@ Orbax flags could). A forced save ignores them all.
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 import time
 from typing import Any
@@ -72,3 +73,15 @@ def check_step(step: Any, usage: str) -> int:
     if value < 0:
         raise ValueError(f"step must be >= 0, got {value}")
     return value
+
+
+def names_a_step(arg: Any) -> bool:
+    """Whether ``restore``'s first argument is meant as a step (possibly a wrong one, which
+    is then refused) rather than as a target pytree."""
+    if isinstance(arg, (str, bytes, numbers.Number)):
+        return True
+    try:
+        operator.index(arg)
+    except TypeError:
+        return False
+    return True

@@ -133,6 +133,14 @@ def _host_bytes(data: Any) -> np.ndarray:
     return data.reshape(-1).view(np.uint8)
 
 
+def write_all(writes: Writes, files: collections.deque[DataFile], *, recycle: bool = False) -> Manifest:
+    """Writes ``files`` through ``writes``, taking each out of ``files`` as it starts (so
+    nothing else holds its bytes once written); returns this process's index."""
+    while files:
+        writes.start(files.popleft(), recycle=recycle)
+    return writes.index()
+
+
 @dataclasses.dataclass
 class _InFlight:
     name: str
@@ -174,8 +182,18 @@ class Writes:
             self._pieces[p.key].append(entry)
         self._sizes[file.name] = layout.size
         recycled = [p.data for p in file.pieces] if recycle else []
-        self._in_flight.append(_InFlight(file.name, self.store.write(file.name, layout.buffers(buffers)), file.nbytes, recycled))
-        self.held += file.nbytes
+        self._issue(file.name, layout.buffers(buffers), file.nbytes, recycled)
+
+    def copy(self, name: str, buffers: Sequence[Any]) -> None:
+        """Starts writing a file whose bytes are ready (e.g. a local-tier file, mapped),
+        once there is room; it is not part of the index."""
+        nbytes = sum(memoryview(b).nbytes for b in buffers)
+        self.make_room(nbytes)
+        self._issue(name, buffers, nbytes, [])
+
+    def _issue(self, name: str, buffers: Sequence[Any], nbytes: int, recycled: list[np.ndarray]) -> None:
+        self._in_flight.append(_InFlight(name, self.store.write(name, buffers), nbytes, recycled))
+        self.held += nbytes
 
     def drain(self) -> None:
         while self._in_flight:

@@ -46,9 +46,10 @@ _FIRST_SEALED = (1, 2)
 
 
 def decode_manifest(
-    data: bytes, *, where: str, complete: bool = True, tables: piece_table.TableSource | None = None
+    data: bytes, *, where: str, complete: bool = True, tables: piece_table.TableSource | None = None, tiled: bool = True
 ) -> Manifest:
     """The manifest in ``data`` (the bytes of ``where``), checked throughout (see module docstring).
+    ``tiled=False``: every leaf as in a manifest, but holding only some of its pieces (a local-tier part).
 
     Format 2: a gridded leaf's pieces are read from ``tables`` when first used, and checked
     then (``piece_table.py``); without ``tables`` only its shape, dtype and grid are known."""
@@ -62,7 +63,7 @@ def decode_manifest(
             file=where,
         )
     manifest = _Decoder(where, complete, tables).manifest(doc, ".".join(map(str, version)))
-    _check_layout(manifest, where, complete)
+    _check_layout(manifest, where, complete and tiled)
     return manifest
 
 

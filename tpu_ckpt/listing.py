@@ -11,6 +11,7 @@ user's own files and directories) is neither listed nor removed.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
@@ -215,3 +216,35 @@ def _sort(names: set[str], with_manifest: set[str]) -> Listing:
         n for n in names if OWN_LEFTOVER.fullmatch(n) and (n not in with_manifest or STAGING.fullmatch(n))
     )
     return Listing(committed, leftovers)
+
+
+def list_on_leader(loc: storage.Location, leader: int, timeout: float) -> Listing:
+    """What ``loc`` holds, as process ``leader`` sees it (collective).
+
+    The leader lists and tells the others, which never list storage: one listing per call
+    for the whole job, and with ``io_device`` the directory may be that process's local
+    disk, which only it sees. Every process must therefore make the same manager calls."""
+    from tpu_ckpt import distributed  # here: ``tpu-ckpt ls`` and ``gc`` list without importing JAX
+
+    if distributed.process_count() == 1:
+        return list_run(loc)
+    with distributed.Coordinator(f"list {loc.url}", timeout) as coord:
+        if coord.me != leader:
+            return Listing.from_json(coord.receive("listing", leader))
+        try:
+            listing = list_run(loc)
+        except BaseException as error:
+            coord.report_failure(error)
+            raise
+        coord.publish("listing", listing.to_json())
+        return listing
+
+
+def remove_step(loc: storage.Location, name: str, why: str) -> None:
+    """Deletes one step directory under ``loc``. The manifest goes first, so an interrupted
+    delete leaves an uncommitted leftover and never a committed checkpoint with files missing."""
+    logger.info("tpu_ckpt: removing %s: %s", loc.child(name), why)
+    with storage.Store(storage.Location(loc.child(name)), threads=1) as store:
+        with contextlib.suppress(FileNotFoundError):
+            store.delete(MANIFEST_FILE)
+        store.delete_all()

@@ -6,44 +6,38 @@ saving). It keeps the newest ``max_to_keep`` checkpoints, one every
 ``keep_checkpoint_every_n_hours``, and the ``keep_best`` best by a metric (retention.py), and
 it tells the loop when the job is being preempted.
 
-The directory is the source of truth. Each committed checkpoint is a directory ``step_<n>``
-directly under it, and it counts as committed once its manifest exists (see storage.py).
-There is no state file, so a new manager (after a restart, or on another host) sees exactly
-the committed steps, and a crash can never leave a state file and the checkpoints
-disagreeing. Metrics live in each step's manifest for the same reason. The manager itself
-remembers only the last step it saved or restored (for the interval), the save in flight,
-and the scores of the steps whose manifests it has read (a committed manifest never changes).
+The directory is the source of truth: one ``step_<n>`` per committed checkpoint, committed
+once its manifest exists (see storage.py), and no state file, so a new manager (after a
+restart, on another host) sees exactly the committed steps, and a crash never leaves a state
+file and the checkpoints disagreeing. Metrics live in each step's manifest for the same reason.
 
-Retention and the removal of uncommitted leftovers run as a write callback of each save.
-They therefore run after that save is committed: on the background thread for asynchronous
-saves, and only on the process that commits (process 0, or the ``io_device`` process).
-Nothing else can be in flight at that moment. A process has one save in flight at a time, and
-the other processes cannot start their next save until that process has named its staging
-area. That process, the leader, is also the only one that lists the directory: once per
-manager call, for the whole job (see ``_list``), so a pod's thousand hosts never list storage.
+Retention and the removal of uncommitted leftovers run as a write callback of each save,
+after its commit, on the process that commits (the leader), which is also the only one that
+lists the directory: once per manager call, for the whole job (see ``_list``).
+
+With ``local_directory`` a second, local tier saves often to each host's own disk and the
+persistent steps are uploaded from it in the background (``tiers.py``); a restore takes the
+newest step either tier holds whole.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
-import numbers
-import operator
 import os
 import time
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
-from tpu_ckpt import distributed, retention, storage
+from tpu_ckpt import distributed, promote, retention, storage, tiers
 from tpu_ckpt.background import SaveResult
-from tpu_ckpt.cadence import Cadence, check_step
+from tpu_ckpt.cadence import Cadence, check_step, names_a_step
 from tpu_ckpt.committed import read_manifest
 from tpu_ckpt.errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
 from tpu_ckpt.format import MANIFEST_FILE, metric_values
-from tpu_ckpt.listing import Listing, list_run
+from tpu_ckpt.listing import Listing, list_on_leader, remove_step
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.preemption import PreemptionWatch
 from tpu_ckpt.restore import restore
@@ -60,12 +54,10 @@ class CheckpointManager:
       max_to_keep: how many of the newest checkpoints to keep. ``None`` keeps all of them.
       keep_checkpoint_every_n_hours: also keep, forever, each checkpoint that leaves the
         newest ``max_to_keep`` at least this many hours after the last one kept this way
-        (TF's rule). The times are the mtimes of the manifests, so this needs a local
-        directory (tensorstore's kvstores do not report when an object was written, so a
-        ``gs://``, ``s3://`` or ``memory://`` directory is refused here), and copying
-        checkpoints without preserving mtimes (``cp -r`` without ``-p``) changes them. On an empty directory the clock starts when the manager is
-        created, as in TF. On a directory that already holds steps, the oldest step starts
-        the clock. TF reads that time from its state file, and we keep no state file.
+        (TF's rule). The times are the manifests' mtimes, so this needs a local directory
+        (object stores do not report when an object was written) and ``cp -p`` to copy. The
+        clock starts when the manager is created on an empty directory (as in TF), else at
+        the oldest step (TF reads that time from its state file; we keep none).
       save_interval_steps: ``save`` writes only when ``step`` is at least this many steps
         past the last step this manager saved or restored (TF's ``checkpoint_interval``).
         A manager's first save is always due, as in TF.
@@ -78,15 +70,18 @@ class CheckpointManager:
         seconds have passed since it started, or since the last ``restore``. 0: save
         whenever no save is in flight. In a multi-process job the io process decides for all.
       keep_best, best_fn, best_mode: also keep the ``keep_best`` steps whose
-        ``best_fn(metrics)`` is highest (``best_mode="max"``) or lowest (``"min"``), the
-        metrics being those given to ``save``. Steps without metrics, or scored NaN, are
-        kept by the other rules only. See retention.py for how the rules combine.
+        ``best_fn(metrics)`` (the metrics given to ``save``) is highest (``best_mode="max"``)
+        or lowest (``"min"``); see retention.py for how the rules combine.
       options: the :class:`CheckpointOptions` for every save (``enable_async`` included).
         They are also the default for ``restore``.
+      local_directory: a path on each host's own disk (local SSD, RAM disk): the local tier.
+        Every ``local_interval_steps`` (and at every persistent step) each process saves its
+        own pieces there and sends a copy to ``local_replicas`` other hosts; the persistent
+        steps are then uploaded to ``directory`` from those files, in the background. Each
+        host keeps its newest ``local_max_to_keep`` local steps. See tiers.py.
 
-    Every process of a multi-process job creates the manager and makes the same calls
-    (SPMD): ``save`` with the same steps, and ``restore``, ``latest_step`` and ``all_steps``
-    too, since one process lists the directory for all of them.
+    Every process of a multi-process job creates the manager and makes the same calls (SPMD:
+    ``save``, ``restore``, ``latest_step``, ``all_steps``), as one process lists for all.
     """
 
     def __init__(
@@ -102,6 +97,10 @@ class CheckpointManager:
         best_fn: retention.BestFn | None = None,
         best_mode: str = "max",
         options: CheckpointOptions | None = None,
+        local_directory: str | os.PathLike[str] | None = None,
+        local_interval_steps: int = 1,
+        local_max_to_keep: int | None = 2,
+        local_replicas: int = 1,
     ):
         self._location = storage.location(directory)
         self.directory = self._location.url
@@ -116,8 +115,11 @@ class CheckpointManager:
         self._pending: SaveResult | None = None
         self._scores: dict[str, float | None] = {}  # step directory -> its best_fn score
         # TF's last_preserved_timestamp, which TF reads from its state file (see Args).
-        self._preserved_since = time.time() - 1 if self.latest_step() is None else -math.inf
+        self._preserved_since = time.time() - 1 if not self._list().committed else -math.inf
         self._preemption = PreemptionWatch()
+        self._tier = None if local_directory is None else tiers.LocalTier(
+            local_directory, local_interval_steps, local_max_to_keep, local_replicas, self._options
+        )
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -134,20 +136,39 @@ class CheckpointManager:
         but not yet committed; it is committed once :meth:`wait_until_finished` returns.
         A save first waits for the one before it and raises that one's failure, if any.
         After a restart, resume with :meth:`restore`. That also sets the step from which
-        the interval counts.
+        the interval counts. With ``local_directory`` a step is saved locally when either
+        tier is due, and uploaded to ``directory`` in the background when the persistent
+        tier is (see tiers.py); ``force`` saves to both.
 
         Raises:
           CheckpointExistsError: step ``step`` is already committed. Checkpoints are never
             overwritten.
         """
         step = check_step(step, "save(step, tree)")
-        if not force and not self.should_save(step):
+        persistent = force or self.should_save(step)
+        if not persistent and (self._tier is None or not self._tier.cadence.steps_due(step)):
             return False
         metrics = None if metrics is None else metric_values(metrics)
         score = None
         if metrics is not None and self._retention.best_fn is not None:
             score = retention.score(self._retention.best_fn, metrics, step)  # a broken best_fn fails here
-        self.wait_until_finished()
+        self._wait_for_save()
+        if self._tier is None:
+            path, options = self._persistent(step, score)
+            self._pending = save(path, tree, options=options, metrics=metrics)
+        else:
+            upload = None
+            if persistent:
+                self._tier.wait_for_upload()  # one upload at a time
+                upload = promote.Upload(*self._persistent(step, score), step)
+            self._pending = self._tier.save(step, tree, self._options, metrics, upload)
+        if persistent:
+            self._cadence.counts_from(step)
+        return True
+
+    def _persistent(self, step: int, score: float | None) -> tuple[str, CheckpointOptions]:
+        """Where the persistent step goes, and the options of its save (retention after the
+        commit); raises if it is committed already."""
         listing = self._list()
         if step in listing.committed:
             raise CheckpointExistsError(
@@ -160,10 +181,7 @@ class CheckpointManager:
             # An interrupted save of this step, written in place (object stores): in the way.
             self._remove(name, "an uncommitted leftover of an earlier save of this step")
         retain = functools.partial(self._after_commit, step, name, score, listing)
-        options = self._options.replace(write_callbacks=(*self._options.write_callbacks, retain))
-        self._pending = save(self._location.child(name), tree, options=options, metrics=metrics)
-        self._cadence.counts_from(step)
-        return True
+        return self._location.child(name), self._options.replace(write_callbacks=(*self._options.write_callbacks, retain))
 
     def should_save(self, step: int) -> bool:
         """Whether :meth:`save` would write ``step`` now (without ``force``): see cadence.py.
@@ -190,6 +208,10 @@ class CheckpointManager:
     def restore(self, step: Any = None, target: Any = None, *, options: CheckpointOptions | None = None) -> Any:
         """Restores step ``step`` (``None``: the latest committed one). See :func:`tpu_ckpt.restore`.
 
+        With ``local_directory``: from the local tier when every process's part of the step is
+        on some live host (its own disk or a replica) and ``directory`` has no newer step;
+        else from ``directory``.
+
         ``restore(target)``, Orbax's habit, is ``restore(None, target)``: a first argument
         that is no integer is the target. First waits for a save in flight, and raises its
         failure like :meth:`wait_until_finished`. The restored step then counts as the last
@@ -198,7 +220,7 @@ class CheckpointManager:
         Raises:
           CheckpointNotFoundError: no committed checkpoint, or none for ``step``.
         """
-        if step is not None and not _names_a_step(step):
+        if step is not None and not names_a_step(step):
             if target is not None:
                 raise TypeError(
                     f"restore() got a {type(step).__name__} as its step, and a target: call "
@@ -207,33 +229,50 @@ class CheckpointManager:
             step, target = None, step
         self.wait_until_finished()
         committed = self._list().committed
+        options = options if options is not None else self._options
+        step = None if step is None else check_step(step, "restore(step, target)")
+        if self._tier is not None:
+            chosen, tree = self._tier.restore(committed, step, target, options)
+            if tree is not None:  # from the local tier
+                self._cadence.counts_from(chosen)
+                return tree
+            step = chosen if chosen is not None else step
         if step is None:
             if not committed:
                 raise CheckpointNotFoundError(f"No committed checkpoint in {self.directory}", file=self.directory)
             step = max(committed)
-        else:
-            step = check_step(step, "restore(step, target)")
-            if step not in committed:
-                raise CheckpointNotFoundError(
-                    f"No committed checkpoint for step {step} in {self.directory}; "
-                    f"the committed steps are {sorted(committed)}",
-                    file=self.directory,
-                )
-        options = options if options is not None else self._options
+        elif step not in committed:
+            raise CheckpointNotFoundError(
+                f"No committed checkpoint for step {step} in {self.directory}; "
+                f"the committed steps are {sorted(committed)}",
+                file=self.directory,
+            )
         tree = restore(self._location.child(committed[step]), target, options=options)
         self._cadence.counts_from(step)
+        if self._tier is not None:
+            self._tier.cadence.counts_from(step)
         return tree
 
     def latest_step(self) -> int | None:
-        """The highest committed step, or ``None``. A save still in flight does not count."""
-        return max(self._list().committed, default=None)
+        """The highest committed step, or ``None``. A save still in flight does not count.
+        With ``local_directory``: the step :meth:`restore` would restore, from either tier."""
+        committed = self._list().committed
+        if self._tier is None:
+            return max(committed, default=None)
+        return self._tier.choose(committed, None, self._options.coordination_timeout).step
 
     def all_steps(self) -> list[int]:
-        """Every committed step, in ascending order."""
+        """Every committed step (of ``directory``, the persistent tier), in ascending order."""
         return sorted(self._list().committed)
 
     def wait_until_finished(self) -> None:
-        """Waits until the save in flight is committed, and raises its failure (once)."""
+        """Waits until the save in flight (and an upload to ``directory``) is committed, and
+        raises its failure (once)."""
+        self._wait_for_save()
+        if self._tier is not None:
+            self._tier.wait_for_upload()
+
+    def _wait_for_save(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.wait()
@@ -251,10 +290,8 @@ class CheckpointManager:
         Under JAX's distributed runtime this is JAX's preemption sync point
         (``multihost_utils.reached_preemption_sync_point``). The processes agree on the
         step, and every process must call this at every step. In a single-process run it is
-        True once the process has received SIGTERM. The first call installs a handler that
-        records SIGTERM instead of dying of it, so that must happen on the main thread.
-        :meth:`close` of the last manager watching puts the previous handler back. A
-        typical loop::
+        True once the process has received SIGTERM; the first call (on the main thread)
+        installs a handler recording it, which :meth:`close` removes. A typical loop::
 
             if manager.reached_preemption(step):
                 manager.save(step, state, force=True)
@@ -311,42 +348,13 @@ class CheckpointManager:
         may be that process's local disk, which only it sees. Listing is therefore collective,
         like ``save`` and ``restore``: every process must make the same manager calls.
         """
-        leader = self._leader()
-        if distributed.process_count() == 1:
-            return list_run(self._location)
-        with distributed.Coordinator(f"list {self.directory}", self._options.coordination_timeout) as coord:
-            if coord.me != leader:
-                return Listing.from_json(coord.receive("listing", leader))
-            try:
-                listing = list_run(self._location)
-            except BaseException as error:
-                coord.report_failure(error)
-                raise
-            coord.publish("listing", listing.to_json())
-            return listing
+        return list_on_leader(self._location, self._leader(), self._options.coordination_timeout)
 
     def _leader(self) -> int:
         """The process that removes old steps and leftovers: the one that writes storage."""
         return self._options.io_device if self._options.io_device is not None else 0
 
     def _remove(self, name: str, why: str) -> None:
-        """Deletes one step directory. The manifest goes first, so an interrupted delete
-        leaves an uncommitted leftover and never a committed checkpoint with files missing."""
-        logger.info("tpu_ckpt: removing %s: %s", self._location.child(name), why)
         self._scores.pop(name, None)
-        with storage.Store(storage.Location(self._location.child(name)), threads=1) as store:
-            with contextlib.suppress(FileNotFoundError):
-                store.delete(MANIFEST_FILE)
-            store.delete_all()
+        remove_step(self._location, name, why)
 
-
-def _names_a_step(arg: Any) -> bool:
-    """Whether ``restore``'s first argument is meant as a step (possibly a wrong one, which
-    is then refused) rather than as a target pytree."""
-    if isinstance(arg, (str, bytes, numbers.Number)):
-        return True
-    try:
-        operator.index(arg)
-    except TypeError:
-        return False
-    return True

@@ -108,7 +108,7 @@ def restore(
     started = time.perf_counter()
     loc = storage.location(path)
     with _open(loc, options) as (store, manifest, coord):
-        tree, count, nbytes = _restore_from(store, manifest, target, options, subtree, coord)
+        tree, count, nbytes = restore_from(store, manifest, target, options, subtree, coord)
     logger.info(
         "tpu_ckpt: restored %d leaves (%.1f MB read) from %s in %.2fs",
         count, nbytes / 1e6, loc.url, time.perf_counter() - started,
@@ -190,7 +190,7 @@ def _relayed(
         yield store, decode_manifest(data, where=loc.child(MANIFEST_FILE), tables=store_tables(store))
 
 
-def _restore_from(
+def restore_from(
     store: storage.CheckpointStore, manifest: Manifest, target: Any, options: CheckpointOptions,
     subtree: str | None, coord: distributed.Coordinator | None,
 ) -> tuple[Any, int, int]:

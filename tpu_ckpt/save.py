@@ -81,7 +81,7 @@ def save(
 def _start(
     path: str | os.PathLike[str], tree: Any, options: CheckpointOptions, is_slot: SlotPredicate | None,
     metrics: dict[str, float | int] | None,
-) -> _Job:
+) -> SaveJob:
     """Everything before the first byte is written: the plan, and the staging area."""
     final = storage.location(path)
     coord = distributed.Coordinator(f"save {final.url}", options.coordination_timeout)
@@ -98,7 +98,7 @@ def _start(
             coord.report_failure(error)
             _explain(coord, error)
         raise
-    return _Job(plan, final, coord, leader, options, staging)
+    return SaveJob(plan, final, coord, leader, options, staging)
 
 
 def _largest_file(final: storage.Location, options: CheckpointOptions) -> int | None:
@@ -121,7 +121,7 @@ def _explain(coord: distributed.Coordinator, error: BaseException, leader: int |
         coord.raise_if_another_failed("save")  # e.g. the leader gave up and removed the staging area
 
 
-class _Job:
+class SaveJob:
     """One planned save being carried out.
 
     It keeps the plan's manifest for the commit, and owns the data still to be written (the
@@ -171,10 +171,7 @@ class _Job:
         coord, store = self.coord, self.staging.store
         hands_off = False  # set once this process may delete nothing any more
         try:
-            files, self._unwritten = collections.deque(self._unwritten), ()
-            while files:
-                self._writes.start(files.popleft(), recycle=self._copied)  # each let go of once written
-            own = self._writes.index()
+            own = self.write_own(store)
             if coord.me == self.leader:
                 coord.collect("written", "", at=self.leader)
                 others = [p for p in range(coord.count) if p != self.leader]
@@ -206,6 +203,12 @@ class _Job:
             self.final.url, len(self.manifest.leaves), self.piece_count, len(own.files), sum(own.files.values()) / 1e6,
             time.perf_counter() - started,
         )
+
+    def write_own(self, store: storage.CheckpointStore) -> Manifest:
+        """Writes this process's data files; returns its index. Each file's host bytes go
+        once it is written. (The local tier's upload writes files it already has instead.)"""
+        files, self._unwritten = collections.deque(self._unwritten), ()
+        return data_writes.write_all(self._writes, files, recycle=self._copied)
 
     def _planned(self) -> Manifest:
         """The plan's manifest, naming the sharding callback by its description as read now,
