@@ -29,6 +29,7 @@ import numpy as np
 
 from tpu_ckpt import distributed, local_tier, relay, relay_server, relay_wire, storage
 from tpu_ckpt.commit import merge_indexes
+from tpu_ckpt.committed import store_tables
 from tpu_ckpt.decode import check_byte_ranges, decode_manifest
 from tpu_ckpt.errors import CorruptCheckpointError
 from tpu_ckpt.format import MANIFEST_FILE, Manifest
@@ -130,22 +131,26 @@ def _serve(coord: distributed.Coordinator, own: storage.Backend, parts: list[int
 
 
 def _agreed_manifest(coord: distributed.Coordinator, store: _Parts, count: int, serving: contextlib.ExitStack) -> Manifest:
-    """Process 0 merges the plan and every part's index, and serves the result; the others
-    fetch it and check it as any manifest. So the job reads the N indexes once, not N times,
-    and a process connects only to process 0 and the servers of the pieces it needs."""
+    """Process 0 merges the plan and every part's index, and serves the result in format 2;
+    the others fetch its manifest (one entry per leaf) and, lazily, the piece-table rows of
+    the leaves they restore, and check them as any manifest's. So the job reads the N
+    indexes once, not N times, no process fetches every piece's entry, and a process
+    connects only to process 0 and the servers of the pieces it needs."""
     if coord.me != 0:
-        contact = coord.receive("manifest", 0)
-        with relay.RelayStore(store.location, contact, coord.timeout, 0, connections=1) as leader:
-            data = leader.read_file(MANIFEST_FILE)
+        leader = relay.RelayStore(store.location, coord.receive("manifest", 0), coord.timeout, 0, connections=1)
+        serving.callback(leader.close)  # the tables are read while the restore plans
+        data = leader.read_file(MANIFEST_FILE)
         where = f"process 0's merged manifest of {store.location.url}"
         if data is None:
             raise CorruptCheckpointError(f"{where} is missing", file=store.location.url)
-        return decode_manifest(data, where=where)
+        return decode_manifest(data, where=where, tables=store_tables(leader))
     manifest = _manifest(store, count)
     if coord.count > 1:
-        merged = _OneFile(store.location, MANIFEST_FILE, manifest.to_json())
+        body, tables = manifest.encode()
+        merged = _InMemory(store.location, {MANIFEST_FILE: body, **tables})
         server = relay_server.RelayServer(
-            merged, distributed.relay_host(), coord.timeout, peers=coord.count - 1, serves={MANIFEST_FILE: None}
+            merged, distributed.relay_host(), coord.timeout, peers=coord.count - 1,
+            serves={MANIFEST_FILE: None, **{name: len(data) for name, data in tables.items()}},
         )
         serving.callback(server.close)
         coord.publish("manifest", server.contact())
@@ -168,16 +173,25 @@ def _manifest(store: _Parts, count: int) -> Manifest:
     return manifest
 
 
-class _OneFile:
-    """One file held in memory, for a relay server to serve whole (the merged manifest)."""
+class _InMemory:
+    """Files held in memory (the merged manifest and its piece tables), for a relay server
+    to serve: whole, or by byte range."""
 
-    def __init__(self, location: storage.Location, name: str, data: bytes):
+    def __init__(self, location: storage.Location, files: dict[str, bytes]):
         self.location = location
-        self._name = name
-        self._data = data
+        self._files = files
 
     def read_file(self, name: str) -> bytes | None:
-        return self._data if name == self._name else None
+        return self._files.get(name)
+
+    def read(self, name: str, start: int, lengths: list[int]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        data, chunks = self._files[name], []
+        for n in lengths:
+            chunks.append(np.frombuffer(data, np.uint8, n, start).copy())
+            start += n
+        future.set_result(chunks)
+        return future
 
 
 class _Parts:
