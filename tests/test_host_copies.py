@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from tpu_ckpt import storage
 from tpu_ckpt.data_writes import Writes, _private_host_value, fetch_started, write_all
+from tpu_ckpt.errors import CheckpointError
 from tpu_ckpt.local_store import LocalStore, make_directory
 from tpu_ckpt.pieces import full_slice
 from tpu_ckpt.save_plan import DataFile, PlannedPiece
@@ -92,3 +93,24 @@ def test_async_save_without_reuse_leaves_no_copy(tmp_path):
     for save in ("first", "second"):
         assert grown[save]["peak"] <= state + SLACK, grown
         assert grown[save]["after"] <= SLACK, grown  # none left once the save is done
+
+
+def test_a_failed_write_leaves_no_other_write_running(tmp_path):
+    """The first of four files cannot be written (its name is taken by a directory): when
+    the error reaches the caller, the three bigger writes started after it have finished,
+    so none still reads the caller's buffers (which it may donate once the save raised)."""
+    location = storage.location(tmp_path / "c")
+    make_directory(location.local_path)
+    os.mkdir(os.path.join(location.local_path, "d0.safetensors"))
+    arrays = [np.full(1 << 10, 0, np.float32)] + [np.full(16 << 20, i, np.float32) for i in (1, 2, 3)]
+    files = collections.deque(
+        DataFile(f"d{i}.safetensors", (PlannedPiece(f"k{i}", full_slice(a.shape), a),)) for i, a in enumerate(arrays)
+    )
+    store = LocalStore(location, threads=4)
+    try:
+        with pytest.raises(CheckpointError, match="d0.safetensors"):
+            write_all(Writes(store, None), files)
+        sizes = [os.path.getsize(os.path.join(location.local_path, f"d{i}.safetensors")) for i in (1, 2, 3)]
+        assert all(size > arrays[1].nbytes for size in sizes), sizes  # header and data, all there
+    finally:
+        store.close()

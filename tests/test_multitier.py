@@ -76,3 +76,8 @@ def test_a_damaged_part_fails_the_restore_on_every_process(tmp_path):
     merging, other = _ok(multiprocess.run("tier_scenarios.damaged_index", 2, str(tmp_path)))
     assert merging["error"] == "CorruptCheckpointError" and "index-00001.json" in merging["message"], merging
     assert other["error"] == "RemoteProcessError" and "index-00001.json" in other["message"], other
+
+
+def test_async_local_saves_keep_host_memory_limit_on_every_process(tmp_path):
+    for res in _ok(multiprocess.run("tier_scenarios.async_local_saves_under_a_memory_limit", 2, str(tmp_path))):
+        assert res == {"local": [], "persistent": []}, res

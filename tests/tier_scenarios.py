@@ -15,6 +15,7 @@ import sys
 import threading
 
 import jax
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
@@ -208,3 +209,22 @@ def damaged_index(directory: str) -> dict:
     except tc.CheckpointError as e:
         return {"error": type(e).__name__, "message": str(e)}
     return {"error": None}
+
+
+def async_local_saves_under_a_memory_limit(directory: str) -> dict:
+    """Async local steps of 32 MiB per process under host_memory_limit=16 MiB (each process
+    writes the files that do not fit before save returns), step 1 also uploaded; restored
+    from the local tier, then from the persistent one, onto the reversed mesh."""
+    persistent = _enter_host(directory)
+    big = np.arange(16 << 20, dtype=np.float32).reshape(4096, 4096) / 7  # 64 MiB in the job
+    state = {"w": _global_array(_job_mesh(), P("data", "model"), big), "step": 2}
+    options = tc.CheckpointOptions(enable_async=True, coordination_timeout=30, host_memory_limit=16 << 20)
+    with tc.CheckpointManager(persistent, save_interval_steps=4, local_directory="local", local_replicas=1,
+                              options=options) as manager:
+        manager.save(1, {**state, "step": 1})
+        manager.save(2, state)
+    target = _targets(state, _reversed_mesh())
+    with tc.CheckpointManager(persistent, local_directory="local", options=options) as manager:
+        local = manager.restore(None, target)
+    uploaded = tc.restore(os.path.join(persistent, "step_1"), target)
+    return {"local": _mismatches(local, {"w": big, "step": 2}), "persistent": _mismatches(uploaded, {"w": big, "step": 1})}

@@ -28,9 +28,10 @@ def index(pieces: Mapping[str, Sequence[PieceEntry]], files: Mapping[str, int]) 
     return Manifest(leaves, dict(files), 0, "")
 
 
-def merge_indexes(planned: Manifest, indexes: Sequence[Manifest]) -> Manifest:
+def merge_indexes(planned: Manifest, indexes: Sequence[Manifest], check: bool = True) -> Manifest:
     """``planned`` completed by the indexes of every process: each leaf's pieces (sorted by
-    slice) and every data file. Raises if a leaf's merged pieces miss or repeat a block."""
+    slice) and every data file. Raises if a leaf's merged pieces miss or repeat a block
+    (unless ``check`` is False: the caller asks :func:`uncovered` itself)."""
     pieces: dict[str, list[PieceEntry]] = {}
     files: dict[str, int] = {}
     for one in indexes:
@@ -40,9 +41,15 @@ def merge_indexes(planned: Manifest, indexes: Sequence[Manifest]) -> Manifest:
     leaves = tuple(
         dataclasses.replace(e, pieces=tuple(sorted(pieces.get(e.key, ()), key=lambda p: p.slice))) for e in planned.leaves
     )
-    for leaf in leaves:
-        _check_covered(leaf)
-    return dataclasses.replace(planned, leaves=leaves, files=dict(sorted(files.items())))
+    merged = dataclasses.replace(planned, leaves=leaves, files=dict(sorted(files.items())))
+    problem = uncovered(merged) if check else None
+    if problem is not None:
+        raise CheckpointError(
+            f"Leaf {problem[0]!r}: {problem[1]}; refusing to commit an inconsistent checkpoint. "
+            "Are all processes saving the same tree?",
+            key=problem[0],
+        )
+    return merged
 
 
 def commit(
@@ -68,14 +75,10 @@ def _take_index(store: storage.Backend, process: int) -> Manifest:
     return theirs
 
 
-def _check_covered(leaf: LeafEntry) -> None:
-    """Guards against committing a leaf whose merged pieces miss or repeat a block."""
-    if leaf.kind != "array":
-        return
-    problem = tiling_problem(leaf.shape, [p.slice for p in leaf.pieces])
-    if problem:
-        raise CheckpointError(
-            f"Leaf {leaf.key!r}: {problem}; refusing to commit an inconsistent checkpoint. "
-            "Are all processes saving the same tree?",
-            key=leaf.key,
-        )
+def uncovered(manifest: Manifest) -> tuple[str, str] | None:
+    """The first array leaf whose pieces miss or repeat a block, and what is wrong, or None."""
+    for leaf in manifest.leaves:
+        problem = None if leaf.kind != "array" else tiling_problem(leaf.shape, [p.slice for p in leaf.pieces])
+        if problem:
+            return leaf.key, problem
+    return None

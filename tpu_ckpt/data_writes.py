@@ -174,10 +174,14 @@ class Writes:
         """Starts writing ``file`` once there is room (before its pieces come to the host).
         ``recycle``: its data are ``host_copies``, to give back once written (``_Spares``)."""
         self.make_room(file.nbytes)
-        handles = [fetch_started(p.data) for p in file.pieces]  # every transfer starts before any is awaited
-        buffers = [_host_bytes(h) for h in handles]
-        tensors = [(p.key, p.slice, dtype_name(p.data.dtype), tuple(p.data.shape), b) for p, b in zip(file.pieces, buffers)]
-        layout, entries = data_file(file.name, tensors)
+        try:
+            handles = [fetch_started(p.data) for p in file.pieces]  # every transfer starts before any is awaited
+            buffers = [_host_bytes(h) for h in handles]
+            tensors = [(p.key, p.slice, dtype_name(p.data.dtype), tuple(p.data.shape), b) for p, b in zip(file.pieces, buffers)]
+            layout, entries = data_file(file.name, tensors)
+        except BaseException:
+            self.settle()
+            raise
         for p, entry in zip(file.pieces, entries):
             self._pieces[p.key].append(entry)
         self._sizes[file.name] = layout.size
@@ -192,8 +196,21 @@ class Writes:
         self._issue(name, buffers, nbytes, [])
 
     def _issue(self, name: str, buffers: Sequence[Any], nbytes: int, recycled: list[np.ndarray]) -> None:
-        self._in_flight.append(_InFlight(name, self.store.write(name, buffers), nbytes, recycled))
+        try:
+            write = self.store.write(name, buffers)
+        except BaseException:
+            self.settle()
+            raise
+        self._in_flight.append(_InFlight(name, write, nbytes, recycled))
         self.held += nbytes
+
+    def settle(self) -> None:
+        """Waits for every write in flight, whatever its outcome, and forgets them: once a
+        save fails, none of its writes may still read the caller's buffers (which the caller
+        may then donate), nor land after the staging area is removed."""
+        pending, self._in_flight = self._in_flight, collections.deque()
+        concurrent.futures.wait([p.write for p in pending])
+        self.held = 0
 
     def drain(self) -> None:
         while self._in_flight:
@@ -206,13 +223,13 @@ class Writes:
 
     def _finish_oldest(self) -> None:
         done = self._in_flight.popleft()
+        self.held -= done.nbytes
         try:
             done.write.result()
-        except CheckpointError:
-            raise  # already names the file
-        except Exception as e:
+        except BaseException as e:
+            self.settle()
+            if isinstance(e, CheckpointError) or not isinstance(e, Exception):
+                raise  # a CheckpointError already names the file
             where = self.store.location.child(done.name)
             raise CheckpointError(f"Writing {where} failed: {e}", file=where) from e
-        finally:
-            self.held -= done.nbytes
         _SPARES.give_back(done.recycled)

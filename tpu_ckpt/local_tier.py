@@ -35,6 +35,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -87,7 +88,10 @@ def held_steps(root: str) -> list[LocalStep]:
             with open(os.path.join(path, TIER_FILE)) as f:
                 info = json.load(f)
             owners = {written_by(n) for n in os.listdir(path) if n.startswith("index-")}
-            found.append(LocalStep(int(match[1]), str(info["token"]), int(info["count"]), tuple(sorted(owners - {None}))))
+            count = info["count"]
+            if type(count) is not int or count < 1:
+                raise ValueError(f"{TIER_FILE} gives a process count of {count!r}")
+            found.append(LocalStep(int(match[1]), str(info["token"]), count, tuple(sorted(owners - {None}))))
         except (OSError, ValueError, KeyError, TypeError) as e:
             logger.warning("tpu_ckpt: ignoring the local step %s: %s", path, e)
     return sorted(found, key=lambda s: s.step)
@@ -108,24 +112,31 @@ def replica_holders(count: int, replicas: int) -> dict[int, list[int]]:
 
 def save_local(
     root: str, step: int, tree: Any, options: CheckpointOptions, *, replicas: int,
-    metrics: dict[str, float | int] | None, then: Callable[[BaseException | None], None],
+    metrics: dict[str, float | int] | None, then: Callable[[BaseException | None], None], max_file_bytes: int | None = None,
 ) -> SaveResult:
     """Saves ``tree`` as local step ``step`` on every process (SPMD, like ``tc.save``).
 
     With ``enable_async`` it returns once the pieces are on the host, and the background
-    writer does the rest. ``then`` runs after the commit (with None) or the failure (with
-    the error), on the thread that wrote."""
+    writer does the rest; under ``host_memory_limit`` as ``tc.save`` does (files that do not
+    fit are written first, from the arrays). ``max_file_bytes`` bounds its data files as
+    ``save.largest_file`` does the destination's they are uploaded to. ``then`` runs after
+    the commit (with None) or the failure (with the error), on the thread that wrote."""
     WRITER.settle()  # one save in flight per process, local or not
     coord = distributed.Coordinator(f"local save of step {step} in {root}", options.coordination_timeout)
+    job = None
     try:
         with gc_paused():
-            plan = plan_save(tree, options, process_index=coord.me, process_count=coord.count, metrics=metrics)
-            job = _LocalSave(root, step, plan, coord, replicas, then)
+            plan = plan_save(
+                tree, options, process_index=coord.me, process_count=coord.count, metrics=metrics, max_file_bytes=max_file_bytes
+            )
+            job = _LocalSave(root, step, plan, coord, replicas, then, options.host_memory_limit)
             if options.enable_async:
                 job.snapshot()
     except BaseException as error:
         with coord:
             coord.report_failure(error)
+            if job is not None:
+                job.discard()
         then(error)
         raise
     if not options.enable_async:
@@ -141,20 +152,53 @@ class _LocalSave:
 
     def __init__(
         self, root: str, step: int, plan: SavePlan, coord: distributed.Coordinator, replicas: int,
-        then: Callable[[BaseException | None], None],
+        then: Callable[[BaseException | None], None], limit: int | None = None,
     ):
         self.root, self.step, self.coord, self.then = root, step, coord, then
         self.planned = plan.manifest
         self._files = plan.files
         self._copied = False  # whether the files' data are host copies of our own
+        self._limit = limit  # host_memory_limit
+        self._staging = ""  # this process's staging directory, once made (``_open``)
+        self._token = ""
+        self._store: storage.Backend | None = None
+        self._writes: data_writes.Writes | None = None
         holders = replica_holders(coord.count, replicas)
         self.sends_to = holders[coord.me]
         self.keeps = frozenset(owner for owner, hs in holders.items() if coord.me in hs)
 
     def snapshot(self) -> None:
-        """Host copies of this process's pieces: the caller may then donate its buffers."""
-        self._files = data_writes.host_copies(self._files)
+        """Host copies of this process's pieces: the caller may then donate its buffers.
+        Under ``host_memory_limit``, as ``SaveJob.snapshot``: the files that do not fit in it
+        are first written from the arrays, and waited for, and only the rest is copied."""
+        files = collections.deque(self._files)
+        rest = sum(f.nbytes for f in files)
+        if self._limit is not None and rest > self._limit:
+            _, writes = self._open()
+            while files and rest > self._limit:
+                rest -= files[0].nbytes
+                writes.start(files.popleft())
+            writes.drain()  # they read the caller's buffers, which it may donate once this returns
+        self._files = data_writes.host_copies(files)
         self._copied = True
+
+    def _open(self) -> tuple[storage.Backend, data_writes.Writes]:
+        """This process's staging directory's store, and its writes, made once (the save's
+        token names the directory)."""
+        if self._store is None or self._writes is None:
+            self._token = self._agreed_token()
+            self._staging = os.path.join(self.root, f"step_{self.step}.tmp-{self._token}{self.coord.me:06x}")
+            local_store.make_directory(self._staging)
+            self._store = storage.Store(storage.Location(self._staging))
+            self._writes = data_writes.Writes(self._store, self._limit)
+        return self._store, self._writes
+
+    def discard(self) -> None:
+        """Removes what this process wrote of a save that failed."""
+        if self._store is not None:
+            self._store.close()
+        if self._staging:
+            shutil.rmtree(self._staging, ignore_errors=True)
 
     def run(self) -> None:
         try:
@@ -166,32 +210,30 @@ class _LocalSave:
 
     def _save(self) -> None:
         coord = self.coord
-        staging = ""
         try:
-            token = self._token()
-            staging = os.path.join(self.root, f"step_{self.step}.tmp-{token}{coord.me:06x}")
-            local_store.make_directory(staging)
-            with storage.Store(storage.Location(staging)) as store, self._receiving(store):
-                names = self._write(store)
-                self._replicate(staging, names)
+            store, writes = self._open()
+            with store, self._receiving(store):
+                names = self._write(store, writes)
+                self._replicate(self._staging, names)
                 coord.barrier("stored")  # every part and every replica is on disk, everywhere
-            _prove_private(coord, self.root, f"step_{self.step}.tmp-{token}", staging)
-            _commit(self.root, self.step, staging, token, coord.count)
+            _prove_private(coord, self.root, f"step_{self.step}.tmp-{self._token}", self._staging)
+            _commit(self.root, self.step, self._staging, self._token, coord.count)
         except BaseException as error:
             coord.report_failure(error)
-            if staging:
-                shutil.rmtree(staging, ignore_errors=True)
+            self.discard()
             if isinstance(error, relay_wire.RelayConnectionError):  # the peer's own report says more
                 coord.raise_if_another_failed("stored", grace=2.0)
             raise
         finally:
             coord.close()
 
-    def _token(self) -> str:
+    def _agreed_token(self) -> str:
         """The save's id, the same on every process (process 0's): it names the staging
-        directories and marks the committed step, so no step mixes the parts of two saves."""
+        directories and marks the committed step, so no step mixes the parts of two saves.
+        It starts with process 0's clock: of two whole saves of one step (a host killed before
+        its rename keeps the older), the restore takes the larger token, the newer save."""
         if self.coord.me == 0 or self.coord.count == 1:
-            token = storage.new_token()
+            token = f"{time.time_ns():016x}{storage.new_token()}"
             self.coord.publish("token", token)
             return token
         return self.coord.receive("token", 0)
@@ -215,11 +257,11 @@ class _LocalSave:
             if server is not None:
                 server.close()
 
-    def _write(self, store: storage.Backend) -> list[str]:
+    def _write(self, store: storage.Backend, writes: data_writes.Writes) -> list[str]:
         """Writes this process's data files, its index and the plan; returns the names of
         its part (the plan is the same on every process: each host keeps its own copy)."""
         files, self._files = collections.deque(self._files), ()
-        index = data_writes.write_all(data_writes.Writes(store, None), files, recycle=self._copied)
+        index = data_writes.write_all(writes, files, recycle=self._copied)
         name = index_file(self.coord.me)
         for future in (store.write(name, [index.to_json()]), store.write(PLAN_FILE, [self.planned.to_json()])):
             future.result()

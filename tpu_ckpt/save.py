@@ -89,7 +89,7 @@ def _start(
         io = io_process(options, coord.count)
         plan = plan_save(
             tree, options, process_index=coord.me, process_count=coord.count, is_slot=is_slot, metrics=metrics,
-            max_file_bytes=_largest_file(final, options),
+            max_file_bytes=largest_file(final, options),
         )
         leader = 0 if io is None else io
         staging = prepare(final, coord, leader, options.coordination_timeout, relayed=io is not None)
@@ -101,7 +101,7 @@ def _start(
     return SaveJob(plan, final, coord, leader, options, staging)
 
 
-def _largest_file(final: storage.Location, options: CheckpointOptions) -> int | None:
+def largest_file(final: storage.Location, options: CheckpointOptions) -> int | None:
     """The most bytes a data file may hold: one object on an object store; under
     ``host_memory_limit``, a share of it, so that several files are written at once."""
     bounds = [] if final.is_local else [settings().object_bytes]

@@ -92,6 +92,8 @@ def _is_grid(shape: Sequence[int], blocks: Sequence[SliceSpec]) -> bool:
     Per dimension, the distinct intervals must partition ``[0, n)``; then distinct blocks
     drawn from those intervals, as many as the grid has cells, are every cell once.
     """
+    if not blocks:  # no piece at all (e.g. a leaf no process wrote): not a grid, a gap
+        return False
     cells = 1
     for d, n in enumerate(shape):
         intervals = sorted({spec[d] for spec in blocks})

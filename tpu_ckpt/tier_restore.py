@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from tpu_ckpt import distributed, local_tier, relay, relay_server, relay_wire, storage
-from tpu_ckpt.commit import merge_indexes
+from tpu_ckpt.commit import merge_indexes, uncovered
 from tpu_ckpt.committed import store_tables
 from tpu_ckpt.decode import check_byte_ranges, decode_manifest
 from tpu_ckpt.errors import CorruptCheckpointError
@@ -73,18 +73,25 @@ def choose(coord: distributed.Coordinator, root: str, persistent: Iterable[int],
 
 def decide(reports: dict[int, str], persistent: set[int], step: int | None) -> Choice:
     """Process 0's choice from every process's report: the newest whole local step unless the
-    persistent tier has a newer one (a pure function, tested alone)."""
+    persistent tier has a newer one (a pure function, tested alone). Of two whole saves of
+    one step, the newer: the larger token (``local_tier._LocalSave._agreed_token``)."""
     parts: dict[tuple[int, str, int], dict[int, list[int]]] = collections.defaultdict(dict)
     for process, text in sorted(reports.items()):
         for saved, token, count, owners in json.loads(text):
             for owner in owners:
                 parts[(saved, token, count)].setdefault(owner, []).append(process)
-    whole = [key for key, held in parts.items() if set(held) >= set(range(key[2])) and step in (None, key[0])]
+    whole = [key for key, held in parts.items() if _covers(held, key[2]) and step in (None, key[0])]
     local = max(whole, default=None)
     newest = max(persistent, default=None) if step is None else (step if step in persistent else None)
     if local is not None and (newest is None or local[0] >= newest):
         return Choice(local[0], True, _assign(parts[local]))
     return Choice(newest)
+
+
+def _covers(held: dict[int, list[int]], count: int) -> bool:
+    """Whether ``held`` has a part of every process of ``count`` (a count from a damaged
+    tier.json may be huge: never a set of that many)."""
+    return 0 < count <= len(held) and all(owner in held for owner in range(count))
 
 
 def _assign(held: dict[int, list[int]]) -> dict[int, int]:
@@ -168,7 +175,14 @@ def _manifest(store: _Parts, count: int) -> Manifest:
             raise CorruptCheckpointError(f"{store.location.child(name)} is missing", file=store.location.child(name))
     plan = decode_manifest(texts[0], where=store.location.child(names[0]), tiled=False)
     indexes = [decode_manifest(text, where=store.location.child(name), complete=False) for name, text in zip(names[1:], texts[1:])]
-    manifest = merge_indexes(plan, indexes)
+    manifest = merge_indexes(plan, indexes, check=False)
+    problem = uncovered(manifest)
+    if problem is not None:  # each file is intact (its crc32c checked), so they are of different saves
+        raise CorruptCheckpointError(
+            f"The local step {store.location.url}: leaf {problem[0]!r}: {problem[1]}: its {names[0]} and its "
+            "parts' indexes are not of one save. Remove that step_<n> on the hosts holding it to fall back.",
+            key=problem[0], file=store.location.url,
+        )
     check_byte_ranges(manifest, store.location.url)
     return manifest
 

@@ -17,6 +17,7 @@ from tpu_ckpt import distributed, local_tier, promote, storage, tier_restore
 from tpu_ckpt.background import SaveResult
 from tpu_ckpt.cadence import Cadence
 from tpu_ckpt.options import CheckpointOptions
+from tpu_ckpt.save import largest_file
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,11 @@ class LocalTier:
             except OSError as e:  # the step is committed; a step not removed now goes at the next save
                 logger.warning("tpu_ckpt: could not remove old local steps in %s: %s", self.root, e)
 
-        result = local_tier.save_local(self.root, step, tree, options, replicas=self.replicas, metrics=metrics, then=then)
+        # Its files are cut as a save to where they may be uploaded would cut them.
+        bound = largest_file(upload.final if upload is not None else storage.location(self.root), options)
+        result = local_tier.save_local(
+            self.root, step, tree, options, replicas=self.replicas, metrics=metrics, then=then, max_file_bytes=bound
+        )
         self.cadence.counts_from(step)
         return result
 
