@@ -81,3 +81,8 @@ def test_a_damaged_part_fails_the_restore_on_every_process(tmp_path):
 def test_async_local_saves_keep_host_memory_limit_on_every_process(tmp_path):
     for res in _ok(multiprocess.run("tier_scenarios.async_local_saves_under_a_memory_limit", 2, str(tmp_path))):
         assert res == {"local": [], "persistent": []}, res
+
+
+def test_a_damaged_local_data_file_falls_back_to_the_persistent_step(tmp_path):
+    for res in _ok(multiprocess.run("tier_scenarios.damaged_data_falls_back", 2, str(tmp_path))):
+        assert res == {"step": 1, "mismatches": []}, res

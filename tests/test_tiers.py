@@ -40,15 +40,32 @@ def test_either_tier_due_saves_locally_and_persistent_steps_are_uploaded(tmp_pat
     assert sorted(os.listdir(tmp_path / "local")) == ["step_4", "step_6"]
 
 
-def test_a_damaged_local_file_is_named_not_restored(tmp_path):
-    with manager(tmp_path) as m:
-        m.save(1, tree(1))
-    data = tmp_path / "local" / "step_1" / "d00000-00000.safetensors"
+def _damage(tmp_path, step: int) -> None:
+    data = tmp_path / "local" / f"step_{step}" / "d00000-00000.safetensors"
     raw = bytearray(data.read_bytes())
     raw[-1] ^= 1
     data.write_bytes(bytes(raw))
+
+
+def test_a_damaged_local_step_falls_back_to_the_persistent_tier(tmp_path, caplog):
+    with manager(tmp_path) as m:
+        m.save(1, tree(1))  # local and persistent
+        m.save(3, tree(3))  # local only
+    _damage(tmp_path, 3)
+    with manager(tmp_path) as m:
+        restored = m.restore()
+    assert restored["step"] == 1
+    np.testing.assert_array_equal(restored["w"], tree(1)["w"])
+    assert "local step 3 is damaged" in caplog.text and "d00000-00000.safetensors" in caplog.text
+
+
+def test_a_damaged_local_file_is_named_when_nothing_persistent_can_replace_it(tmp_path):
+    with manager(tmp_path) as m:
+        m.save(1, tree(1))
+        m.save(3, tree(3))
+    _damage(tmp_path, 3)
     with pytest.raises(tc.CorruptCheckpointError) as error, manager(tmp_path) as m:
-        m.restore()
+        m.restore(3)  # the persistent tier has no step 3
     assert error.value.key == "w" and error.value.file.endswith("d00000-00000.safetensors")
 
 

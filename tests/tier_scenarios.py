@@ -194,12 +194,16 @@ def another_process_count(directory: str, phase: str) -> dict:
 
 
 def damaged_index(directory: str) -> dict:
-    """Local step 1 on 2 processes; process 1 then damages its own part's index (the part it
-    serves): the restore fails on both processes, naming the file, instead of hanging."""
+    """Local step 1 on 2 processes, its upload removed (so there is nothing to fall back to);
+    process 1 then damages its own part's index (the part it serves): the restore fails on
+    both processes, naming the file, instead of hanging."""
     me = jax.process_index()
     persistent = _enter_host(directory)
     manager = _manager(persistent, enable_async=False, every=100)
     manager.save(1, _state(1))
+    manager.wait_until_finished()  # the upload of step 1 read the index before it is damaged
+    if me == 0:
+        shutil.rmtree(os.path.join(persistent, "step_1"))  # process 0 lists for both
     if me == 1:
         with open(os.path.join("local", "step_1", "index-00001.json"), "r+b") as f:
             f.seek(10)
@@ -228,3 +232,24 @@ def async_local_saves_under_a_memory_limit(directory: str) -> dict:
         local = manager.restore(None, target)
     uploaded = tc.restore(os.path.join(persistent, "step_1"), target)
     return {"local": _mismatches(local, {"w": big, "step": 2}), "persistent": _mismatches(uploaded, {"w": big, "step": 1})}
+
+
+def damaged_data_falls_back(directory: str) -> dict:
+    """Steps 1-3 on 2 processes, step 1 also persistent; process 1 then flips a byte of its
+    own part's data in local step 3: the local restore fails its crc32c there, and every
+    process restores persistent step 1 instead."""
+    me = jax.process_index()
+    persistent = _enter_host(directory)
+    with _manager(persistent, enable_async=False, every=4) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, _state(step))
+    if me == 1:
+        name = min(n for n in os.listdir(os.path.join("local", "step_3")) if n.startswith("d00001-"))
+        with open(os.path.join("local", "step_3", name), "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            last = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([last[0] ^ 1]))
+    with _manager(persistent, enable_async=False, every=4) as manager:
+        restored = manager.restore(None, _targets(_state(0), _job_mesh()))
+    return {"step": int(restored["step"]), "mismatches": _mismatches(restored, {"w": GLOBAL + 1, "step": 1})}

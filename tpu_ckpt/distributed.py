@@ -169,7 +169,7 @@ class Coordinator:
         commit (see :meth:`abandoned`)."""
         if self._client is None:
             return
-        report: dict[str, Any] = {"message": f"{type(error).__name__}: {error}", "abandoned": abandoned}
+        report: dict[str, Any] = {"message": f"{type(error).__name__}: {error}", "abandoned": abandoned, "type": type(error).__name__}
         if isinstance(error, CoordinationTimeoutError):  # others waiting there learn who is late
             report.update(stage=error.stage, missing=error.missing)
         try:
@@ -209,7 +209,8 @@ class Coordinator:
             raise self._timeout_error(report["stage"], report["missing"], f"as process {who} found; ")
         raise RemoteProcessError(
             f"{self.what}: process {who} failed while this process ({self.me}) was at "
-            f"stage '{stage}': {report['message']}"
+            f"stage '{stage}': {report['message']}",
+            remote_type=report.get("type"),
         )
 
     def _arrive(self, stage: str, value: str) -> None:

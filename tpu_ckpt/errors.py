@@ -56,4 +56,9 @@ class CoordinationTimeoutError(CheckpointError, TimeoutError):
 
 
 class RemoteProcessError(CheckpointError):
-    """Another process of the job failed at a stage this process was waiting on."""
+    """Another process of the job failed at a stage this process was waiting on;
+    ``remote_type`` names the class of its error (e.g. ``"CorruptCheckpointError"``)."""
+
+    def __init__(self, message: str, *, remote_type: str | None = None):
+        super().__init__(message)
+        self.remote_type = remote_type

@@ -16,10 +16,26 @@ from typing import Any
 from tpu_ckpt import distributed, local_tier, promote, storage, tier_restore
 from tpu_ckpt.background import SaveResult
 from tpu_ckpt.cadence import Cadence
+from tpu_ckpt.errors import CheckpointError, CorruptCheckpointError, RemoteProcessError
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.save import largest_file
 
 logger = logging.getLogger(__name__)
+
+
+def _fall_back(error: CheckpointError, local_step: int, persistent: Iterable[int], step: int | None) -> int:
+    """The persistent step to restore when a damaged local file (crc32c, truncation), on any
+    process, failed the local restore: every process raised, this or a
+    ``RemoteProcessError`` naming it, so every process falls back alike. A request for a
+    step the persistent tier lacks, or another failure, raises ``error``."""
+    damaged = isinstance(error, CorruptCheckpointError) or (
+        isinstance(error, RemoteProcessError) and error.remote_type == CorruptCheckpointError.__name__
+    )
+    older = [s for s in persistent if s <= local_step and (step is None or s == step)]
+    if not damaged or not older:
+        raise error
+    logger.warning("tpu_ckpt: local step %d is damaged (%s); restoring persistent step %d instead", local_step, error, max(older))
+    return max(older)
 
 
 class LocalTier:
@@ -90,7 +106,10 @@ class LocalTier:
             choice = tier_restore.choose(coord, self.root, persistent, step)
             if not choice.local:
                 return choice.step, None
-            tree, nbytes = tier_restore.restore_local(coord, self.root, choice, target, options)
+            try:
+                tree, nbytes = tier_restore.restore_local(coord, self.root, choice, target, options)
+            except (CorruptCheckpointError, RemoteProcessError) as error:
+                return _fall_back(error, choice.step, persistent, step), None
         logger.info("tpu_ckpt: restored the local step %d (%.1f MB read by this process)", choice.step, nbytes / 1e6)
         self.cadence.counts_from(choice.step)
         return choice.step, tree
