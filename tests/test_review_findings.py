@@ -120,6 +120,7 @@ def test_a_local_steps_plan_from_another_save_is_named_as_corrupt(tmp_path, othe
     with tiered(tmp_path / "b") as m:
         m.save(1, other)
     shutil.copy(tmp_path / "b" / "local" / "step_1" / "plan.json", tmp_path / "a" / "local" / "step_1" / "plan.json")
+    shutil.rmtree(tmp_path / "a" / "persistent" / "step_1")  # else the restore falls back to it
     with pytest.raises(tc.CorruptCheckpointError) as error, tiered(tmp_path / "a") as m:
         m.restore()
     assert error.value.file == str(tmp_path / "a" / "local" / "step_1"), error.value
