@@ -19,11 +19,11 @@ import argparse
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
+
+import workers  # scripts/workers.py
 
 
 def main() -> int:
@@ -46,24 +46,9 @@ def main() -> int:
 
 
 def _launch(args: argparse.Namespace, directory: str) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     command = [sys.executable, __file__, "--processes", str(args.processes), "--mib", str(args.mib), "--dir", directory]
-    procs = [
-        subprocess.Popen([*command, "--worker", str(port), str(i)], stdout=subprocess.PIPE, text=True, env=env)
-        for i in range(args.processes)
-    ]
-    try:
-        outputs = [p.communicate(timeout=900)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(p.returncode for p in procs):
-        raise SystemExit(f"a worker failed: exit codes {[p.returncode for p in procs]}")
-    return [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    return workers.launch(command, args.processes, [], env)
 
 
 def _worker(args: argparse.Namespace, port: int, index: int) -> int:

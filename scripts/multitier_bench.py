@@ -19,12 +19,13 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+
+import workers  # scripts/workers.py
 
 
 def main() -> int:
@@ -57,14 +58,8 @@ def main() -> int:
     return 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _moto(directory: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = workers.free_port()
     server = os.path.join(os.path.dirname(sys.executable), "moto_server")
     log = open(os.path.join(directory, "moto.log"), "w")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen([server, "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
@@ -80,21 +75,8 @@ def _moto(directory: str) -> tuple[subprocess.Popen, str]:
 
 
 def _launch(args: argparse.Namespace, directory: str, persistent: str, env: dict) -> list[dict]:
-    port = _free_port()
     command = [sys.executable, __file__, "--processes", str(args.processes), "--mib", str(args.mib), "--dir", directory]
-    procs = [
-        subprocess.Popen([*command, "--worker", str(port), str(i), persistent], stdout=subprocess.PIPE, text=True, env=env)
-        for i in range(args.processes)
-    ]
-    try:
-        outputs = [p.communicate(timeout=900)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(p.returncode for p in procs):
-        raise SystemExit(f"a worker failed: exit codes {[p.returncode for p in procs]}")
-    return [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    return workers.launch(command, args.processes, [persistent], env)
 
 
 def _worker(args: argparse.Namespace, port: int, index: int, persistent: str) -> int:
