@@ -1,7 +1,8 @@
 """Peak host memory of one sync save to an object store, in a fresh process (for
 test_object_writes); then a restore, checked bit for bit.
 
-Arguments: the checkpoint URL, the state's size in MiB, the ``object_bytes`` setting. The
+Arguments: the checkpoint URL, the state's size in MiB, the ``object_bytes`` setting, and
+optionally a ``host_memory_limit`` for the save. The
 emulator's endpoint and credentials come from the environment the test set. Prints one JSON
 line: the state's bytes, the save's peak RSS above the RSS before it, whether the restore
 was exact.
@@ -26,6 +27,7 @@ import tpu_ckpt as tc  # noqa: E402
 from tpu_ckpt.settings import configure, settings  # noqa: E402
 
 url, megabytes, object_bytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+options = tc.CheckpointOptions(host_memory_limit=int(sys.argv[4]) if len(sys.argv) > 4 else None)
 configure(dataclasses.replace(settings(), object_bytes=object_bytes))
 mesh = jax.make_mesh((4, 2), ("data", "model"))
 # Two kinds of leaves: blocks on every device, and blocks split on "data" only, replicated
@@ -47,7 +49,7 @@ jax.block_until_ready(state)
 tc.save(url + "-warmup", {"x": jnp.ones(8)})  # tensorstore's context, threads and connections
 reset_peak(trim=True)
 base = rss("VmRSS")
-tc.save(url, state)
+tc.save(url, state, options=options)
 save_peak = rss("VmHWM") - base
 target = {key: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for key, x in state.items()}
 restored = tc.restore(url, target)

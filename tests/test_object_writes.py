@@ -181,3 +181,23 @@ def test_a_big_sync_save_holds_a_few_objects_and_writes_none_above_the_bound(s3_
     data = {k: v for k, v in sizes.items() if k.endswith(".safetensors")}
     assert len(data) >= 16 and max(data.values()) <= object_bytes, sizes
     assert sum(data.values()) > 1 << 30
+
+
+@pytest.mark.emulator
+@pytest.mark.slow
+def test_host_memory_limit_bounds_a_save_to_an_object_store(s3_server):
+    """Under host_memory_limit=128 MiB a 512 MiB sync save to S3 holds at most the limit +
+    64 MiB: files are cut to a third of the limit's share (each object is held up to three
+    times while written: Location.write_copies)."""
+    bucket, limit = Bucket(s3_server, f"limited-{uuid.uuid4().hex[:8]}"), 128 << 20
+    probe = os.path.join(os.path.dirname(__file__), "object_write_probe.py")
+    done = subprocess.run(
+        [sys.executable, probe, bucket.url("c"), "512", str(Settings().object_bytes), str(limit)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["exact"], result
+    assert result["save_peak"] <= limit + (64 << 20), result
+    data = {k: v for k, v in bucket.sizes("c/").items() if k.endswith(".safetensors")}
+    assert max(data.values()) <= limit // 3 // Settings().writes_in_flight, data

@@ -105,9 +105,17 @@ def largest_file(final: storage.Location, options: CheckpointOptions) -> int | N
     """The most bytes a data file may hold: one object on an object store; under
     ``host_memory_limit``, a share of it, so that several files are written at once."""
     bounds = [] if final.is_local else [settings().object_bytes]
-    if options.host_memory_limit is not None:
-        bounds.append(options.host_memory_limit // settings().writes_in_flight)
+    budget = write_budget(final, options)
+    if budget is not None:
+        bounds.append(budget // settings().writes_in_flight)
     return min(bounds, default=None)
+
+
+def write_budget(final: storage.Location, options: CheckpointOptions) -> int | None:
+    """The bytes of data files a save may have in flight under ``host_memory_limit``: the
+    limit over the copies a write to ``final`` makes (``Location.write_copies``)."""
+    limit = options.host_memory_limit
+    return None if limit is None else limit // final.write_copies
 
 
 def _explain(coord: distributed.Coordinator, error: BaseException, leader: int | None = None) -> None:
@@ -142,7 +150,7 @@ class SaveJob:
         self.options = options
         self.staging = staging
         self._unwritten = plan.files
-        self._writes = data_writes.Writes(staging.store, options.host_memory_limit)
+        self._writes = data_writes.Writes(staging.store, write_budget(final, options))
         self._copied = False  # whether the data to write are host copies of our own
         self._own_files = (*(f.name for f in plan.files), index_file(coord.me))
 
@@ -151,7 +159,7 @@ class SaveJob:
 
         Under ``host_memory_limit``, the files that do not fit in it are first written from
         the arrays themselves (so the call blocks longer), and only the rest is copied."""
-        limit = self.options.host_memory_limit
+        limit = self._writes.limit
         files = collections.deque(self._unwritten)
         if limit is not None:
             rest = sum(f.nbytes for f in files)

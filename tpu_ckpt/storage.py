@@ -51,6 +51,13 @@ class Location:
     def local_path(self) -> str:
         return self.url[len("file://") :] if self.url.startswith("file://") else self.url
 
+    @property
+    def write_copies(self) -> int:
+        """How many times writing a data file holds its bytes in host memory at most: a
+        local file is written from the buffers themselves; an object is joined into one
+        ``bytes`` and tensorstore copies that twice more (``object_store.py``)."""
+        return 1 if self.is_local else 3
+
     def child(self, name: str) -> str:
         return f"{self.url.rstrip('/')}/{name}"
 
