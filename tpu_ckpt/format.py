@@ -226,18 +226,16 @@ def _abridged(value: Any) -> str:
     return text if len(text) <= 60 else f"a {type(value).__name__} ({text[:40]}...)"
 
 
-def leaf_to_json(leaf: LeafEntry, file_index: dict[str, int]) -> dict[str, Any]:
+def leaf_to_json(leaf: LeafEntry, file_index: dict[str, int], *, pieces: bool = True) -> dict[str, Any]:
+    """A leaf's manifest entry; ``pieces=False`` leaves its pieces out (format 2 puts a
+    gridded leaf's in a piece table)."""
     doc: dict[str, Any] = {"key": leaf.key, "path": [list(e) for e in leaf.path], "kind": leaf.kind}
     if leaf.kind == "value":
         doc["value"] = leaf.value
         return doc
-    doc.update(
-        shape=list(leaf.shape),
-        dtype=leaf.dtype,
-        is_slot=leaf.is_slot,
-        sharding=leaf.sharding,
-        pieces=[[p.slice, file_index[p.file], p.offset, p.length, p.crc32c] for p in leaf.pieces],
-    )
+    doc.update(shape=list(leaf.shape), dtype=leaf.dtype, is_slot=leaf.is_slot, sharding=leaf.sharding)
+    if pieces:
+        doc["pieces"] = [[p.slice, file_index[p.file], p.offset, p.length, p.crc32c] for p in leaf.pieces]
     return doc
 
 
@@ -277,6 +275,9 @@ read whole lands in an aligned buffer (``safe_reads.py``) that JAX's CPU backend
 without a copy."""
 
 
+_ZEROS = [bytes(n) for n in range(ALIGNMENT)]  # every padding, made once: a file may have a million
+
+
 @dataclasses.dataclass(frozen=True)
 class DataFileLayout:
     """A data file ready to write: its safetensors header, and per tensor the zero bytes
@@ -292,7 +293,7 @@ class DataFileLayout:
         out: list[Any] = [self.header]
         for pad, buf in zip(self.padding, data):
             if pad:
-                out.append(bytes(pad))
+                out.append(_ZEROS[pad])
             out.append(buf)
         return out
 

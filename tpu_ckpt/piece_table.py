@@ -95,8 +95,8 @@ def encode(manifest: Manifest) -> tuple[bytes, dict[str, bytes]]:
     sizes: list[int] = []
     leaves = []
     for leaf in manifest.leaves:
-        doc = leaf_to_json(leaf, file_index)
         grid = grid_of(leaf.shape, leaf.pieces) if leaf.kind == "array" else None
+        doc = leaf_to_json(leaf, file_index, pieces=grid is None)
         if grid is not None:
             cuts, cells = grid
             rows = np.zeros(len(cells), ROW)
@@ -109,7 +109,6 @@ def encode(manifest: Manifest) -> tuple[bytes, dict[str, bytes]]:
             if not tables or sizes[-1] + len(data) > MAX_TABLE_ROWS * ROW_BYTES:
                 tables.append([])
                 sizes.append(0)
-            del doc["pieces"]
             doc["grid"] = [_axis_json(c, n) for c, n in zip(cuts, leaf.shape)]
             doc["table"] = [len(tables) - 1, sizes[-1] // ROW_BYTES, len(cells), crc32c(data)]
             tables[-1].append(data)

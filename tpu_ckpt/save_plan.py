@@ -11,6 +11,7 @@ without storage; ``save.py`` carries it out and ``commit.py`` completes its mani
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -55,9 +56,10 @@ class DataFile:
     name: str
     pieces: tuple[PlannedPiece, ...]
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
-        """Element bytes; the file adds its safetensors header and alignment padding."""
+        """Element bytes; the file adds its safetensors header and alignment padding. Asked
+        several times a file while it is written: summed once."""
         return sum(p.nbytes for p in self.pieces)
 
 
