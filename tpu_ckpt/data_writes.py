@@ -2,7 +2,7 @@
 
 A sync save writes each piece straight from its array's buffer (no copy on CPU; off CPU a
 file's pieces are fetched when a write slot is free). An async save first takes a host copy
-of every piece (``host_copies``) so that the caller may donate its buffers at once.
+of every piece (``snapshot``) so that the caller may donate its buffers at once.
 
 Host memory is bounded twice: ``Writes`` keeps at most ``writes_in_flight`` files, and at
 most ``host_memory_limit`` bytes of them, in flight, and lets go of each file's bytes as
@@ -17,7 +17,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -56,7 +56,23 @@ class _Spares:
 _SPARES = _Spares()
 
 
-def host_copies(files: Sequence[DataFile]) -> tuple[DataFile, ...]:
+def snapshot(files: Sequence[DataFile], limit: int | None, writes: Callable[[], Writes]) -> tuple[DataFile, ...]:
+    """``files`` with every piece's data replaced by a host copy (``_host_copies``), holding
+    at most ``limit`` bytes of copies: the files beyond it are first written straight from
+    the arrays through ``writes()`` (so the call blocks longer), and waited for, since they
+    read the caller's buffers, which it may donate once this returns."""
+    queue = collections.deque(files)
+    rest = sum(f.nbytes for f in queue)
+    if limit is not None and rest > limit:
+        early = writes()
+        while queue and rest > limit:
+            rest -= queue[0].nbytes
+            early.start(queue.popleft())
+        early.drain()
+    return _host_copies(queue)
+
+
+def _host_copies(files: Sequence[DataFile]) -> tuple[DataFile, ...]:
     """``files`` with every piece's data replaced by one host copy of its own (see
     ``_private_host_value``), so no device buffer is referenced any more.
 
@@ -172,7 +188,7 @@ class Writes:
 
     def start(self, file: DataFile, *, recycle: bool = False) -> None:
         """Starts writing ``file`` once there is room (before its pieces come to the host).
-        ``recycle``: its data are ``host_copies``, to give back once written (``_Spares``)."""
+        ``recycle``: its data are ``_host_copies``, to give back once written (``_Spares``)."""
         self.make_room(file.nbytes)
         try:
             handles = [fetch_started(p.data) for p in file.pieces]  # every transfer starts before any is awaited

@@ -168,18 +168,9 @@ class _LocalSave:
         self.keeps = frozenset(owner for owner, hs in holders.items() if coord.me in hs)
 
     def snapshot(self) -> None:
-        """Host copies of this process's pieces: the caller may then donate its buffers.
-        Under ``host_memory_limit``, as ``SaveJob.snapshot``: the files that do not fit in it
-        are first written from the arrays, and waited for, and only the rest is copied."""
-        files = collections.deque(self._files)
-        rest = sum(f.nbytes for f in files)
-        if self._limit is not None and rest > self._limit:
-            _, writes = self._open()
-            while files and rest > self._limit:
-                rest -= files[0].nbytes
-                writes.start(files.popleft())
-            writes.drain()  # they read the caller's buffers, which it may donate once this returns
-        self._files = data_writes.host_copies(files)
+        """Host copies of this process's pieces, within ``host_memory_limit``
+        (``data_writes.snapshot``): the caller may then donate its buffers."""
+        self._files = data_writes.snapshot(self._files, self._limit, lambda: self._open()[1])
         self._copied = True
 
     def _open(self) -> tuple[storage.Backend, data_writes.Writes]:

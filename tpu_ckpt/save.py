@@ -155,19 +155,9 @@ class SaveJob:
         self._own_files = (*(f.name for f in plan.files), index_file(coord.me))
 
     def snapshot(self) -> None:
-        """Replaces the data to write by host copies (see ``data_writes.host_copies``).
-
-        Under ``host_memory_limit``, the files that do not fit in it are first written from
-        the arrays themselves (so the call blocks longer), and only the rest is copied."""
-        limit = self._writes.limit
-        files = collections.deque(self._unwritten)
-        if limit is not None:
-            rest = sum(f.nbytes for f in files)
-            while files and rest > limit:
-                rest -= files[0].nbytes
-                self._writes.start(files.popleft())
-            self._writes.drain()  # they read the caller's buffers, which it may donate once this returns
-        self._unwritten = data_writes.host_copies(files)
+        """Replaces the data to write by host copies, within ``host_memory_limit``
+        (``data_writes.snapshot``)."""
+        self._unwritten = data_writes.snapshot(self._unwritten, self._writes.limit, lambda: self._writes)
         self._copied = True
 
     def run(self) -> None:
