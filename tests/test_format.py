@@ -8,12 +8,13 @@ import pytest
 
 import tpu_ckpt as tc
 from tests.helpers import sealed
+from tpu_ckpt import data_layout
 from tpu_ckpt import format as fmt
 from tpu_ckpt.decode import decode_manifest
 
 
 def test_golden_safetensors_header_of_a_two_tensor_shard():
-    layout = fmt.safetensors_layout([("w[0:2,0:2]", "float32", (2, 2), 16), ("i[0:3]", "int4", (3,), 3)])
+    layout = data_layout.safetensors_layout([("w", ((0, 2), (0, 2)), "float32", (2, 2), 16), ("i", ((0, 3),), "int4", (3,), 3)])
     header = (
         b'{"__metadata__":{"format":"tpu_ckpt","format_version":"2.0","i[0:3]":"int4"},'
         b'"w[0:2,0:2]":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},'
@@ -35,12 +36,12 @@ def test_a_layout_is_readable_by_the_safetensors_package(tmp_path):
 
     a = np.arange(5, dtype=np.float32)  # 20 bytes: the next tensor needs padding
     b = np.array([1, 2, 3], dtype=ml_dtypes.bfloat16)
-    layout = fmt.safetensors_layout([("a", "float32", (5,), a.nbytes), ("b", "bfloat16", (3,), b.nbytes)])
+    layout = data_layout.safetensors_layout([("a", ((0, 5),), "float32", (5,), a.nbytes), ("b", ((0, 3),), "bfloat16", (3,), b.nbytes)])
     (tmp_path / "f.safetensors").write_bytes(b"".join(bytes(x) for x in layout.buffers([a.tobytes(), b.tobytes()])))
     loaded = load_file(str(tmp_path / "f.safetensors"))
-    np.testing.assert_array_equal(loaded["a"], a)
-    np.testing.assert_array_equal(loaded["b"].astype(np.float32), b.astype(np.float32))
-    assert set(loaded) == {"a", "b", "__pad_1"} and not loaded["__pad_1"].any()
+    np.testing.assert_array_equal(loaded["a[0:5]"], a)
+    np.testing.assert_array_equal(loaded["b[0:3]"].astype(np.float32), b.astype(np.float32))
+    assert set(loaded) == {"a[0:5]", "b[0:3]", "__pad_1"} and not loaded["__pad_1"].any()
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ import tpu_ckpt as tc
 from tests.helpers import bits
 from tests.object_stores import Bucket
 from tpu_ckpt import object_store, storage
-from tpu_ckpt.format import data_file, dtype_name
+from tpu_ckpt.data_layout import data_file
 from tpu_ckpt.save_plan import plan_save
 from tpu_ckpt.settings import Settings, configure, settings
 
@@ -46,9 +46,7 @@ def tree(mesh) -> dict:
 
 def planned_bytes(file) -> int:
     """The size of the data file as a save writes it (``save._start_write``)."""
-    tensors = [(p.key, p.slice, dtype_name(p.data.dtype), tuple(p.data.shape), np.ascontiguousarray(p.data)) for p in file.pieces]
-    layout, _ = data_file(file.name, tensors)
-    return layout.size
+    return data_file(file.name, file.pieces).size
 
 
 def assembled(plan, key: str, like: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

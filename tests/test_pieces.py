@@ -7,7 +7,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-from tpu_ckpt.pieces import array_pieces, describe_sharding, index_to_slice
+from tpu_ckpt.pieces import LocalPieces, describe_sharding, index_to_slice
 
 
 def test_index_to_slice_normalises_open_slices():
@@ -17,9 +17,15 @@ def test_index_to_slice_normalises_open_slices():
         index_to_slice((slice(0, 8, 2),), (8,))
 
 
+def leaf_pieces(key, leaf, process_index=0):
+    local = LocalPieces(process_index)
+    local.add(key, leaf)
+    return local.shardable()
+
+
 def test_sharded_leaf_gives_one_piece_per_distinct_shard(mesh42):
     x = jax.device_put(np.arange(32.0).reshape(8, 4), NamedSharding(mesh42, P("data")))  # replicated over 'model'
-    pieces = array_pieces("w", x, process_index=0)
+    pieces = leaf_pieces("w", x, 0)
     assert [p.slice_spec for p in pieces] == [((0, 2), (0, 4)), ((2, 4), (0, 4)), ((4, 6), (0, 4)), ((6, 8), (0, 4))]
     for p in pieces:
         assert p.checkpoint_key == "w" and p.shape == (8, 4) and p.dtype == np.float64 and p.device is not None
@@ -29,9 +35,9 @@ def test_sharded_leaf_gives_one_piece_per_distinct_shard(mesh42):
 
 
 def test_host_values_are_written_by_process_zero_only():
-    assert len(array_pieces("a", np.ones(3), process_index=0)) == 1
-    assert array_pieces("a", np.ones(3), process_index=1) == []
-    (scalar,) = array_pieces("s", np.float32(1), process_index=0)
+    assert len(leaf_pieces("a", np.ones(3), 0)) == 1
+    assert leaf_pieces("a", np.ones(3), 1) == []
+    (scalar,) = leaf_pieces("s", np.float32(1), 0)
     assert scalar.slice_spec == () and scalar.nbytes == 4
 
 

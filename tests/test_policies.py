@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from tpu_ckpt.pieces import Shard, ShardableTensor, ShardingCallback, SliceSpec, array_pieces, full_slice
+from tpu_ckpt.pieces import LocalPieces, Shard, ShardableTensor, ShardingCallback, SliceSpec, full_slice
 from tpu_ckpt.policies import MaxShardSizePolicy, ShardByDevicePolicy, ShardByTaskPolicy
 from tpu_ckpt.validation import validate_shards
 
@@ -360,11 +360,10 @@ def mesh_pieces() -> list[ShardableTensor]:
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("x", "y"))
     w = jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4), NamedSharding(mesh, PartitionSpec("x", "y")))
     b = jax.device_put(np.arange(8, dtype=np.int32), NamedSharding(mesh, PartitionSpec("x")))
-    return (
-        array_pieces("w", w, process_index=0)
-        + array_pieces("b", b, process_index=0)
-        + array_pieces("h", np.ones(3, np.float64), process_index=0)
-    )
+    local = LocalPieces(0)
+    for key, leaf in (("w", w), ("b", b), ("h", np.ones(3, np.float64))):
+        local.add(key, leaf)
+    return local.shardable()
 
 
 def entries(shard: Shard) -> set[tuple[str, SliceSpec]]:

@@ -64,6 +64,30 @@ def test_numpy_and_python_values(mesh42):
     assert other.files == () and other.manifest == plan.manifest
 
 
+@pytest.mark.parametrize("policy", [tc.ShardByDevicePolicy, tc.ShardByTaskPolicy])
+def test_built_in_policies_plan_the_same_files_through_arrange_as_through_their_call(mesh42, policy):
+    """A save plans the device and task policies through ``arrange`` (no ShardableTensor, no
+    shard dicts); a subclass, which may change ``__call__``, goes through ``__call__`` and
+    validation. Both must write the same pieces, from the same buffers, into the same files."""
+    tree = {
+        "w": jax.device_put(np.arange(32.0).reshape(8, 4), NamedSharding(mesh42, P("data", "model"))),
+        "half": jax.device_put(np.ones((8, 4), np.float32), NamedSharding(mesh42, P("data"))),
+        "host": np.arange(6, dtype=np.int16),
+        "step": 3,
+    }
+
+    class Same(policy):
+        pass
+
+    arranged, called = (
+        plan_save(tree, tc.CheckpointOptions(sharding_callback=p), process_index=0, process_count=1) for p in (policy(), Same())
+    )
+    assert written(arranged) == written(called) and len(arranged.files) == (9 if policy is tc.ShardByDevicePolicy else 1)
+    assert [f.nbytes for f in arranged.files] == [f.nbytes for f in called.files]
+    for a, c in zip(arranged.files, called.files):
+        assert all(np.shares_memory(np.asarray(x.data), np.asarray(y.data)) for x, y in zip(a.pieces, c.pieces))
+
+
 def test_leaves_a_checkpoint_cannot_hold_are_refused_while_planning():
     with pytest.raises(TypeError, match="'bad' is a object"):
         plan_save({"bad": object()}, process_index=0, process_count=1)

@@ -17,12 +17,12 @@ changes: the files are only smaller and more numerous.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import numpy as np
 
-from tpu_ckpt.format import dtype_name, safetensors_layout, tensor_name
-from tpu_ckpt.pieces import Shard, ShardableTensor
+from tpu_ckpt.data_layout import safetensors_layout
+from tpu_ckpt.format import dtype_name
+from tpu_ckpt.pieces import PlannedPiece, ShardableTensor, planned
 from tpu_ckpt.policies import pack
 
 HEADER_ROOM = 1 << 20
@@ -31,56 +31,41 @@ about 5,000 pieces' worth, and at most a sixteenth of the bound. A file whose pi
 more is halved, by pieces, until each half fits."""
 
 
-def bounded(shards: Sequence[Shard], max_bytes: int, shapes: Mapping[str, tuple[int, ...]]) -> list[Shard]:
-    """``shards`` (data files, in order), each file bigger than ``max_bytes`` cut into
-    consecutive files of at most ``max_bytes``. ``shapes``: each array leaf's global shape.
+def bounded(
+    files: Sequence[list[PlannedPiece]], max_bytes: int, shapes: Mapping[str, tuple[int, ...]]
+) -> list[list[PlannedPiece]]:
+    """``files`` (each its pieces, in writing order), each file bigger than ``max_bytes``
+    cut into consecutive files of at most ``max_bytes``. ``shapes``: each array leaf's
+    global shape.
 
     The one overflow is a file of one piece that cannot be cut (a single element, or a
     scalar, with its header bigger than the bound): a bound that small helps nobody.
     """
-    out: list[Shard] = []
-    for shard in shards:
-        if file_bytes(shard) <= max_bytes:
-            out.append(shard)
+    out: list[list[PlannedPiece]] = []
+    for pieces in files:
+        if file_bytes(pieces) <= max_bytes:
+            out.append(pieces)
             continue
         budget = max_bytes - min(HEADER_ROOM, max_bytes // 16)
-        for part in pack(_pieces(shard, shapes), budget):
-            out.extend(_halved(part, max_bytes))
+        for shard in pack(_shardable(pieces, shapes), budget):
+            out.extend(_halved(planned(shard), max_bytes))
     return out
 
 
-def file_bytes(shard: Shard) -> int:
-    """The size of the data file ``shard`` becomes, header and padding included (its pieces
-    laid out in the order the save writes them)."""
-    tensors = [
-        (tensor_name(key, spec), dtype_name(data.dtype), tuple(data.shape), int(data.nbytes))
-        for key, by_slice in shard.items()
-        for spec, data in by_slice.items()
-    ]
-    return safetensors_layout(tensors).size
+def file_bytes(pieces: Sequence[PlannedPiece]) -> int:
+    """The size of the data file of ``pieces`` (in writing order), header and padding included."""
+    return safetensors_layout([(p.key, p.slice, dtype_name(p.data.dtype), tuple(p.data.shape), int(p.data.nbytes)) for p in pieces]).size
 
 
-def _pieces(shard: Shard, shapes: Mapping[str, tuple[int, ...]]) -> list[ShardableTensor]:
-    """The shard's pieces as the packer takes them."""
-    return [
-        ShardableTensor(data, key, spec, shapes[key], np.dtype(data.dtype))
-        for key, by_slice in shard.items()
-        for spec, data in by_slice.items()
-    ]
+def _shardable(pieces: Sequence[PlannedPiece], shapes: Mapping[str, tuple[int, ...]]) -> list[ShardableTensor]:
+    """The pieces as the packer takes them."""
+    return [ShardableTensor(p.data, p.key, p.slice, shapes[p.key], np.dtype(p.data.dtype)) for p in pieces]
 
 
-def _halved(shard: Shard, max_bytes: int) -> list[Shard]:
-    """``shard``, or, when its header makes it too big (many small pieces), its pieces split
-    in two halves, each halved again as needed."""
-    items = [(key, spec, data) for key, by_slice in shard.items() for spec, data in by_slice.items()]
-    if len(items) < 2 or file_bytes(shard) <= max_bytes:
-        return [shard]
-    middle = len(items) // 2
-    return _halved(_shard(items[:middle]), max_bytes) + _halved(_shard(items[middle:]), max_bytes)
-
-
-def _shard(items: Sequence[tuple[str, Any, Any]]) -> Shard:
-    shard: Shard = {}
-    for key, spec, data in items:
-        shard.setdefault(key, {})[spec] = data
-    return shard
+def _halved(pieces: list[PlannedPiece], max_bytes: int) -> list[list[PlannedPiece]]:
+    """``pieces``, or, when their header makes the file too big (many small pieces), two
+    halves of them, each halved again as needed."""
+    if len(pieces) < 2 or file_bytes(pieces) <= max_bytes:
+        return [pieces]
+    middle = len(pieces) // 2
+    return _halved(pieces[:middle], max_bytes) + _halved(pieces[middle:], max_bytes)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 
 from tpu_ckpt import piece_table, storage
@@ -20,6 +21,8 @@ from tpu_ckpt.format import MANIFEST_FILE, LeafEntry, Manifest, PieceEntry
 from tpu_ckpt.save_plan import index_file
 from tpu_ckpt.settings import settings
 from tpu_ckpt.slices import tiling_problem
+
+_BY_SLICE = operator.itemgetter(0)  # a PieceEntry's slice
 
 
 def index(pieces: Mapping[str, Sequence[PieceEntry]], files: Mapping[str, int]) -> Manifest:
@@ -39,7 +42,7 @@ def merge_indexes(planned: Manifest, indexes: Sequence[Manifest], check: bool = 
         for leaf in one.leaves:
             pieces.setdefault(leaf.key, []).extend(leaf.pieces)
     leaves = tuple(
-        dataclasses.replace(e, pieces=tuple(sorted(pieces.get(e.key, ()), key=lambda p: p.slice))) for e in planned.leaves
+        dataclasses.replace(e, pieces=tuple(sorted(pieces.get(e.key, ()), key=_BY_SLICE))) for e in planned.leaves
     )
     merged = dataclasses.replace(planned, leaves=leaves, files=dict(sorted(files.items())))
     problem = uncovered(merged) if check else None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,8 +25,9 @@ import jax
 import numpy as np
 
 from tpu_ckpt import commit, storage
+from tpu_ckpt.data_layout import Texts, data_file
 from tpu_ckpt.errors import CheckpointError
-from tpu_ckpt.format import Manifest, PieceEntry, data_file, dtype_name
+from tpu_ckpt.format import Manifest, PieceEntry
 from tpu_ckpt.save_plan import DataFile
 from tpu_ckpt.settings import settings
 
@@ -89,7 +91,7 @@ def _host_copies(files: Sequence[DataFile]) -> tuple[DataFile, ...]:
         copies = iter(list(pool.map(_private_host_value, handles, targets)))
     del handles  # off CPU, JAX's other hold on each copy: it now goes once its file is written
     return tuple(
-        DataFile(file.name, tuple(p._replace(data=next(copies)) for p in file.pieces)) for file in files
+        dataclasses.replace(file, pieces=tuple(p._replace(data=next(copies)) for p in file.pieces)) for file in files
     )
 
 
@@ -141,12 +143,7 @@ def _private_host_value(handle: Any, into: np.ndarray | None = None) -> np.ndarr
     return np.array(host, copy=True)
 
 
-def _host_bytes(data: Any) -> np.ndarray:
-    """The bytes of ``data`` (a host array, or a handle from ``fetch_started``, whose host
-    value this then waits for) as a flat uint8 view."""
-    if type(data) is not np.ndarray or not data.flags.c_contiguous:  # else skip two calls a piece
-        data = np.ascontiguousarray(np.asarray(data))
-    return data.reshape(-1).view(np.uint8)
+_DATA = operator.itemgetter(2)  # a PlannedPiece's data
 
 
 def write_all(writes: Writes, files: collections.deque[DataFile], *, recycle: bool = False) -> Manifest:
@@ -177,6 +174,7 @@ class Writes:
         self.held = 0
         self._pieces: dict[str, list[PieceEntry]] = collections.defaultdict(list)
         self._sizes: dict[str, int] = {}
+        self._texts = Texts()
         self._in_flight: collections.deque[_InFlight] = collections.deque()
 
     def make_room(self, nbytes: int) -> None:
@@ -191,18 +189,18 @@ class Writes:
         ``recycle``: its data are ``_host_copies``, to give back once written (``_Spares``)."""
         self.make_room(file.nbytes)
         try:
-            handles = [fetch_started(p.data) for p in file.pieces]  # every transfer starts before any is awaited
-            buffers = [_host_bytes(h) for h in handles]
-            tensors = [(p.key, p.slice, dtype_name(p.data.dtype), tuple(p.data.shape), b) for p, b in zip(file.pieces, buffers)]
-            layout, entries = data_file(file.name, tensors)
+            pieces = file.pieces
+            if set(map(type, map(_DATA, pieces))) - {np.ndarray}:  # every transfer starts before any is awaited
+                pieces = [p._replace(data=fetch_started(p.data)) for p in pieces]
+            laid_out = data_file(file.name, pieces, self._texts)
         except BaseException:
             self.settle()
             raise
-        for p, entry in zip(file.pieces, entries):
+        for p, entry in zip(file.pieces, laid_out.entries):
             self._pieces[p.key].append(entry)
-        self._sizes[file.name] = layout.size
+        self._sizes[file.name] = laid_out.size
         recycled = [p.data for p in file.pieces] if recycle else []
-        self._issue(file.name, layout.buffers(buffers), file.nbytes, recycled)
+        self._issue(file.name, laid_out.buffers, file.nbytes + laid_out.copied, recycled)
 
     def copy(self, name: str, buffers: Sequence[Any]) -> None:
         """Starts writing a file whose bytes are ready (e.g. a local-tier file, mapped),
@@ -233,9 +231,11 @@ class Writes:
             self._finish_oldest()
 
     def index(self) -> Manifest:
-        """This process's index, once every write has finished."""
+        """This process's index, once every write has finished. The pieces' entries are
+        handed over: a million of them need not outlive the index."""
         self.drain()
-        return commit.index(self._pieces, self._sizes)
+        pieces, self._pieces = self._pieces, collections.defaultdict(list)
+        return commit.index(pieces, self._sizes)
 
     def _finish_oldest(self) -> None:
         done = self._in_flight.popleft()

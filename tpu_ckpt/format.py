@@ -1,9 +1,8 @@
-"""The on-disk format: the JSON manifest and the safetensors data files (see FORMAT.md).
+"""The on-disk format: the manifest, its entries, dtypes and checksums (see FORMAT.md).
 
 The manifest is the only file a reader trusts: it lists every leaf, every piece of every
-leaf and where its bytes live (file, offset, length, crc32c). Data files are valid
-safetensors files, so a shard can be opened with the ``safetensors`` package, but nothing of
-ours ever parses their headers: byte offsets come from the manifest.
+leaf and where its bytes live (file, offset, length, crc32c). The data files are laid out
+by ``data_layout.py``.
 """
 
 from __future__ import annotations
@@ -42,23 +41,14 @@ _ML_DTYPES = {
     if hasattr(ml_dtypes, name)
 }
 _ML_FLOATS = frozenset(name for name in _ML_DTYPES if "float" in name)
-_NUMPY_DTYPES = {
+NUMPY_DTYPES = {
     np.dtype(t).name: np.dtype(t)
     for t in (
         np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
         np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128,
     )
 }
-_DTYPES = {**_NUMPY_DTYPES, **_ML_DTYPES}
-
-# safetensors' dtype codes; dtypes it has no code for are stored as raw bytes ("U8").
-_SAFETENSORS_CODES = {
-    "bool": "BOOL", "int8": "I8", "int16": "I16", "int32": "I32", "int64": "I64",
-    "uint8": "U8", "uint16": "U16", "uint32": "U32", "uint64": "U64", "float16": "F16",
-    "float32": "F32", "float64": "F64", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3",
-    "float8_e5m2": "F8_E5M2",
-}
-
+_DTYPES = {**NUMPY_DTYPES, **_ML_DTYPES}
 
 def dtype_name(dtype: Any) -> str:
     """The manifest's name for a dtype; TypeError for dtypes a checkpoint cannot hold."""
@@ -83,9 +73,9 @@ def dtype_from_name(name: str) -> np.dtype:
         ) from None
 
 
-def crc32c(data: Any) -> int:
-    """crc32c of a bytes-like object or a C-contiguous numpy array (hardware-accelerated)."""
-    return _crc32c.crc32c(data)
+crc32c = _crc32c.crc32c
+"""crc32c of a bytes-like object or a C-contiguous numpy array (hardware-accelerated); the
+C function itself, called once per piece."""
 
 
 class PieceEntry(NamedTuple):
@@ -275,84 +265,10 @@ read whole lands in an aligned buffer (``safe_reads.py``) that JAX's CPU backend
 without a copy."""
 
 
-_ZEROS = [bytes(n) for n in range(ALIGNMENT)]  # every padding, made once: a file may have a million
-
-
-@dataclasses.dataclass(frozen=True)
-class DataFileLayout:
-    """A data file ready to write: its safetensors header, and per tensor the zero bytes
-    that precede it (alignment padding) and the offset of its first byte."""
-
-    header: bytes
-    padding: list[int]  # bytes of padding written before each tensor
-    offsets: list[int]  # absolute offset of each tensor's first byte in the file
-    size: int
-
-    def buffers(self, data: Sequence[Any]) -> list[Any]:
-        """What to write, in order: the header, then each tensor's padding and data."""
-        out: list[Any] = [self.header]
-        for pad, buf in zip(self.padding, data):
-            if pad:
-                out.append(_ZEROS[pad])
-            out.append(buf)
-        return out
-
-
-def safetensors_layout(tensors: Sequence[tuple[str, str, tuple[int, ...], int]]) -> DataFileLayout:
-    """Lays out ``(name, dtype_name, shape, nbytes)`` tensors as one safetensors file.
-
-    Every tensor starts at a multiple of ``ALIGNMENT`` bytes: the header is padded with
-    spaces (as the safetensors spec allows) so the data starts aligned, and a tensor that
-    would start unaligned is preceded by a ``__pad_<n>`` entry of ``U8`` zeros, because
-    safetensors allows no holes between tensors.
-    """
-    return _layout([(json.dumps(name), dtype, shape, nbytes) for name, dtype, shape, nbytes in tensors])
-
-
-def _layout(tensors: Sequence[tuple[str, str, tuple[int, ...], int]]) -> DataFileLayout:
-    """``safetensors_layout`` of tensors named by JSON strings; the header is built as text,
-    as dicts then serialised a million pieces' entries cost seconds more."""
-    metadata: dict[str, str] = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}
-    entries: list[str] = []
-    relative, starts, padding = 0, [], []
-    for quoted, dtype, shape, nbytes in tensors:
-        pad = -relative % ALIGNMENT
-        if pad:
-            entries.append(f'"__pad_{len(starts)}":{{"dtype":"U8","shape":[{pad}],"data_offsets":[{relative},{relative + pad}]}}')
-            relative += pad
-        code = _SAFETENSORS_CODES.get(dtype)
-        if not code:
-            metadata[json.loads(quoted)] = dtype
-        dims = ",".join(map(str, shape)) if code else str(nbytes)
-        entries.append(f'{quoted}:{{"dtype":"{code or "U8"}","shape":[{dims}],"data_offsets":[{relative},{relative + nbytes}]}}')
-        starts.append(relative)
-        padding.append(pad)
-        relative += nbytes
-    head = json.dumps({"__metadata__": metadata}, separators=(",", ":"))[:-1]
-    raw = (head + "".join("," + e for e in entries) + "}").encode()
-    raw += b" " * (-(8 + len(raw)) % ALIGNMENT)
-    base = 8 + len(raw)
-    return DataFileLayout(len(raw).to_bytes(8, "little") + raw, padding, [base + s for s in starts], base + relative)
-
-
-def data_file(
-    name: str, tensors: Sequence[tuple[str, SliceSpec, str, tuple[int, ...], Any]]
-) -> tuple[DataFileLayout, list[PieceEntry]]:
-    """Lays out ``(key, slice, dtype name, shape, bytes)`` tensors as the data file ``name``;
-    returns the layout and each tensor's manifest entry (offset, length, crc32c)."""
-    quoted_keys: dict[str, str] = {}  # a key's JSON text, made once for all its pieces
-    for key, *_ in tensors:
-        if key not in quoted_keys:
-            quoted_keys[key] = json.dumps(key)[:-1]
-    layout = _layout([(f'{quoted_keys[k]}[{_slice_text(s)}]"', d, shape, b.nbytes) for k, s, d, shape, b in tensors])
-    entries = [PieceEntry(t[1], name, offset, t[4].nbytes, crc32c(t[4])) for t, offset in zip(tensors, layout.offsets)]
-    return layout, entries
-
-
 def tensor_name(key: str, slice_spec: SliceSpec) -> str:
     """The safetensors name of a piece: its key and its slice, e.g. ``w[0:4,0:2]``."""
-    return f"{key}[{_slice_text(slice_spec)}]"
+    return f"{key}[{slice_text(slice_spec)}]"
 
 
-def _slice_text(slice_spec: SliceSpec) -> str:
+def slice_text(slice_spec: SliceSpec) -> str:
     return ",".join(f"{a}:{b}" for a, b in slice_spec)

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from tpu_ckpt import slices
 from tpu_ckpt.errors import CheckpointError, CorruptCheckpointError
 from tpu_ckpt.format import (
     FORMAT_NAME,
@@ -50,31 +51,10 @@ def table_file(number: int) -> str:
 # -- writing ----------------------------------------------------------------------------
 
 
-def grid_of(shape: tuple[int, ...], pieces: Sequence[PieceEntry]) -> tuple[list[list[int]], list[int]] | None:
+def grid_of(shape: tuple[int, ...], pieces: Sequence[PieceEntry]) -> slices.Grid | None:
     """The cut points per axis and each piece's cell (C order) when ``pieces`` are exactly
     the cells of a grid over ``shape``; None otherwise (those pieces stay inline)."""
-    if not pieces or 0 in shape:
-        return None
-    rank = len(shape)
-    cuts = [sorted({x for p in pieces for x in p.slice[d]}) for d in range(rank)]
-    if any(c[0] != 0 or c[-1] != n for c, n in zip(cuts, shape)):
-        return None
-    where = [{c: i for i, c in enumerate(axis)} for axis in cuts]
-    counts = [len(c) - 1 for c in cuts]
-    if len(pieces) != math.prod(counts):
-        return None
-    cells = []
-    for p in pieces:
-        cell = 0
-        for d, (a, b) in enumerate(p.slice):
-            i = where[d][a]
-            if where[d][b] != i + 1:
-                return None
-            cell = cell * counts[d] + i
-        cells.append(cell)
-    if len(set(cells)) != len(cells):
-        return None
-    return cuts, cells
+    return slices.grid(tuple(shape), tuple(p.slice for p in pieces))
 
 
 def _axis_json(cuts: list[int], dim: int) -> int | list[int]:

@@ -15,11 +15,12 @@ import collections
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
+from tpu_ckpt.format import tensor_name
 from tpu_ckpt.slices import SliceSpec
 
 Shard = dict[str, dict[SliceSpec, Any]]
@@ -139,18 +140,18 @@ class _Layout:
     ``addressable_data(position)`` of a later leaf costs a tenth of that."""
 
     spans_processes: bool
-    local_blocks: tuple[tuple[int, Any, SliceSpec], ...]  # (position, device, block), a holder each
+    local_blocks: tuple[tuple[int, Any, SliceSpec, bool], ...]  # (position, device, block, on CPU), a holder each
     holders: dict[SliceSpec, list[int]]  # block -> the processes holding it; multi-process only
 
     @staticmethod
     def of(leaf: jax.Array) -> _Layout:
         shape = tuple(leaf.shape)
         spans = len({d.process_index for d in leaf.sharding.device_set}) > 1
-        blocks: dict[SliceSpec, tuple[int, Any, SliceSpec]] = {}
+        blocks: dict[SliceSpec, tuple[int, Any, SliceSpec, bool]] = {}
         for position, shard in enumerate(leaf.addressable_shards):
             region = index_to_slice(shard.index, shape)
             if region not in blocks and (spans or shard.replica_id == 0):  # else replica 0 is written
-                blocks[region] = (position, shard.device, region)
+                blocks[region] = (position, shard.device, region, shard.device.platform == "cpu")
         holders: dict[SliceSpec, list[int]] = {}
         if spans:
             for device, index in leaf.sharding.devices_indices_map(shape).items():
@@ -162,42 +163,87 @@ class _Layout:
         return _Layout(spans, tuple(blocks.values()), holders)
 
 
-def array_pieces(
-    key: str, leaf: Any, *, process_index: int, is_slot: bool = False, balance: WriteBalance | None = None,
-    layouts: dict[Any, _Layout] | None = None,
-) -> list[ShardableTensor]:
-    """The pieces of one array leaf that the calling process must write.
+class PlannedPiece(NamedTuple):
+    """One block of one leaf in a data file, as the sharding callback cut it, with its data
+    (a numpy array, or a single-device ``jax.Array`` off CPU until the write or snapshot).
+    A named tuple: a save plans one per piece, a million at pod scale."""
 
-    ``balance`` carries the assignments of the leaves before this one across a save; every
-    process must pass its own, fed the same leaves in the same order. ``layouts`` caches
-    the layouts of the shardings seen so far in the save (see ``_Layout``).
+    key: str
+    slice: SliceSpec
+    data: Any
+
+    @property
+    def name(self) -> str:
+        return tensor_name(self.key, self.slice)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+
+class LocalPieces:
+    """The pieces of a tree this process writes, in leaf order, as planning carries them: a
+    ``PlannedPiece`` each, and its device (``None`` for a host value) in a parallel list.
+
+    ``ShardableTensor``s, which a sharding callback takes, are made from them only for a
+    callback that needs them (``shardable``): the built-in device and task policies arrange
+    these directly (``ShardByDevicePolicy.arrange``), since at a million pieces every object
+    made per piece costs a second. Also holds what a save's leaves share: the write balance
+    (``WriteBalance``) and the layouts seen so far (``_Layout``).
     """
-    if not isinstance(leaf, jax.Array):
-        array = np.asarray(leaf)
-        if process_index != 0:
-            return []
-        shape = tuple(array.shape)
-        return [ShardableTensor(array, key, full_slice(shape), shape, array.dtype, None, is_slot)]
-    shape = tuple(leaf.shape)
-    dtype = np.dtype(leaf.dtype)
-    layouts = {} if layouts is None else layouts
-    layout = layouts.get((leaf.sharding, shape))
-    if layout is None:
-        layout = layouts[leaf.sharding, shape] = _Layout.of(leaf)
-    # Decided from the global sharding, the same on every process (``balance`` must be fed
-    # alike everywhere); an array on one process's devices alone is that process's to write.
-    mine = _my_blocks(layout, dtype.itemsize, process_index, balance or WriteBalance()) if layout.spans_processes else None
-    pieces, arrays = [], _device_arrays(leaf)
-    for position, device, region in layout.local_blocks:
-        part = region if mine is None else mine.get(region)
-        if part is None:
-            continue
-        data = arrays[position]
-        tensor = np.asarray(data) if device.platform == "cpu" else data
-        if part != region:
-            tensor = tensor[tuple(slice(a - r0, b - r0) for (a, b), (r0, _) in zip(part, region))]
-        pieces.append(ShardableTensor(tensor, key, part, shape, dtype, device, is_slot))
-    return pieces
+
+    def __init__(self, process_index: int):
+        self.process_index = process_index
+        self.pieces: list[PlannedPiece] = []
+        self.devices: list[Any] = []
+        self._leaves: dict[str, tuple[tuple[int, ...], np.dtype, bool]] = {}  # shape, dtype, is_slot
+        self._balance = WriteBalance()
+        self._layouts: dict[Any, _Layout] = {}
+
+    def add(self, key: str, leaf: Any, *, is_slot: bool = False) -> None:
+        """Adds the pieces of array leaf ``key`` that this process must write. Every process
+        must add the same leaves in the same order: that is what keeps their write balance
+        the same without talking."""
+        if not isinstance(leaf, jax.Array):
+            array = np.asarray(leaf)
+            self._leaves[key] = (tuple(array.shape), array.dtype, is_slot)
+            if self.process_index == 0:
+                self.pieces.append(PlannedPiece(key, full_slice(array.shape), array))
+                self.devices.append(None)
+            return
+        shape = tuple(leaf.shape)
+        dtype = np.dtype(leaf.dtype)
+        self._leaves[key] = (shape, dtype, is_slot)
+        layout = self._layouts.get((leaf.sharding, shape))
+        if layout is None:
+            layout = self._layouts[leaf.sharding, shape] = _Layout.of(leaf)
+        # Decided from the global sharding, the same on every process (hence the shared
+        # balance); an array on one process's devices alone is that process's to write.
+        mine = _my_blocks(layout, dtype.itemsize, self.process_index, self._balance) if layout.spans_processes else None
+        arrays, pieces, devices = _device_arrays(leaf), self.pieces, self.devices
+        for position, device, region, on_cpu in layout.local_blocks:
+            part = region if mine is None else mine.get(region)
+            if part is None:
+                continue
+            data = arrays[position]
+            tensor = np.asarray(data) if on_cpu else data
+            if part != region:
+                tensor = tensor[tuple(slice(a - r0, b - r0) for (a, b), (r0, _) in zip(part, region))]
+            pieces.append(PlannedPiece(key, part, tensor))
+            devices.append(device)
+
+    def shardable(self) -> list[ShardableTensor]:
+        """The pieces as a sharding callback takes them."""
+        leaves = self._leaves
+        return [
+            ShardableTensor(p.data, p.key, p.slice, *leaves[p.key][:2], device, leaves[p.key][2])
+            for p, device in zip(self.pieces, self.devices)
+        ]
+
+
+def planned(shard: Shard) -> list[PlannedPiece]:
+    """A sharding callback's shard as the pieces of one data file, in writing order."""
+    return [PlannedPiece(key, spec, data) for key, by_slice in shard.items() for spec, data in by_slice.items()]
 
 
 def _device_arrays(leaf: jax.Array) -> Sequence[jax.Array]:

@@ -11,11 +11,13 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from tpu_ckpt.pieces import Shard, ShardableTensor, ShardingCallback, SliceSpec
+
+T = TypeVar("T")
 
 
 def _put(shard: Shard, key: str, slice_spec: SliceSpec, array: Any) -> None:
@@ -34,10 +36,18 @@ class ShardByDevicePolicy(ShardingCallback):
         return "Split tensors into shards based on their device spec."
 
     def __call__(self, shardable_tensors: Sequence[ShardableTensor]) -> list[Shard]:
-        by_device: dict[Any, Shard] = {}
-        for piece in shardable_tensors:
-            _put(by_device.setdefault(piece.device, {}), piece.checkpoint_key, piece.slice_spec, piece.tensor)
-        return list(by_device.values())
+        return [_shard(group) for group in self.arrange(shardable_tensors, [t.device for t in shardable_tensors])]
+
+    def arrange(self, pieces: Sequence[T], devices: Sequence[Any]) -> list[list[T]]:
+        """Any pieces, given each one's device, in the data files this policy makes: what
+        ``__call__`` does without building shards (how a save plans a million pieces)."""
+        groups: dict[Any, list[T]] = {}
+        for piece, device in zip(pieces, devices):
+            group = groups.get(device)
+            if group is None:
+                group = groups[device] = []
+            group.append(piece)
+        return list(groups.values())
 
 
 class ShardByTaskPolicy(ShardingCallback):
@@ -48,10 +58,23 @@ class ShardByTaskPolicy(ShardingCallback):
         return "Split tensors into shards based on their device spec task."
 
     def __call__(self, shardable_tensors: Sequence[ShardableTensor]) -> list[Shard]:
-        shard: Shard = {}
-        for piece in shardable_tensors:
-            _put(shard, piece.checkpoint_key, piece.slice_spec, piece.tensor)
-        return [shard] if shard else []
+        return [_shard(group) for group in self.arrange(shardable_tensors, ())]
+
+    def arrange(self, pieces: Sequence[T], devices: Sequence[Any]) -> list[list[T]]:
+        """As ``ShardByDevicePolicy.arrange``."""
+        return [list(pieces)] if pieces else []
+
+
+def _shard(tensors: Sequence[ShardableTensor]) -> Shard:
+    shard: Shard = {}
+    for piece in tensors:
+        _put(shard, piece.checkpoint_key, piece.slice_spec, piece.tensor)
+    return shard
+
+
+ARRANGING_POLICIES = (ShardByDevicePolicy, ShardByTaskPolicy)
+"""Built-in policies that arrange a save's pieces without ``ShardableTensor``s (``arrange``):
+these exact types, since a subclass may change ``__call__``."""
 
 
 class MaxShardSizePolicy(ShardingCallback):

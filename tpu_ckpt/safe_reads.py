@@ -184,11 +184,13 @@ def _prefaulted(nbytes: int) -> np.ndarray:
 
 def byte_view(buffer: Any) -> Any:
     """``buffer`` as something whose ``len`` counts bytes and whose slices drop bytes: itself
-    when it is already (``bytes``, a flat contiguous uint8 array, as a save's pieces are),
-    else a byte-cast memoryview, which costs microseconds a piece at a million pieces."""
-    if type(buffer) is bytes or (
-        type(buffer) is np.ndarray and buffer.dtype == np.uint8 and buffer.ndim == 1 and buffer.flags.c_contiguous
-    ):
+    when it is already (``bytes``, a flat byte view or uint8 array, as a save's pieces are:
+    ``data_layout.data_file``), else a byte-cast memoryview, which costs microseconds a piece at
+    a million pieces."""
+    kind = type(buffer)
+    if kind is bytes or (kind is memoryview and buffer.format == "B" and buffer.ndim == 1 and buffer.c_contiguous):
+        return buffer
+    if kind is np.ndarray and buffer.dtype == np.uint8 and buffer.ndim == 1 and buffer.flags.c_contiguous:
         return buffer
     return memoryview(buffer).cast("B")
 

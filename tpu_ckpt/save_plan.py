@@ -11,42 +11,22 @@ without storage; ``save.py`` carries it out and ``commit.py`` completes its mani
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 
 from tpu_ckpt import keys
 from tpu_ckpt.bounded_files import bounded
-from tpu_ckpt.format import LeafEntry, Manifest, dtype_name, metric_values, tensor_name
+from tpu_ckpt.format import LeafEntry, Manifest, dtype_name, metric_values
 from tpu_ckpt.options import CheckpointOptions
-from tpu_ckpt.pieces import Shard, ShardableTensor, WriteBalance, array_pieces, describe_sharding
-from tpu_ckpt.policies import BUILT_IN_POLICIES
-from tpu_ckpt.slices import SliceSpec
+from tpu_ckpt.pieces import LocalPieces, PlannedPiece, ShardingCallback, describe_sharding, planned
+from tpu_ckpt.policies import ARRANGING_POLICIES, BUILT_IN_POLICIES
 from tpu_ckpt.slots import SlotPredicate, slot_keys
 from tpu_ckpt.validation import validate_shards
 
 _PYTHON_VALUES = (bool, int, float, str, type(None))
-
-
-class PlannedPiece(NamedTuple):
-    """One block of one leaf in a data file, as the sharding callback cut it, with its data
-    (a numpy array, or a single-device ``jax.Array`` off CPU until the write or snapshot).
-    A named tuple: a save plans one per piece, a million at pod scale."""
-
-    key: str
-    slice: SliceSpec
-    data: Any
-
-    @property
-    def name(self) -> str:
-        return tensor_name(self.key, self.slice)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.data.nbytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,12 +35,7 @@ class DataFile:
 
     name: str
     pieces: tuple[PlannedPiece, ...]
-
-    @functools.cached_property
-    def nbytes(self) -> int:
-        """Element bytes; the file adds its safetensors header and alignment padding. Asked
-        several times a file while it is written: summed once."""
-        return sum(p.nbytes for p in self.pieces)
+    nbytes: int  # element bytes; the file adds its safetensors header and alignment padding
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -132,29 +107,34 @@ def plan_save(
     me = jax.process_index() if process_index is None else process_index
     count = jax.process_count() if process_count is None else process_count
     leaves, _ = keys.flatten(tree, keep_none=True)
-    entries, pieces = _leaf_entries(leaves, me, slot_keys(tree, leaves, is_slot))
+    entries, local = _leaf_entries(leaves, me, slot_keys(tree, leaves, is_slot))
     callback = options.sharding_callback
-    shards = [s for s in callback(pieces) if s]
-    if type(callback) not in BUILT_IN_POLICIES:  # ours are tested to be valid; at a million pieces the check is seconds
-        validate_shards(shards, pieces, callback.description)
+    groups = _arranged(callback, local)
     if max_file_bytes is not None:
-        shards = bounded(shards, max_file_bytes, {entry.key: entry.shape for entry in entries})
-    files = tuple(DataFile(data_file(me, number), _planned(shard)) for number, shard in enumerate(shards))
+        groups = bounded(groups, max_file_bytes, {entry.key: entry.shape for entry in entries})
+    files = tuple(
+        DataFile(data_file(me, number), tuple(group), sum(p.data.nbytes for p in group)) for number, group in enumerate(groups)
+    )
     manifest = Manifest(
         tuple(entries), {}, count, callback.description, metrics=None if metrics is None else metric_values(metrics)
     )
-    return SavePlan(me, manifest, files, len(pieces))
+    return SavePlan(me, manifest, files, len(local.pieces))
 
 
-def _planned(shard: Shard) -> tuple[PlannedPiece, ...]:
-    return tuple(PlannedPiece(key, spec, data) for key, by_slice in shard.items() for spec, data in by_slice.items())
+def _arranged(callback: ShardingCallback, local: LocalPieces) -> list[list[PlannedPiece]]:
+    """The sharding callback's data files, each its pieces in writing order."""
+    if type(callback) in ARRANGING_POLICIES:
+        return callback.arrange(local.pieces, local.devices)
+    pieces = local.shardable()
+    shards = [s for s in callback(pieces) if s]
+    if type(callback) not in BUILT_IN_POLICIES:  # ours are tested to be valid; at a million pieces the check is seconds
+        validate_shards(shards, pieces, callback.description)
+    return [planned(shard) for shard in shards]
 
 
-def _leaf_entries(
-    leaves: list[tuple[str, list, Any]], me: int, slots: set[str]
-) -> tuple[list[LeafEntry], list[ShardableTensor]]:
+def _leaf_entries(leaves: list[tuple[str, list, Any]], me: int, slots: set[str]) -> tuple[list[LeafEntry], LocalPieces]:
     """Manifest entries (without piece locations) for every leaf, and this process's pieces."""
-    entries, pieces, balance, layouts = [], [], WriteBalance(), {}
+    entries, local = [], LocalPieces(me)
     for key, path, leaf in leaves:
         if isinstance(leaf, _PYTHON_VALUES):
             entries.append(LeafEntry(key, path, "value", value=leaf))
@@ -176,8 +156,8 @@ def _leaf_entries(
         shape = tuple(int(d) for d in leaf.shape)
         slot = key in slots
         entries.append(LeafEntry(key, path, "array", shape, name, slot, describe_sharding(leaf)))
-        pieces.extend(array_pieces(key, leaf, process_index=me, is_slot=slot, balance=balance, layouts=layouts))
-    return entries, pieces
+        local.add(key, leaf, is_slot=slot)
+    return entries, local
 
 
 def _count(n: int, one: str, many: str = "") -> str:

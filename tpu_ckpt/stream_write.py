@@ -17,15 +17,9 @@ from typing import Any
 import numpy as np
 
 from tpu_ckpt import piece_table, storage
+from tpu_ckpt.data_layout import data_file
 from tpu_ckpt.errors import CheckpointError, CheckpointExistsError
-from tpu_ckpt.format import (
-    MANIFEST_FILE,
-    LeafEntry,
-    Manifest,
-    PieceEntry,
-    data_file,
-    dtype_from_name,
-)
+from tpu_ckpt.format import MANIFEST_FILE, LeafEntry, Manifest, PieceEntry, dtype_from_name
 from tpu_ckpt.pieces import full_slice
 
 logger = logging.getLogger(__name__)
@@ -66,18 +60,15 @@ class StreamWriter:
         items = [(key, np.asarray(array, order="C")) for key, array in arrays.items()]  # 0-d stays 0-d
         for key, array in items:
             self._check(key, array)
-        buffers = [array.reshape(-1).view(np.uint8) for _, array in items]
-        layout, entries = data_file(
-            name, [(key, full_slice(array.shape), self._by_key[key].dtype, array.shape, buf) for (key, array), buf in zip(items, buffers)]
-        )
-        self._pieces.update((key, entry) for (key, _), entry in zip(items, entries))
+        laid_out = data_file(name, [(key, full_slice(array.shape), array) for key, array in items])
+        self._pieces.update((key, entry) for (key, _), entry in zip(items, laid_out.entries))
         try:
-            self._store.write(name, layout.buffers(buffers)).result()
+            self._store.write(name, laid_out.buffers).result()
         except CheckpointError:
             raise
         except Exception as e:
             raise CheckpointError(f"Writing {self._staging.child(name)} failed: {e}", file=self._staging.child(name)) from e
-        self._files[name] = layout.size
+        self._files[name] = laid_out.size
 
     def commit(self) -> str:
         """Writes the manifest once every array leaf has been written, and commits."""

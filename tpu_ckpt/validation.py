@@ -186,7 +186,7 @@ def _is_int(value: Any) -> bool:
 
 
 def _containing_piece(spec: SliceSpec, pieces: Mapping[SliceSpec, Any]) -> SliceSpec | None:
-    """The input piece that holds ``spec`` (pieces of one leaf are disjoint, as array_pieces makes them)."""
+    """The input piece that holds ``spec`` (pieces of one leaf are disjoint, as LocalPieces.add makes them)."""
     if spec in pieces:
         return spec
     return next((piece for piece in pieces if slices.contains(piece, spec)), None)
