@@ -55,7 +55,7 @@ def test_each_file_is_let_go_once_written(tmp_path):
     arrays = [np.full((256, 256), i, np.float32) for i in range(3)]
     alive = [weakref.ref(a) for a in arrays]
     files = collections.deque(
-        DataFile(f"d{i}.safetensors", (PlannedPiece(f"k{i}", full_slice(a.shape), a),), a.nbytes) for i, a in enumerate(arrays)
+        DataFile(f"d{i}.safetensors", (PlannedPiece(f"k{i}", full_slice(a.shape), a, a.nbytes),), a.nbytes) for i, a in enumerate(arrays)
     )
     del arrays
     store = LocalStore(location, threads=1)
@@ -104,7 +104,7 @@ def test_a_failed_write_leaves_no_other_write_running(tmp_path):
     os.mkdir(os.path.join(location.local_path, "d0.safetensors"))
     arrays = [np.full(1 << 10, 0, np.float32)] + [np.full(16 << 20, i, np.float32) for i in (1, 2, 3)]
     files = collections.deque(
-        DataFile(f"d{i}.safetensors", (PlannedPiece(f"k{i}", full_slice(a.shape), a),), a.nbytes) for i, a in enumerate(arrays)
+        DataFile(f"d{i}.safetensors", (PlannedPiece(f"k{i}", full_slice(a.shape), a, a.nbytes),), a.nbytes) for i, a in enumerate(arrays)
     )
     store = LocalStore(location, threads=4)
     try:

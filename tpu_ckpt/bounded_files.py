@@ -22,7 +22,7 @@ import numpy as np
 
 from tpu_ckpt.data_layout import safetensors_layout
 from tpu_ckpt.format import dtype_name
-from tpu_ckpt.pieces import PlannedPiece, ShardableTensor, planned
+from tpu_ckpt.pieces import PlannedPiece, ShardableTensor, host_view, planned
 from tpu_ckpt.policies import pack
 
 HEADER_ROOM = 1 << 20
@@ -54,12 +54,12 @@ def bounded(
 
 def file_bytes(pieces: Sequence[PlannedPiece]) -> int:
     """The size of the data file of ``pieces`` (in writing order), header and padding included."""
-    return safetensors_layout([(p.key, p.slice, dtype_name(p.data.dtype), tuple(p.data.shape), int(p.data.nbytes)) for p in pieces]).size
+    return safetensors_layout([(p.key, p.slice, dtype_name(p.data.dtype), tuple(p.data.shape), p.nbytes) for p in pieces]).size
 
 
 def _shardable(pieces: Sequence[PlannedPiece], shapes: Mapping[str, tuple[int, ...]]) -> list[ShardableTensor]:
     """The pieces as the packer takes them."""
-    return [ShardableTensor(p.data, p.key, p.slice, shapes[p.key], np.dtype(p.data.dtype)) for p in pieces]
+    return [ShardableTensor(host_view(p.data), p.key, p.slice, shapes[p.key], np.dtype(p.data.dtype)) for p in pieces]
 
 
 def _halved(pieces: list[PlannedPiece], max_bytes: int) -> list[list[PlannedPiece]]:

@@ -27,6 +27,7 @@ from tpu_ckpt.format import (
 )
 
 if TYPE_CHECKING:
+    from tpu_ckpt.pieces import PlannedPiece
     from tpu_ckpt.slices import SliceSpec
 
 # safetensors' dtype codes; dtypes it has no code for are stored as raw bytes ("U8").
@@ -166,8 +167,9 @@ class Texts:
         return text
 
 
-def data_file(name: str, pieces: Iterable[tuple[str, SliceSpec, Any]], texts: Texts | None = None) -> DataFileBytes:
-    """Lays out ``(key, slice, host array)`` pieces as the data file ``name``, in one pass:
+def data_file(name: str, pieces: Iterable[PlannedPiece], texts: Texts | None = None) -> DataFileBytes:
+    """Lays out pieces (their data a host array or a CPU device's, read in place) as the
+    data file ``name``, in one pass:
     its bytes to write, its size, and each piece's manifest entry (offset, length, crc32c).
 
     One pass and few objects, because a pod's save runs this for a million pieces: the texts
@@ -182,7 +184,7 @@ def data_file(name: str, pieces: Iterable[tuple[str, SliceSpec, Any]], texts: Te
     run: list[Any] = []  # small pieces and padding, joined into one buffer before the next big piece
     slices, lengths, crcs = [], [], []
     copied = 0
-    for key, spec, array in pieces:
+    for key, spec, array, _ in pieces:
         kind = kinds.get(array.dtype)
         if kind is None:
             kind = kinds[array.dtype] = _PieceKind.of(array.dtype)

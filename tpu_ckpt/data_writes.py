@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import operator
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -82,8 +81,7 @@ def _host_copies(files: Sequence[DataFile]) -> tuple[DataFile, ...]:
     few threads (numpy releases the GIL while copying): host memory bandwidth, not one
     core, is then the limit.
     """
-    pieces = [p for file in files for p in file.pieces]
-    handles = [fetch_started(p.data) for p in pieces]
+    handles = [fetch_started(p.data) if file.on_device else p.data for file in files for p in file.pieces]
     spares = _SPARES.take_all()
     targets = [_spare_for(h, spares) for h in handles]
     del spares  # what this snapshot cannot reuse goes now
@@ -143,9 +141,6 @@ def _private_host_value(handle: Any, into: np.ndarray | None = None) -> np.ndarr
     return np.array(host, copy=True)
 
 
-_DATA = operator.itemgetter(2)  # a PlannedPiece's data
-
-
 def write_all(writes: Writes, files: collections.deque[DataFile], *, recycle: bool = False) -> Manifest:
     """Writes ``files`` through ``writes``, taking each out of ``files`` as it starts (so
     nothing else holds its bytes once written); returns this process's index."""
@@ -190,7 +185,7 @@ class Writes:
         self.make_room(file.nbytes)
         try:
             pieces = file.pieces
-            if set(map(type, map(_DATA, pieces))) - {np.ndarray}:  # every transfer starts before any is awaited
+            if file.on_device:  # every transfer starts before any is awaited
                 pieces = [p._replace(data=fetch_started(p.data)) for p in pieces]
             laid_out = data_file(file.name, pieces, self._texts)
         except BaseException:

@@ -11,6 +11,7 @@ without storage; ``save.py`` carries it out and ``commit.py`` completes its mani
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -36,6 +37,7 @@ class DataFile:
     name: str
     pieces: tuple[PlannedPiece, ...]
     nbytes: int  # element bytes; the file adds its safetensors header and alignment padding
+    on_device: bool = False  # pieces may be in an accelerator's memory (``data_writes.fetch_started``)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -113,12 +115,16 @@ def plan_save(
     if max_file_bytes is not None:
         groups = bounded(groups, max_file_bytes, {entry.key: entry.shape for entry in entries})
     files = tuple(
-        DataFile(data_file(me, number), tuple(group), sum(p.data.nbytes for p in group)) for number, group in enumerate(groups)
+        DataFile(data_file(me, number), tuple(group), sum(map(_NBYTES, group)), local.on_device)
+        for number, group in enumerate(groups)
     )
     manifest = Manifest(
         tuple(entries), {}, count, callback.description, metrics=None if metrics is None else metric_values(metrics)
     )
     return SavePlan(me, manifest, files, len(local.pieces))
+
+
+_NBYTES = operator.itemgetter(3)  # a PlannedPiece's size
 
 
 def _arranged(callback: ShardingCallback, local: LocalPieces) -> list[list[PlannedPiece]]:

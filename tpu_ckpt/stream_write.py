@@ -20,7 +20,7 @@ from tpu_ckpt import piece_table, storage
 from tpu_ckpt.data_layout import data_file
 from tpu_ckpt.errors import CheckpointError, CheckpointExistsError
 from tpu_ckpt.format import MANIFEST_FILE, LeafEntry, Manifest, PieceEntry, dtype_from_name
-from tpu_ckpt.pieces import full_slice
+from tpu_ckpt.pieces import PlannedPiece, full_slice
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class StreamWriter:
         items = [(key, np.asarray(array, order="C")) for key, array in arrays.items()]  # 0-d stays 0-d
         for key, array in items:
             self._check(key, array)
-        laid_out = data_file(name, [(key, full_slice(array.shape), array) for key, array in items])
+        laid_out = data_file(name, [PlannedPiece(key, full_slice(array.shape), array, array.nbytes) for key, array in items])
         self._pieces.update((key, entry) for (key, _), entry in zip(items, laid_out.entries))
         try:
             self._store.write(name, laid_out.buffers).result()
