@@ -15,8 +15,8 @@ the peak reset first through /proc/self/clear_refs) and the process's peak RSS (
 for the save, the state included: what decides whether a larger run fits). Then the control
 bytes (every file but the safetensors data), the data files' bytes against the arrays'
 bytes, and PASS/FAIL against issue 12's targets: metadata and one-leaf restore each <= 1 s
-and <= 150 MB RSS growth, save <= 20 s, control bytes <= 24 per piece. It exits 1 when a
-target fails, so a check can run it once the format meets them.
+and <= 150 MB RSS growth, save <= 20 s (at 1.1 M pieces; in proportion to the pieces at
+other sizes), control bytes <= 24 per piece. It exits 1 when a target fails.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ import time
 MB = 1e6
 PIECE_ELEMENTS = 4  # float32: 16 bytes a piece
 PHASES = ("save", "metadata", "restore_one", "restore_all")
-# metric -> (largest passing value, unit); issue 12 items 7 and 8.
+ISSUE_PIECES = 512 * 2200  # the size issue 12 sets its targets at
+# metric -> (largest passing value, unit); issue 12 items 7 and 8. The save's limit grows
+# with the pieces at other sizes (linearly: what a per-piece cost allows); the others do not.
 TARGETS = {
     "save_s": (20.0, "s"),
     "metadata_s": (1.0, "s"),
@@ -180,9 +182,11 @@ def _report(args: argparse.Namespace, results: dict[str, dict]) -> int:
     print(f"\n{'metric':<26}{'measured':>12}{'target':>12}")
     failed = 0
     for metric, (limit, unit) in TARGETS.items():
+        if metric == "save_s":
+            limit *= pieces / ISSUE_PIECES
         ok = measured[metric] <= limit
         failed += not ok
-        print(f"{metric:<26}{measured[metric]:>10.2f} {unit:<2}{'<= ' + f'{limit:g}':>10} {unit:<3}{'PASS' if ok else 'FAIL'}")
+        print(f"{metric:<26}{measured[metric]:>10.2f} {unit:<2}{'<= ' + f'{limit:.3g}':>10} {unit:<3}{'PASS' if ok else 'FAIL'}")
     return 1 if failed else 0
 
 
