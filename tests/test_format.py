@@ -11,6 +11,7 @@ from tests.helpers import sealed
 from tpu_ckpt import data_layout
 from tpu_ckpt import format as fmt
 from tpu_ckpt.decode import decode_manifest
+from tpu_ckpt.pieces import PlannedPiece
 
 
 def test_golden_safetensors_header_of_a_two_tensor_shard():
@@ -42,6 +43,37 @@ def test_a_layout_is_readable_by_the_safetensors_package(tmp_path):
     np.testing.assert_array_equal(loaded["a[0:5]"], a)
     np.testing.assert_array_equal(loaded["b[0:3]"].astype(np.float32), b.astype(np.float32))
     assert set(loaded) == {"a[0:5]", "b[0:3]", "__pad_1"} and not loaded["__pad_1"].any()
+
+
+def test_a_data_file_of_small_and_big_pieces_is_the_pieces_laid_out(tmp_path):
+    """Small pieces are joined with their padding into one buffer, big ones written from
+    their own bytes (``SMALL_PIECE``): the file is the same either way, whatever the dtype,
+    and each entry points at its piece's bytes with their crc32c."""
+    from safetensors.numpy import load_file
+
+    big = data_layout.SMALL_PIECE // 2 + 8  # elements: over the bound in 2-byte dtypes and up
+    arrays = {
+        "a": np.arange(5, dtype=np.float32),
+        "b": np.arange(big, dtype=np.float32).astype(ml_dtypes.bfloat16),  # big; no buffer protocol export
+        "c": np.array(2.5, np.float64),  # 0-d
+        "d": np.zeros((0, 3), np.int16),  # no bytes
+        "e": np.arange(2 * big, dtype=np.int32)[::2],  # big, not contiguous
+        "f": np.array([True, False, True]),
+        "g": np.arange(7, dtype=np.int8).astype(ml_dtypes.int4),  # small; no safetensors code
+        "h": np.arange(big, dtype=np.uint16),  # big, exported
+    }
+    pieces = [PlannedPiece(k, tuple((0, n) for n in a.shape), a, a.nbytes) for k, a in arrays.items()]
+    laid_out = data_layout.data_file("d.safetensors", pieces)
+    data = b"".join(bytes(memoryview(b).cast("B")) for b in laid_out.buffers)
+    assert len(data) == laid_out.size and laid_out.copied == sum(a.nbytes for a in arrays.values() if a.nbytes <= data_layout.SMALL_PIECE)
+    for (key, array), entry in zip(arrays.items(), laid_out.entries):
+        raw = data[entry.offset : entry.offset + entry.length]
+        assert entry.offset % fmt.ALIGNMENT == 0 and raw == np.ascontiguousarray(array).tobytes(), key
+        assert entry.crc32c == fmt.crc32c(raw) and entry.slice == pieces[list(arrays).index(key)].slice
+    (tmp_path / "d.safetensors").write_bytes(data)
+    loaded = load_file(str(tmp_path / "d.safetensors"))
+    np.testing.assert_array_equal(loaded[f"h[0:{big}]"], arrays["h"])
+    np.testing.assert_array_equal(loaded["a[0:5]"], arrays["a"])
 
 
 @pytest.mark.parametrize(
