@@ -389,6 +389,14 @@ def test_shard_by_task_one_shard_with_every_piece():
     assert all(shard[p.checkpoint_key][p.slice_spec] is p.tensor for p in pieces)
 
 
+@pytest.mark.parametrize("policy", [ShardByDevicePolicy, ShardByTaskPolicy])
+def test_device_and_task_policies_take_any_iterable(policy):
+    """A callback wrapping a built-in one may hand it a generator: read once, as a list."""
+    pieces = mesh_pieces()
+    assert [entries(s) for s in policy()(p for p in pieces)] == [entries(s) for s in policy()(pieces)]
+    assert policy()(iter([])) == []
+
+
 def test_max_shard_size_on_sharded_pieces_splits_each_piece():
     pieces = mesh_pieces()
     shards = run(MaxShardSizePolicy(8), pieces)

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
 from tests import helpers, multiprocess
+from tpu_ckpt import slices
 from tpu_ckpt.commit import index, merge_indexes
 from tpu_ckpt.format import PieceEntry
 from tpu_ckpt.save_plan import plan_save, written_by
@@ -121,6 +122,44 @@ def test_a_sharding_callback_decides_the_files_and_is_validated():
 
     with pytest.raises(tc.InvalidShardsError, match="drops everything"):
         plan_save(tree, tc.CheckpointOptions(sharding_callback=DropsEverything()), process_index=0, process_count=1)
+
+
+def test_a_callback_returning_multi_device_arrays_plans_bounded_files(mesh42):
+    """A user's callback may hand back whole jax arrays over several devices (validation
+    accepts them); cutting its files to a bound (an object store, host_memory_limit) takes
+    them as they are, where only a single CPU device's array becomes a numpy view."""
+    replicated = NamedSharding(mesh42, P())
+
+    class OnDevices(tc.ShardingCallback):
+        description = "pieces as replicated jax arrays"
+
+        def __call__(self, shardable_tensors):
+            shard = {}
+            for t in shardable_tensors:
+                shard.setdefault(t.checkpoint_key, {})[t.slice_spec] = jax.device_put(np.asarray(t.tensor), replicated)
+            return [shard]
+
+    w = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    tree = {"w": jax.device_put(w, NamedSharding(mesh42, P("data")))}
+    options = tc.CheckpointOptions(sharding_callback=OnDevices())
+    plan = plan_save(tree, options, process_index=0, process_count=1, max_file_bytes=4096)
+    assert len(plan.files) > 2 and plan.nbytes == w.nbytes
+    out = np.zeros_like(w)
+    for piece in (p for f in plan.files for p in f.pieces):
+        out[tuple(slice(a, b) for a, b in piece.slice)] = np.asarray(piece.data)
+    np.testing.assert_array_equal(out, w)
+
+
+def test_grids_are_shared_within_a_commit_and_kept_by_nothing_after(tmp_path):
+    """A commit grids each layout once (its tiling check's grids serve the piece table),
+    and no grid outlives it: a long-lived cache would pin a big manifest's slices."""
+    shape, cells = (8, 4), tuple(((r, r + 2), (0, 4)) for r in range(0, 8, 2))
+    with slices.grids_shared():
+        assert slices.grid(shape, cells) is slices.grid(shape, tuple(list(cells)))
+    assert slices.grid(shape, cells) is not slices.grid(shape, cells)  # outside: worked out anew
+    assert slices.grid(shape, cells) == ([[0, 2, 4, 6, 8], [0, 4]], [0, 1, 2, 3])
+    tc.save(tmp_path / "c", {"a": np.ones((8, 4)), "b": np.zeros(3)}).wait()
+    assert slices._SCOPE.grids is None
 
 
 def test_describe_lists_the_leaves_the_files_and_the_callback(mesh42):

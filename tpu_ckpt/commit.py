@@ -14,7 +14,7 @@ import functools
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 
-from tpu_ckpt import piece_table, storage
+from tpu_ckpt import piece_table, slices, storage
 from tpu_ckpt.decode import decode_manifest
 from tpu_ckpt.errors import CheckpointError
 from tpu_ckpt.format import MANIFEST_FILE, LeafEntry, Manifest, PieceEntry
@@ -64,9 +64,10 @@ def commit(
     area as ``final``."""
     with concurrent.futures.ThreadPoolExecutor(settings().io_threads) as pool:  # one host's latency, not N
         indexes = [own, *pool.map(functools.partial(_take_index, store), others)]
-    manifest = merge_indexes(planned, indexes)
-    storage.check_written(store, manifest.files)
-    piece_table.write(store, manifest, MANIFEST_FILE)
+    with slices.grids_shared():  # the tiling check's grids serve the piece table
+        manifest = merge_indexes(planned, indexes)
+        storage.check_written(store, manifest.files)
+        piece_table.write(store, manifest, MANIFEST_FILE)
     storage.commit(store.location, final)
 
 

@@ -295,8 +295,8 @@ def _check_layout(manifest: Manifest, where: str, complete: bool) -> None:
             raise CorruptCheckpointError(f"{where}: data file name {name!r} {problem}", file=where)
     _check_keys(manifest, where)
     check_byte_ranges(manifest, where, loaded_only=True)
-    if complete:
-        for leaf in manifest.leaves:
+    with slices.grids_shared():  # leaves of one layout share their grid
+        for leaf in manifest.leaves if complete else ():
             if isinstance(leaf.pieces, piece_table.LazyPieces):
                 continue  # a grid's cells tile the leaf by construction (checked on load)
             problem = leaf.kind == "array" and slices.tiling_problem(leaf.shape, [p.slice for p in leaf.pieces])

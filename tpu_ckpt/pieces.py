@@ -244,9 +244,14 @@ class LocalPieces:
 
 
 def host_view(data: Any) -> Any:
-    """A CPU device array as numpy (a view of its buffer, no copy), which a sharding callback
-    can slice without JAX; anything else as it is."""
-    return np.asarray(data) if isinstance(data, jax.Array) and data.device.platform == "cpu" else data
+    """A CPU device's array as numpy (a view of its buffer, no copy), which a sharding
+    callback can slice without JAX; anything else (a multi-device array a user's callback
+    made, say) as it is."""
+    if isinstance(data, jax.Array):
+        devices = data.devices()
+        if len(devices) == 1 and next(iter(devices)).platform == "cpu":
+            return np.asarray(data)
+    return data
 
 
 def planned(shard: Shard) -> list[PlannedPiece]:

@@ -36,7 +36,8 @@ class ShardByDevicePolicy(ShardingCallback):
         return "Split tensors into shards based on their device spec."
 
     def __call__(self, shardable_tensors: Sequence[ShardableTensor]) -> list[Shard]:
-        return [_shard(group) for group in self.arrange(shardable_tensors, [t.device for t in shardable_tensors])]
+        tensors = list(shardable_tensors)  # a wrapping callback may pass any iterable
+        return [_shard(group) for group in self.arrange(tensors, [t.device for t in tensors])]
 
     def arrange(self, pieces: Sequence[T], devices: Sequence[Any]) -> list[list[T]]:
         """Any pieces, given each one's device, in the data files this policy makes: what
@@ -58,7 +59,7 @@ class ShardByTaskPolicy(ShardingCallback):
         return "Split tensors into shards based on their device spec task."
 
     def __call__(self, shardable_tensors: Sequence[ShardableTensor]) -> list[Shard]:
-        return [_shard(group) for group in self.arrange(shardable_tensors, ())]
+        return [_shard(group) for group in self.arrange(list(shardable_tensors), ())]
 
     def arrange(self, pieces: Sequence[T], devices: Sequence[Any]) -> list[list[T]]:
         """As ``ShardByDevicePolicy.arrange``."""

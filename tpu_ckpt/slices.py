@@ -9,10 +9,11 @@ can use it too.
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import itertools
 import math
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -64,16 +65,39 @@ Grid = tuple[list[list[int]], list[int]]
 """A leaf's cut points per axis, and each block's cell in C order (see :func:`grid`)."""
 
 
-@functools.lru_cache(maxsize=64)
+_SCOPE = threading.local()
+
+
+@contextlib.contextmanager
+def grids_shared() -> Iterator[None]:
+    """Within it, on this thread, :func:`grid` works out each (shape, slices) once: a commit
+    asks for each leaf's grid twice (its tiling check, then its piece table), and a model's
+    leaves come in a few layouts, so a pod's million pieces are gridded once per layout
+    rather than twice per leaf. Nothing is kept past the block."""
+    if getattr(_SCOPE, "grids", None) is not None:
+        yield
+        return
+    _SCOPE.grids = {}
+    try:
+        yield
+    finally:
+        _SCOPE.grids = None
+
+
 def grid(shape: tuple[int, ...], slices: tuple[SliceSpec, ...]) -> Grid | None:
     """The cut points per axis and each block's cell (C order) when ``slices`` are exactly
-    the cells of a grid over ``shape``, which proves they tile it; None otherwise. Shared,
-    not to be changed.
+    the cells of a grid over ``shape``, which proves they tile it; None otherwise. Within
+    :func:`grids_shared` the answer is shared, not to be changed."""
+    grids = getattr(_SCOPE, "grids", None)
+    if grids is None:
+        return _grid(shape, slices)
+    key = (shape, slices)
+    if key not in grids:
+        grids[key] = _grid(shape, slices)
+    return grids[key]
 
-    Cached: a model's leaves come in a few layouts, and a commit asks for each leaf's grid
-    twice (the tiling check, then the piece table), so a pod's million pieces are gridded
-    once per layout rather than twice per leaf.
-    """
+
+def _grid(shape: tuple[int, ...], slices: tuple[SliceSpec, ...]) -> Grid | None:
     rank = len(shape)
     if not slices or 0 in shape or any(len(s) != rank for s in slices):
         return None
@@ -102,9 +126,9 @@ def tiling_problem(shape: Sequence[int], slices: Sequence[SliceSpec], max_grid_c
     """Why ``slices`` do not tile an array of ``shape`` exactly (a gap, an overlap, a block
     outside the array), or None when they do.
 
-    O(pieces) for the layouts sharding produces (a grid of blocks), and then cached
-    (:func:`grid`); other layouts fall back to :func:`cover`. Blocks holding no element are
-    allowed anywhere inside the array.
+    O(pieces) for the layouts sharding produces (a grid of blocks: :func:`grid`); other
+    layouts fall back to :func:`cover`. Blocks holding no element are allowed anywhere
+    inside the array.
     """
     if grid(tuple(shape), tuple(slices)) is not None:
         return None
