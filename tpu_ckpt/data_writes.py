@@ -27,6 +27,7 @@ from tpu_ckpt import commit, storage
 from tpu_ckpt.data_layout import Texts, data_file
 from tpu_ckpt.errors import CheckpointError
 from tpu_ckpt.format import Manifest, PieceEntry
+from tpu_ckpt.pieces import on_one_cpu
 from tpu_ckpt.save_plan import DataFile
 from tpu_ckpt.settings import settings
 
@@ -95,7 +96,7 @@ def _host_copies(files: Sequence[DataFile]) -> tuple[DataFile, ...]:
 
 def _spare_for(handle: Any, spares: dict[tuple[tuple[int, ...], str], list[np.ndarray]]) -> np.ndarray | None:
     """A recycled buffer to copy a CPU piece into (off CPU, JAX's fetched copy is the one)."""
-    if isinstance(handle, jax.Array) and next(iter(handle.devices())).platform != "cpu":
+    if isinstance(handle, jax.Array) and not on_one_cpu(handle):
         return None
     same = spares.get((tuple(handle.shape), np.dtype(handle.dtype).str))
     return same.pop() if same else None

@@ -243,15 +243,20 @@ class LocalPieces:
         ]
 
 
+def on_one_cpu(data: Any) -> bool:
+    """Whether ``data`` is a ``jax.Array`` on a single CPU device, whose buffer is host
+    memory that numpy views without a copy."""
+    if not isinstance(data, jax.Array):
+        return False
+    devices = data.devices()
+    return len(devices) == 1 and next(iter(devices)).platform == "cpu"
+
+
 def host_view(data: Any) -> Any:
     """A CPU device's array as numpy (a view of its buffer, no copy), which a sharding
     callback can slice without JAX; anything else (a multi-device array a user's callback
     made, say) as it is."""
-    if isinstance(data, jax.Array):
-        devices = data.devices()
-        if len(devices) == 1 and next(iter(devices)).platform == "cpu":
-            return np.asarray(data)
-    return data
+    return np.asarray(data) if on_one_cpu(data) else data
 
 
 def planned(shard: Shard) -> list[PlannedPiece]:
