@@ -14,8 +14,17 @@ from tpu_ckpt.decode import decode_manifest
 from tpu_ckpt.pieces import PlannedPiece
 
 
+def piece(key, array):
+    return PlannedPiece(key, tuple((0, n) for n in array.shape), array, array.nbytes)
+
+
+def file_bytes(laid_out) -> bytes:
+    return b"".join(bytes(memoryview(b).cast("B")) for b in laid_out.buffers)
+
+
 def test_golden_safetensors_header_of_a_two_tensor_shard():
-    layout = data_layout.safetensors_layout([("w", ((0, 2), (0, 2)), "float32", (2, 2), 16), ("i", ((0, 3),), "int4", (3,), 3)])
+    w, i = np.full((2, 2), 7, np.float32), np.arange(3, dtype=np.int8).astype(ml_dtypes.int4)
+    laid_out = data_layout.data_file("d.safetensors", [piece("w", w), piece("i", i)])
     header = (
         b'{"__metadata__":{"format":"tpu_ckpt","format_version":"2.0","i[0:3]":"int4"},'
         b'"w[0:2,0:2]":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},'
@@ -23,22 +32,23 @@ def test_golden_safetensors_header_of_a_two_tensor_shard():
         b'"i[0:3]":{"dtype":"U8","shape":[3],"data_offsets":[64,67]}}'
     )
     padded = header + b" " * (-(8 + len(header)) % 64)
-    assert layout.header == len(padded).to_bytes(8, "little") + padded
-    assert len(layout.header) % 64 == 0  # the data starts aligned...
-    assert layout.offsets == [len(layout.header), len(layout.header) + 64]  # ...and so does every tensor
-    assert layout.padding == [0, 48]
-    assert layout.size == len(layout.header) + 67
-    written = b"".join(bytes(b) for b in layout.buffers([b"w" * 16, b"iii"]))
-    assert len(written) == layout.size and written[layout.offsets[1] :] == b"iii"
+    written = file_bytes(laid_out)
+    base = 8 + len(padded)
+    assert written[:base] == len(padded).to_bytes(8, "little") + padded and laid_out.buffers[0] == written[:base]
+    assert base % 64 == 0  # the data starts aligned...
+    assert [e.offset for e in laid_out.entries] == [base, base + 64]  # ...and so does every tensor
+    assert laid_out.size == len(written) == base + 67
+    assert written[base : base + 16] == w.tobytes() and written[base + 16 : base + 64] == bytes(48)
+    assert written[base + 64 :] == i.tobytes()
+    assert data_layout.file_size([("w", ((0, 2), (0, 2)), "float32", (2, 2), 16), ("i", ((0, 3),), "int4", (3,), 3)]) == laid_out.size
 
 
-def test_a_layout_is_readable_by_the_safetensors_package(tmp_path):
+def test_a_data_file_is_readable_by_the_safetensors_package(tmp_path):
     from safetensors.numpy import load_file
 
     a = np.arange(5, dtype=np.float32)  # 20 bytes: the next tensor needs padding
     b = np.array([1, 2, 3], dtype=ml_dtypes.bfloat16)
-    layout = data_layout.safetensors_layout([("a", ((0, 5),), "float32", (5,), a.nbytes), ("b", ((0, 3),), "bfloat16", (3,), b.nbytes)])
-    (tmp_path / "f.safetensors").write_bytes(b"".join(bytes(x) for x in layout.buffers([a.tobytes(), b.tobytes()])))
+    (tmp_path / "f.safetensors").write_bytes(file_bytes(data_layout.data_file("f.safetensors", [piece("a", a), piece("b", b)])))
     loaded = load_file(str(tmp_path / "f.safetensors"))
     np.testing.assert_array_equal(loaded["a[0:5]"], a)
     np.testing.assert_array_equal(loaded["b[0:3]"].astype(np.float32), b.astype(np.float32))
@@ -62,9 +72,9 @@ def test_a_data_file_of_small_and_big_pieces_is_the_pieces_laid_out(tmp_path):
         "g": np.arange(7, dtype=np.int8).astype(ml_dtypes.int4),  # small; no safetensors code
         "h": np.arange(big, dtype=np.uint16),  # big, exported
     }
-    pieces = [PlannedPiece(k, tuple((0, n) for n in a.shape), a, a.nbytes) for k, a in arrays.items()]
+    pieces = [piece(k, a) for k, a in arrays.items()]
     laid_out = data_layout.data_file("d.safetensors", pieces)
-    data = b"".join(bytes(memoryview(b).cast("B")) for b in laid_out.buffers)
+    data = file_bytes(laid_out)
     assert len(data) == laid_out.size and laid_out.copied == sum(a.nbytes for a in arrays.values() if a.nbytes <= data_layout.SMALL_PIECE)
     for (key, array), entry in zip(arrays.items(), laid_out.entries):
         raw = data[entry.offset : entry.offset + entry.length]

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from tpu_ckpt.data_layout import safetensors_layout
+from tpu_ckpt.data_layout import file_size
 from tpu_ckpt.format import dtype_name
 from tpu_ckpt.pieces import PlannedPiece, ShardableTensor, host_view, planned
 from tpu_ckpt.policies import pack
@@ -54,7 +54,7 @@ def bounded(
 
 def file_bytes(pieces: Sequence[PlannedPiece]) -> int:
     """The size of the data file of ``pieces`` (in writing order), header and padding included."""
-    return safetensors_layout([(p.key, p.slice, dtype_name(p.data.dtype), tuple(p.data.shape), p.nbytes) for p in pieces]).size
+    return file_size((p.key, p.slice, dtype_name(p.data.dtype), tuple(p.data.shape), p.nbytes) for p in pieces)
 
 
 def _shardable(pieces: Sequence[PlannedPiece], shapes: Mapping[str, tuple[int, ...]]) -> list[ShardableTensor]:

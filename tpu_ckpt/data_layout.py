@@ -8,9 +8,8 @@ piece, a million of them on a pod's leader, so it is one pass that makes few obj
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -40,26 +39,6 @@ _SAFETENSORS_CODES = {
 
 
 _ZEROS = [bytes(n) for n in range(ALIGNMENT)]  # every padding, made once: a file may have a million
-
-
-@dataclasses.dataclass(frozen=True)
-class DataFileLayout:
-    """A data file's layout: its safetensors header, and per tensor the zero bytes that
-    precede it (alignment padding) and the offset of its first byte."""
-
-    header: bytes
-    padding: list[int]  # bytes of padding written before each tensor
-    offsets: list[int]  # absolute offset of each tensor's first byte in the file
-    size: int
-
-    def buffers(self, data: Sequence[Any]) -> list[Any]:
-        """What to write, in order: the header, then each tensor's padding and data."""
-        out: list[Any] = [self.header]
-        for pad, buf in zip(self.padding, data):
-            if pad:
-                out.append(_ZEROS[pad])
-            out.append(buf)
-        return out
 
 
 class _Header:
@@ -117,14 +96,13 @@ class _PieceKind(NamedTuple):
         return _PieceKind(name, _SAFETENSORS_CODES.get(name), name in NUMPY_DTYPES)
 
 
-def safetensors_layout(tensors: Sequence[tuple[str, SliceSpec, str, tuple[int, ...], int]]) -> DataFileLayout:
-    """Lays out ``(key, slice, dtype_name, shape, nbytes)`` pieces as one safetensors file."""
+def file_size(pieces: Iterable[tuple[str, SliceSpec, str, tuple[int, ...], int]]) -> int:
+    """The size of the data file of ``(key, slice, dtype name, shape, nbytes)`` pieces as
+    ``data_file`` lays it out, header and padding included, without their bytes."""
     header = _Header()
-    for key, spec, dtype, shape, nbytes in tensors:
+    for key, spec, dtype, shape, nbytes in pieces:
         header.add(json.dumps(key)[:-1], slice_text(spec), _PieceKind.of(dtype), ",".join(map(str, shape)), nbytes)
-    encoded = header.encoded()
-    base = len(encoded)
-    return DataFileLayout(encoded, header.padding, [base + s for s in header.starts], base + header.data_bytes)
+    return len(header.encoded()) + header.data_bytes
 
 
 SMALL_PIECE = 16 << 10
