@@ -143,6 +143,10 @@ class _Layout:
     local_blocks: tuple[tuple[int, Any, SliceSpec, bool, int], ...]  # (position, device, block, on CPU, elements), a holder each
     holders: dict[SliceSpec, list[int]]  # block -> the processes holding it; multi-process only
 
+    @property
+    def on_cpu(self) -> bool:
+        return all(on_cpu for _, _, _, on_cpu, _ in self.local_blocks)
+
     @staticmethod
     def of(leaf: jax.Array) -> _Layout:
         shape = tuple(leaf.shape)
@@ -218,7 +222,7 @@ class LocalPieces:
         layout = self._layouts.get((leaf.sharding, shape))
         if layout is None:
             layout = self._layouts[leaf.sharding, shape] = _Layout.of(leaf)
-            self.on_device = self.on_device or not all(block[3] for block in layout.local_blocks)
+            self.on_device = self.on_device or not layout.on_cpu
         # Decided from the global sharding, the same on every process (hence the shared
         # balance); an array on one process's devices alone is that process's to write.
         mine = _my_blocks(layout, dtype.itemsize, self.process_index, self._balance) if layout.spans_processes else None
