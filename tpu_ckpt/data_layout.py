@@ -54,7 +54,6 @@ class _Header:
     def __init__(self) -> None:
         self.metadata: dict[str, str] = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}
         self.entries: list[str] = []
-        self.padding: list[int] = []
         self.starts: list[int] = []  # each tensor's first byte, counted from the end of the header
         self.data_bytes = 0
 
@@ -73,7 +72,6 @@ class _Header:
             code, dims = "U8", str(nbytes)
         self.entries.append(f'{quoted}[{span}]":{{"dtype":"{code}","shape":[{dims}],"data_offsets":[{at},{at + nbytes}]}}')
         self.starts.append(at)
-        self.padding.append(pad)
         self.data_bytes = at + nbytes
         return pad
 
