@@ -44,3 +44,25 @@ def test_host_memory_limit_bounds_saves_and_restores(tmp_path):
     assert peaks["restore"] <= state + limit + (64 << 20), peaks
     assert peaks["restored_exactly"], peaks
     assert peaks["files"] >= state // (limit // Settings().writes_in_flight), peaks  # files cut to a share of it
+
+
+SAVE_BYTES_PER_PIECE = 3584  # the README's "Memory": bookkeeping outside host_memory_limit
+RESTORE_BYTES_PER_PIECE = 3 << 10
+
+
+def test_host_memory_limit_holds_with_many_small_leaves(tmp_path):
+    """Issue 28: 65,536 leaves of 16 KiB (1 GiB) under a 16 MiB limit. Each piece's bookkeeping
+    (its plan, manifest and table entries) is outside the bound, at most the per-piece cost the
+    README states; beyond it, a save or restore holds the limit + 5% (+ slack)."""
+    limit, leaves = 16 << 20, 65536
+    probe = os.path.join(os.path.dirname(__file__), "small_leaves_probe.py")
+    out = subprocess.run(
+        [sys.executable, probe, str(tmp_path), str(leaves), str(limit)], capture_output=True, text=True, check=True
+    )
+    peaks = json.loads(out.stdout.strip().splitlines()[-1])
+    bound = limit * 1.05 + (32 << 20)  # interpreter and allocator noise
+    assert peaks["sync_save"] <= bound + leaves * SAVE_BYTES_PER_PIECE, peaks
+    assert peaks["async_save"] <= bound + leaves * SAVE_BYTES_PER_PIECE, peaks
+    assert peaks["restore"] - peaks["restore_held"] <= bound + leaves * RESTORE_BYTES_PER_PIECE, peaks
+    assert peaks["restore_held"] <= peaks["state_bytes"] * 1.5, peaks  # the result: data and jax's arrays
+    assert peaks["restored_exactly"], peaks

@@ -83,6 +83,21 @@ def test_the_plan_bounds_every_file_and_its_pieces_still_tile_every_leaf(mesh42)
     assert plan.manifest == unbounded.manifest  # the same leaves: only the files differ
 
 
+def test_bounded_files_view_only_the_pieces_they_cut():
+    """Issue 28: a numpy view held for every piece cost ~1 KB each, outside host_memory_limit;
+    a piece that fits keeps its device array, and only a cut piece is sliced from a view."""
+    small = {f"s{i}": jax.numpy.full((256,), i, jax.numpy.float32) for i in range(8)}
+    big = jax.numpy.arange(4096, dtype=jax.numpy.float32)
+    plan = plan_save({"small": small, "big": big}, process_index=0, process_count=1, max_file_bytes=8192)
+    pieces = [p for f in plan.files for p in f.pieces]
+    whole = [p for p in pieces if p.key.startswith("small/") and p.slice == ((0, 256),)]
+    assert len(whole) >= 6 and all(p.data is small[p.key[len("small/"):]] for p in whole)
+    cut = [p for p in pieces if p.key == "big" or p.slice != ((0, 256),)]
+    assert len(cut) > 2 and all(isinstance(p.data, np.ndarray) for p in cut)
+    big_pieces = sorted((p for p in cut if p.key == "big"), key=lambda p: p.slice)
+    np.testing.assert_array_equal(np.concatenate([p.data for p in big_pieces]), np.asarray(big))
+
+
 def test_a_custom_callbacks_files_are_cut_too():
     options = tc.CheckpointOptions(sharding_callback=tc.MaxShardSizePolicy(1 << 20))
     plan = plan_save({"w": np.ones((64, 64), np.float32)}, options, process_index=0, process_count=1, max_file_bytes=4096)

@@ -47,7 +47,7 @@ def bounded(
             out.append(pieces)
             continue
         budget = max_bytes - min(HEADER_ROOM, max_bytes // 16)
-        for shard in pack(_shardable(pieces, shapes), budget):
+        for shard in pack(_shardable(pieces, shapes), budget, view=host_view):
             out.extend(_halved(planned(shard), max_bytes))
     return out
 
@@ -58,8 +58,9 @@ def file_bytes(pieces: Sequence[PlannedPiece]) -> int:
 
 
 def _shardable(pieces: Sequence[PlannedPiece], shapes: Mapping[str, tuple[int, ...]]) -> list[ShardableTensor]:
-    """The pieces as the packer takes them."""
-    return [ShardableTensor(host_view(p.data), p.key, p.slice, shapes[p.key], np.dtype(p.data.dtype)) for p in pieces]
+    """The pieces as the packer takes them: each keeps its device array (the packer views
+    the buffer of a piece only when it cuts it)."""
+    return [ShardableTensor(p.data, p.key, p.slice, shapes[p.key], np.dtype(p.data.dtype)) for p in pieces]
 
 
 def _halved(pieces: list[PlannedPiece], max_bytes: int) -> list[list[PlannedPiece]]:

@@ -8,7 +8,8 @@ the crc32c of its bytes (u32). Row ``i`` of a leaf is grid cell ``i`` in C order
 slice and length follow from the grid and the dtype (see FORMAT.md, "Format 2").
 
 A reader loads a leaf's rows only when something asks for its pieces (``LazyPieces``): one
-ranged read of exactly that leaf's rows, checked against the leaf's crc32c, then row by row
+ranged read of exactly that leaf's rows (a restore's leaves are read together, in runs of
+neighbouring rows: ``prefetch``), checked against the leaf's crc32c, then row by row
 (file index, bytes inside the file, no two pieces of the leaf sharing a byte) before any
 piece is used. ``tc.metadata`` therefore reads no table, and restoring one leaf reads only
 that leaf's rows.
@@ -42,6 +43,7 @@ from tpu_ckpt.format import (
 ROW = np.dtype([("offset", "<u8"), ("file", "<u4"), ("crc32c", "<u4")])
 ROW_BYTES = ROW.itemsize  # 16
 MAX_TABLE_ROWS = 1 << 22  # a new table starts past this many rows (64 MiB); a leaf is never split
+RUN_BYTES = 8 << 20  # the most table bytes one read of several leaves' rows covers
 
 
 def table_file(number: int) -> str:
@@ -111,11 +113,16 @@ def encode(manifest: Manifest) -> tuple[bytes, dict[str, bytes]]:
     return seal(json.dumps(doc, separators=(",", ":")).encode()), {n: b"".join(t) for n, t in zip(names, tables)}
 
 
-def write(store: Any, manifest: Manifest, manifest_file: str) -> None:
-    """Writes ``manifest``'s piece tables, then (once they are durable) the manifest itself."""
+def write(
+    store: Any, manifest: Manifest, manifest_file: str, check: Callable[[dict[str, int]], None] | None = None
+) -> None:
+    """Writes ``manifest``'s piece tables, then (once they are durable, and ``check`` of
+    their sizes by name has passed) the manifest itself."""
     body, tables = manifest.encode()
     for future in [store.write(name, [data]) for name, data in tables.items()]:
         future.result()
+    if check is not None:
+        check({name: len(data) for name, data in tables.items()})
     store.write(manifest_file, [body]).result()
 
 
@@ -154,10 +161,15 @@ class LazyPieces(Sequence[PieceEntry]):
         return self._pieces is not None
 
     def _all(self) -> tuple[PieceEntry, ...]:
+        return self._fill(None)
+
+    def _fill(self, data: bytes | None) -> tuple[PieceEntry, ...]:
+        """The pieces, loaded from ``data`` (this leaf's rows, read by a run) or read now."""
         if self._pieces is None:
             with self._lock:
                 if self._pieces is None:
-                    self._pieces = _load(self._ref)
+                    ref = self._ref
+                    self._pieces = _load(ref, _read_rows(ref, ref.row, ref.count) if data is None else data)
         return self._pieces
 
     def __len__(self) -> int:
@@ -181,20 +193,65 @@ class LazyPieces(Sequence[PieceEntry]):
 
 
 def prefetch(leaves: Sequence[LeafEntry], threads: int) -> None:
-    """Reads the rows of ``leaves`` not yet read, ``threads`` leaves at a time (on an object
-    store each is a request: a full restore's thousands of leaves, one at a time, would cost
-    as many round trips). Raises the first leaf's error."""
+    """Reads the rows of ``leaves`` not yet read, in runs (:func:`_runs`), ``threads`` runs
+    at a time (on an object store each is a request: a full restore's thousands of leaves,
+    one at a time, would cost as many round trips). Raises the first leaf's error."""
     lazy = [leaf.pieces for leaf in leaves if isinstance(leaf.pieces, LazyPieces) and not leaf.pieces.loaded]
-    if len(lazy) <= 1 or threads <= 1:
-        for pieces in lazy:
-            pieces._all()
+    runs = _runs(lazy)
+    if len(runs) <= 1 or threads <= 1:
+        for run in runs:
+            _load_run(run)
         return
-    with concurrent.futures.ThreadPoolExecutor(min(threads, len(lazy))) as pool:
-        for _ in pool.map(LazyPieces._all, lazy):
+    with concurrent.futures.ThreadPoolExecutor(min(threads, len(runs))) as pool:
+        for _ in pool.map(_load_run, runs):
             pass
 
 
-def _load(ref: _Ref) -> tuple[PieceEntry, ...]:
+def _runs(lazy: Sequence[LazyPieces]) -> list[list[LazyPieces]]:
+    """The leaves' rows as runs of one table each, read with one request per run rather
+    than one per leaf (a tree of many small leaves has a row or two per leaf, side by side).
+
+    A leaf joins the run before it when the rows between them are no more than its own, so
+    what a run reads beyond its leaves' rows is at most their own bytes (a restore of a few
+    leaves reads about their rows, never the table), and a run stays within ``RUN_BYTES``."""
+    by_table: dict[tuple[int, str], list[LazyPieces]] = {}
+    for pieces in lazy:
+        by_table.setdefault((id(pieces._ref.source), pieces._ref.table), []).append(pieces)
+    runs: list[list[LazyPieces]] = []
+    for members in by_table.values():
+        members.sort(key=lambda p: p._ref.row)
+        start = stop = members[0]._ref.row
+        for pieces in members:
+            ref = pieces._ref
+            end = max(stop, ref.row + ref.count)
+            if pieces is members[0] or ref.row - stop > ref.count or (end - start) * ROW_BYTES > RUN_BYTES:
+                runs.append([])
+                start, end = ref.row, ref.row + ref.count
+            runs[-1].append(pieces)
+            stop = end
+    return runs
+
+
+def _load_run(run: Sequence[LazyPieces]) -> None:
+    """Reads one run's rows with one request and hands each leaf its own."""
+    first = run[0]._ref
+    start = first.row
+    stop = max(p._ref.row + p._ref.count for p in run)
+    data = _read_rows(first, start, stop - start)
+    for pieces in run:
+        ref = pieces._ref
+        pieces._fill(data[(ref.row - start) * ROW_BYTES : (ref.row - start + ref.count) * ROW_BYTES])
+
+
+def _read_rows(ref: _Ref, start: int, count: int) -> bytes:
+    """Rows ``start`` to ``start + count`` of the table holding ``ref``'s rows."""
+    if ref.source is None:
+        raise CheckpointError(f"the pieces of key {ref.key!r} are in {ref.table}, and this manifest was read without its tables")
+    return bytes(ref.source.read(ref.table, start * ROW_BYTES, count * ROW_BYTES))
+
+
+def _load(ref: _Ref, data: bytes) -> tuple[PieceEntry, ...]:
+    """A leaf's pieces from ``data``, its rows as read, each checked before use."""
     where = ref.source.where(ref.table) if ref.source is not None else ref.table
 
     def fail(problem: str) -> CorruptCheckpointError:
@@ -204,9 +261,6 @@ def _load(ref: _Ref) -> tuple[PieceEntry, ...]:
             key=ref.key, file=where,
         )
 
-    if ref.source is None:
-        raise CheckpointError(f"the pieces of key {ref.key!r} are in {ref.table}, and this manifest was read without its tables")
-    data = bytes(ref.source.read(ref.table, ref.row * ROW_BYTES, ref.count * ROW_BYTES))
     if len(data) != ref.count * ROW_BYTES:
         raise fail(f"are cut short ({len(data)} of {ref.count * ROW_BYTES} bytes)")
     if crc32c(data) != ref.crc:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -103,11 +103,12 @@ class MaxShardSizePolicy(ShardingCallback):
         return pack(shardable_tensors, self.max_shard_size)
 
 
-def pack(pieces: Sequence[ShardableTensor], max_bytes: int) -> list[Shard]:
+def pack(pieces: Sequence[ShardableTensor], max_bytes: int, view: Callable[[Any], Any] | None = None) -> list[Shard]:
     """``pieces`` in shards of at most ``max_bytes`` element bytes, packed and cut as
     ``MaxShardSizePolicy`` does; also how a save cuts data files to an object store's object
-    size (``bounded_files.py``)."""
-    return _Packer(max_bytes).pack(pieces)
+    size (``bounded_files.py``), which passes ``view``: what a piece's tensor is sliced
+    through when it is cut (a numpy view of a CPU buffer), taken only for the pieces cut."""
+    return _Packer(max_bytes, view).pack(pieces)
 
 
 class _Packer:
@@ -117,8 +118,9 @@ class _Packer:
     affected by a call in progress.
     """
 
-    def __init__(self, max_shard_size: int):
+    def __init__(self, max_shard_size: int, view: Callable[[Any], Any] | None = None):
         self.max_shard_size = max_shard_size
+        self.view = view
         self.shards: list[Shard] = [{}]
         self.large: list[Shard] = []
         self.remaining = max_shard_size
@@ -163,7 +165,7 @@ class _Packer:
                 self._open_shard()
             elif math.prod(shape) == 1:
                 # A single element larger than the whole limit: the only allowed overflow.
-                self.large.append({piece.checkpoint_key: {_spec(start, shape): _cut(piece, start, shape)}})
+                self.large.append({piece.checkpoint_key: {_spec(start, shape): self._cut(piece, start, shape)}})
                 return
             else:
                 # TF loops forever here: no slab fits even an empty shard. Pack a unit slab the
@@ -171,15 +173,23 @@ class _Packer:
                 axis = next(a for a, n in enumerate(shape) if n > 1)
                 self._pack_block(piece, start, _with_extent(shape, axis, 1))
                 start, shape = _rest(start, shape, axis, 1)
-        _put(self.shards[-1], piece.checkpoint_key, _spec(start, shape), _cut(piece, start, shape))
+        _put(self.shards[-1], piece.checkpoint_key, _spec(start, shape), self._cut(piece, start, shape))
         self.remaining -= math.prod(shape) * esize
 
     def _add_slab(self, piece: ShardableTensor, start: tuple[int, ...], shape: tuple[int, ...], esize: int) -> None:
         """TF's ``_add_partition``: a slab that fits; a shard filled exactly is closed at once."""
-        _put(self.shards[-1], piece.checkpoint_key, _spec(start, shape), _cut(piece, start, shape))
+        _put(self.shards[-1], piece.checkpoint_key, _spec(start, shape), self._cut(piece, start, shape))
         self.remaining -= math.prod(shape) * esize
         if self.remaining == 0:
             self._open_shard()
+
+    def _cut(self, piece: ShardableTensor, start: tuple[int, ...], shape: tuple[int, ...]) -> Any:
+        """The block's data, sliced from the piece's own tensor (the piece itself when uncut)."""
+        spec = _spec(start, shape)
+        if spec == piece.slice_spec:
+            return piece.tensor
+        tensor = piece.tensor if self.view is None else self.view(piece.tensor)
+        return tensor[tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(spec, piece.slice_spec))]
 
 
 def _next_partition(shape: tuple[int, ...], esize: int, remaining: int) -> tuple[int, int]:
@@ -220,14 +230,6 @@ def _rest(
 
 def _spec(start: tuple[int, ...], shape: tuple[int, ...]) -> SliceSpec:
     return tuple((a, a + n) for a, n in zip(start, shape))
-
-
-def _cut(piece: ShardableTensor, start: tuple[int, ...], shape: tuple[int, ...]) -> Any:
-    """The block's data, sliced from the piece's own tensor (the piece itself when uncut)."""
-    spec = _spec(start, shape)
-    if spec == piece.slice_spec:
-        return piece.tensor
-    return piece.tensor[tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(spec, piece.slice_spec))]
 
 
 BUILT_IN_POLICIES = (ShardByDevicePolicy, ShardByTaskPolicy, MaxShardSizePolicy)
