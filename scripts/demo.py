@@ -16,7 +16,6 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse
-import shutil
 import statistics
 import tempfile
 import time
@@ -82,7 +81,7 @@ def train(manager, state, first, last, x, y, blocked):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dir", default=None, help="working directory (default: a fresh temp dir, removed after)")
+    parser.add_argument("--dir", default=None, help="working directory (default: a fresh temp dir, kept to look at)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--every", type=int, default=50, help="save the steps that are multiples of N")
     args = parser.parse_args()
@@ -136,8 +135,7 @@ def main() -> None:
     print(f"   {len(blocked)} async saves: median blocking {statistics.median(blocked) * 1e3:.1f} ms, max {max(blocked) * 1e3:.1f} ms")
     print(f"   each checkpoint: {size / 1e6:.2f} MB in {len(files)} files; serving export (bf16, params only): {serving_size / 1e6:.2f} MB")
     print(f"   serving restore (skip_slot_variables) predicts like the live model: {same}")
-    if not args.dir:
-        shutil.rmtree(root)
+    print(f"-- kept in {root}: look with `tpu-ckpt ls {ckpts}` or `tpu-ckpt inspect {latest}`; remove it when done")
     if not same:
         raise SystemExit("the serving restore differs from the live model")
 

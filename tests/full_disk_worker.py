@@ -49,7 +49,7 @@ TREE = {
 def room(mechanism: str, where: str, data_size: int, too_small_for: str) -> Iterator[None]:
     """Makes ``too_small_for`` ("data" or "manifest") unwritable in ``where``."""
     if mechanism == "tmpfs":
-        pages = -(-data_size // PAGE) - (too_small_for == "data")
+        pages = -(-data_size // PAGE) + 1 - (too_small_for == "data")  # + the staging marker's page
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={pages * PAGE}", "tmpfs", where], check=True)
         yield
         return

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -480,27 +482,58 @@ def pod_like(directory: str, late: str) -> dict:
     }
 
 
-def _save_with_a_straggler(path: str, tree: dict, late: int) -> dict:
-    """A save (coordination_timeout=8) that process ``late`` starts only once the leader
-    (process 0) has reported giving up on it, in the coordination service: late for sure,
-    however slow the machine, and no later than needed. (Only once the leader has: another
-    process that gives up removes the staging area too, and the late one, failing to write
-    there, learns why only from the leader's report.)
+def _save_with_a_straggler(path: str, tree: dict, late: int, **options: Any) -> dict:
+    """A save (with ``coordination_timeout``) that process ``late`` starts only once the
+    leader (process 0) has reported giving up on it, in the coordination service: late for
+    sure, however slow the machine, and no later than needed: the leader may still be removing
+    the staging area, where the late process then writes. (Only once the leader has: the late
+    one, failing to write there, learns why only from the leader's report.)
 
     Its directory was proved shared by an earlier save, so every process waits for the late
     one at the same stage (all written). At the proof of a new directory the others wait
     for the leader's verdict, and with three processes or more one of them may time out on
-    the leader before the leader times out on the late one, naming the leader."""
+    the leader before the leader times out on the late one, naming the leader. The timeout is
+    generous: a process waiting on the leader names the late one only if the leader's own
+    timeout ends at most a few seconds after its own (``Coordinator._blocking_get``), and on
+    a loaded machine the leader may start waiting that much later than the others."""
     from jax._src.distributed import global_state
 
     if jax.process_index() == late:
         while not any(key.endswith("/error/0") for key, _ in global_state.client.key_value_dir_get("tpu_ckpt/")):
-            time.sleep(0.1)
+            time.sleep(0.01)
     try:
-        tc.save(path, tree, options=tc.CheckpointOptions(coordination_timeout=8))
+        tc.save(path, tree, options=tc.CheckpointOptions(coordination_timeout=20, **options))
     except Exception as e:  # noqa: BLE001 - the scenario reports what was raised
         return {"late_error": type(e).__name__, "late_missing": getattr(e, "missing", None), "late_message": str(e)}
     return {"late_error": None}
+
+
+def straggler_while_the_staging_area_is_removed(directory: str, files: str) -> dict:
+    """``_save_with_a_straggler`` where the leader's removal of the staging area is slow and
+    the late process has many files to write: once the leader has created the staging area,
+    a thread of the leader's fills a subdirectory of it with ``files`` empty files (a slow
+    file system, in effect), and the sharding callback cuts each process's part into 256
+    files. The late process then writes while the leader removes the staging area. A save
+    before it proves the directory shared, as in ``pod_like``."""
+    value = np.arange(1 << 19, dtype=np.float32).reshape(512, 1024)  # 1 MiB per process
+    tree = {"w": _global_array(_job_mesh(), P("model"), value)}
+    tc.save(os.path.join(directory, "ckpt"), tree)
+    if jax.process_index() == 0:
+        threading.Thread(target=_fill_the_staging_area, args=(directory, int(files)), daemon=True).start()
+    many_files = tc.MaxShardSizePolicy(4 << 10)
+    return _save_with_a_straggler(os.path.join(directory, "late"), tree, jax.process_count() - 1, sharding_callback=many_files)
+
+
+def _fill_the_staging_area(directory: str, files: int) -> None:
+    while not (staging := [n for n in os.listdir(directory) if n.startswith("late.tmp-")]):
+        time.sleep(0.01)
+    slow = os.path.join(directory, staging[0], "slow")
+    try:
+        os.mkdir(slow)
+        for i in range(files):
+            os.close(os.open(os.path.join(slow, f"{i}"), os.O_WRONLY | os.O_CREAT, 0o644))
+    except OSError:  # the leader removed the staging area first
+        pass
 
 
 def exec_file(directory: str, code_path: str) -> dict:

@@ -53,6 +53,8 @@ def run_dir(tmp_path_factory, mesh42):
         os.makedirs(directory / name)
         (directory / name / "d00000-00000.safetensors").write_bytes(b"partial")
     shutil.copy(directory / "step_1" / "manifest.json", directory / "step_4.tmp-0a1b2c")
+    marker = {"final": "step_4", "token": "0a1b2c", "started": 0, "grace_s": 3600}  # a save long dead
+    (directory / "step_4.tmp-0a1b2c" / "staging.json").write_text(json.dumps(marker))
     return directory
 
 
@@ -85,8 +87,8 @@ def test_ls_lists_steps_leftovers_sizes_and_file_counts(run_dir):
     assert table["serving"][:6] == ["-", "serving", "committed", f"{link / 1e3:.1f}", "KB", "2"]
     # A leftover's size is that of its files: a partial data file, and a manifest still staging.
     assert table["step_3"][:6] == ["-", "step_3", "uncommitted", "7", "B", "1"] and table["step_3"][6].endswith("s")
-    staged = 7 + os.path.getsize(run_dir / "step_4.tmp-0a1b2c" / "manifest.json")
-    assert table["step_4.tmp-0a1b2c"][:6] == ["-", "step_4.tmp-0a1b2c", "uncommitted", f"{staged / 1e3:.1f}", "KB", "2"]
+    staged = 7 + sum(os.path.getsize(run_dir / "step_4.tmp-0a1b2c" / f) for f in ("manifest.json", "staging.json"))
+    assert table["step_4.tmp-0a1b2c"][:6] == ["-", "step_4.tmp-0a1b2c", "uncommitted", f"{staged / 1e3:.1f}", "KB", "3"]
     entries = {e["name"]: e for e in json.loads(tpu_ckpt("ls", run_dir, "--json").stdout)}
     assert entries["step_2"]["step"] == 2 and entries["step_2"]["nbytes"] == size and entries["step_2"]["files"] == files
     assert entries["step_4.tmp-0a1b2c"]["committed"] is False and entries["step_4.tmp-0a1b2c"]["nbytes"] == staged
@@ -196,9 +198,9 @@ def test_gc_dry_run_removes_nothing(run_dir):
     before = sorted(os.listdir(run_dir))
     result = tpu_ckpt("gc", run_dir, "--dry-run")
     assert result.returncode == 0
-    staged = f'{(7 + os.path.getsize(run_dir / "step_4.tmp-0a1b2c" / "manifest.json")) / 1e3:.1f} KB'
+    staged = 7 + sum(os.path.getsize(run_dir / "step_4.tmp-0a1b2c" / f) for f in ("manifest.json", "staging.json"))
     assert result.stdout.splitlines() == [
-        "would remove step_3 (uncommitted, 1 file, 7 B)", f"would remove step_4.tmp-0a1b2c (uncommitted, 2 files, {staged})",
+        "would remove step_3 (uncommitted, 1 file, 7 B)", f"would remove step_4.tmp-0a1b2c (uncommitted, 3 files, {staged / 1e3:.1f} KB)",
     ]
     assert sorted(os.listdir(run_dir)) == before
 
@@ -238,7 +240,7 @@ def test_the_read_only_commands_never_import_jax(run_dir, command):
 def test_export_writes_params_only(run_dir, tmp_path):
     result = tpu_ckpt("export", run_dir / "step_1", tmp_path / "serving", "--dtype", "bfloat16", "--max-shard-size", 64)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith(f"wrote {tmp_path / 'serving'}: 0.0 MB in ")  # 64 + 8 B of bfloat16
+    assert result.stdout.startswith(f"wrote {tmp_path / 'serving'}: 72 B in ")  # 64 + 8 B of bfloat16
     out = tc.restore(tmp_path / "serving")
     assert set(out) == {"w", "b"} and out["w"].dtype == ml_dtypes.bfloat16
     np.testing.assert_array_equal(out["w"].astype(np.float32), np.arange(32, dtype=np.float32).reshape(8, 4))
@@ -447,3 +449,12 @@ def test_diff_values_counts_and_measures_across_differently_cut_pieces(tmp_path,
     assert [(c.key, c.differing, c.elements, c.max_abs_diff) for c in diff(tmp_path / "a", tmp_path / "b", values=True)] == [
         ("i", 2, 3, 255.0), ("w", 3, 64, 1e3),  # 127 - -128 measured wide, not wrapped in int8
     ]
+
+
+def test_a_key_utf8_cannot_encode_is_printed_escaped(tmp_path):
+    """A dict key holding a lone surrogate is a legal Python string and saves; the command
+    prints it escaped rather than stopping with a codec error."""
+    tc.save(tmp_path / "c", {"odd\ud800": np.ones(2, np.float32)}).wait()
+    done = subprocess.run([sys.executable, "-m", "tpu_ckpt", "inspect", str(tmp_path / "c")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "odd\\ud800" in done.stdout

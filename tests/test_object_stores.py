@@ -189,7 +189,7 @@ def test_export_script_writes_params_only_into_the_bucket(bucket):
         capture_output=True, text=True, env=os.environ.copy(), timeout=300,
     )
     assert done.returncode == 0, done.stderr
-    assert f"wrote {bucket.url('serve')}: 0.0 MB in " in done.stdout  # 64 B of bf16 + 24 B of ids
+    assert f"wrote {bucket.url('serve')}: 88 B in " in done.stdout  # 64 B of bf16 + 24 B of ids
     out = tc.restore(bucket.url("serve"))
     assert set(out) == {"dense", "ids"} and out["dense"]["kernel"].dtype == ml_dtypes.bfloat16
     np.testing.assert_array_equal(out["dense"]["kernel"].astype(np.float32), params["dense"]["kernel"])
@@ -213,8 +213,10 @@ def test_the_manifest_is_the_last_object_written(faulty, mesh42):
     tc.save(bucket.url("c"), state(mesh42)).wait()
     uploads = [(r.method, r.path) for r in proxy.requests if _is_upload(r.method, r.path)]
     doc = manifest(bucket, "c")
-    assert len(uploads) == len(doc["files"]) + len(doc["tables"]) + 1
+    assert len(uploads) == len(doc["files"]) + len(doc["tables"]) + 2  # + the staging marker, first
+    assert "staging.json" in urllib.parse.unquote(uploads[0][1])
     assert _is_manifest_upload(*uploads[-1]) and not any(_is_manifest_upload(*u) for u in uploads[:-1])
+    assert "c/staging.json" not in bucket.keys("c/")  # deleted once committed
 
 
 def test_429_and_503_are_retried_with_backoff(faulty):

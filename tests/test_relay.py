@@ -208,13 +208,13 @@ def test_a_huge_message_length_is_refused_and_the_connection_dropped(server):
 
 @pytest.mark.parametrize("request_", [
     {"op": "write", "name": "d.bin", "size": 2**60},
-    {"op": "read", "name": "d.bin", "start": 0, "lengths": [2**60]},
-    {"op": "read", "name": "d.bin", "start": 2**60, "lengths": [1]},
-    {"op": "read", "name": "d.bin", "start": 0, "lengths": [1 << 19, 1 << 19, 1]},  # past the file's size
-    {"op": "read", "name": "d.bin", "start": 0, "lengths": [1] * (relay_wire.MAX_RANGES + 1)},
-    {"op": "read", "name": "d.bin", "start": -1, "lengths": [1]},
-    {"op": "read", "name": "d.bin", "start": 0, "lengths": "1"},
-    {"op": "read", "name": "absent.json", "start": 0, "lengths": [1]},  # served whole only
+    {"op": "read", "name": "d.bin", "start": 0, "length": 2**60},
+    {"op": "read", "name": "d.bin", "start": 2**60, "length": 1},
+    {"op": "read", "name": "d.bin", "start": 0, "length": (1 << 20) + 1},  # past the file's size
+    {"op": "read", "name": "d.bin", "start": 0, "lengths": [1]},  # the span only: pieces are the client's
+    {"op": "read", "name": "d.bin", "start": -1, "length": 1},
+    {"op": "read", "name": "d.bin", "start": 0, "length": "1"},
+    {"op": "read", "name": "absent.json", "start": 0, "length": 1},  # served whole only
     {"op": "piece", "name": "d.bin", "offset": 0, "process": 0},  # no load_and_broadcast here
     {"op": "delete", "name": "d.bin"},
 ])
@@ -382,3 +382,22 @@ def test_a_host_that_drops_connections_is_a_typed_error_after_the_connect_timeou
         for conn in queued:
             conn.close()
     assert "within 0.5s: timed out" in message and "TCP ports 50100-50199 (TPU_CKPT_RELAY_PORTS)" in message
+
+
+def test_a_read_claiming_a_terabyte_is_refused_before_the_client_allocates_it(tmp_path):
+    """Issue 29: an io_device restore whose manifest gives a piece 2^40 bytes. The server,
+    which has the file, refuses the read from its real size; the client allocates its arrays
+    only for an answer, so it never asks for the terabyte (ENOMEM before, or worse)."""
+    store = storage.open_staging(storage.Location(str(tmp_path / "ckpt")))
+    (tmp_path / "ckpt" / "d.safetensors").write_bytes(b"x" * 64)
+    server = relay_server.RelayServer(store, "127.0.0.1", timeout=10, peers=1, serves={"d.safetensors": 1 << 41})
+    client = relay.RelayStore(storage.Location("ckpt"), server.contact(), timeout=10, server_process=0)
+    try:
+        with pytest.raises(tc.CorruptCheckpointError, match="truncated") as e:
+            client.read("d.safetensors", 0, [1 << 40]).result()
+        assert e.value.file.endswith("d.safetensors")
+        assert [c.tobytes() for c in client.read("d.safetensors", 8, [8]).result()] == [b"x" * 8]
+    finally:
+        client.close()
+        server.close()
+        store.close()

@@ -335,9 +335,9 @@ def test_library_never_uses_pickle():
 
 def test_an_io_error_names_the_file_and_leaves_nothing(tmp_path):
     (tmp_path / "plain_file").write_text("not a directory")
-    with pytest.raises(tc.CheckpointError, match=r"staging directory .*plain_file/c\.tmp-\w+ failed: Not a directory") as e:
+    with pytest.raises(tc.CheckpointError, match=r"staging directory .*plain_file/\.c\.tmp-\w+ failed: Not a directory") as e:
         tc.save(tmp_path / "plain_file" / "c", {"a": np.ones(3)})
-    assert "plain_file/c.tmp-" in e.value.file
+    assert "plain_file/.c.tmp-" in e.value.file
     assert sorted(os.listdir(tmp_path)) == ["plain_file"]
 
 

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from tpu_ckpt.pieces import ShardableTensor, ShardingCallback
     from tpu_ckpt.policies import MaxShardSizePolicy, ShardByDevicePolicy, ShardByTaskPolicy
     from tpu_ckpt.restore import ArrayMetadata, metadata, restore
+    from tpu_ckpt.restore_check import RestoreReport, check_restore
     from tpu_ckpt.save import save
 
 __version__ = "0.1.0"
@@ -58,6 +59,7 @@ _MODULE_OF = {
     "InvalidShardsError": "errors",
     "MaxShardSizePolicy": "policies",
     "RemoteProcessError": "errors",
+    "RestoreReport": "restore_check",
     "SaveResult": "background",
     "ShardByDevicePolicy": "policies",
     "ShardByTaskPolicy": "policies",
@@ -65,6 +67,7 @@ _MODULE_OF = {
     "ShardingCallback": "pieces",
     "TargetMismatchError": "errors",
     "UncommittedCheckpointError": "errors",
+    "check_restore": "restore_check",
     "export_for_serving": "export",
     "export_orbax": "orbax_interop",
     "import_orbax": "orbax_interop",
@@ -89,6 +92,7 @@ __all__ = (
     "InvalidShardsError",
     "MaxShardSizePolicy",
     "RemoteProcessError",
+    "RestoreReport",
     "SaveResult",
     "ShardByDevicePolicy",
     "ShardByTaskPolicy",
@@ -96,6 +100,7 @@ __all__ = (
     "ShardingCallback",
     "TargetMismatchError",
     "UncommittedCheckpointError",
+    "check_restore",
     "export_for_serving",
     "export_orbax",
     "import_orbax",

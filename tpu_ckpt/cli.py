@@ -2,26 +2,29 @@
 
 The commands but export, import-orbax and export-orbax only read (gc also deletes leftovers),
 so they need no accelerator and no JAX devices, and they never import JAX: they start in a
-fraction of a second. Only those three, which restore and save arrays, import it (and Orbax).
-This module parses and dispatches; cli_read.py and cli_convert.py hold the commands and
+fraction of a second. Only those three, which restore and save arrays, import it (and Orbax),
+and plan, which builds its target's shardings on CPU devices.
+This module parses and dispatches; cli_read.py, cli_convert.py and cli_plan.py hold the commands and
 cli_format.py what they share. They are the only modules of the package that print; the
-work is done by listing.py, verify.py, diff.py, export.py and orbax_interop.py, which report
+work is done by listing.py, verify.py, diff.py, export.py, orbax_interop.py and restore_check.py, which report
 through return values and logging.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import logging
 import os
 import sys
 from collections.abc import Sequence
 
-from tpu_ckpt import cli_convert, cli_format, cli_read
+from tpu_ckpt import cli_convert, cli_format, cli_plan, cli_read
 from tpu_ckpt.errors import CheckpointError
 
 _EXIT_STATUS = (
-    "exit status: 0 ok; 1 verification failed, the checkpoints differ, or ls found nothing; 2 a "
+    "exit status: 0 ok; 1 verification failed, the checkpoints differ, ls found nothing, or a planned "
+    "restore would fail; 2 a "
     "usage error, or a path that holds no (committed) checkpoint."
 )
 
@@ -29,6 +32,9 @@ _EXIT_STATUS = (
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs one command; returns the exit status (see ``tpu-ckpt --help``)."""
     args = _parser().parse_args(argv)
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):  # a key Python holds but UTF-8 cannot (a lone surrogate) prints escaped
+            stream.reconfigure(errors="backslashreplace")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         status = args.run(args)
@@ -57,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     for add in (
         cli_read.add_ls, cli_read.add_inspect, cli_read.add_verify, cli_read.add_diff, cli_read.add_gc,
-        cli_convert.add_export, cli_convert.add_import_orbax, cli_convert.add_export_orbax,
+        cli_convert.add_export, cli_convert.add_import_orbax, cli_convert.add_export_orbax, cli_plan.add_plan,
     ):
         add(commands)
     return parser

@@ -4,6 +4,7 @@ Only these import JAX (and Orbax), inside their functions, so the other commands
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Any
 
@@ -53,7 +54,7 @@ def export(args: argparse.Namespace) -> int:
         what = f"a link to {args.src}, no data copied"
     else:
         arrays = read_manifest(storage.location(path)).leaves  # the same answer on a disk and in a bucket
-        what = f"{sum(leaf.nbytes for leaf in arrays if leaf.kind == 'array') / 1e6:.1f} MB"
+        what = cli_format.size(sum(leaf.nbytes for leaf in arrays if leaf.kind == 'array'))
     print(f"wrote {path}: {what} in {time.perf_counter() - started:.2f}s")
     return 0
 
@@ -79,8 +80,8 @@ def add_import_orbax(commands: Any) -> None:
         "CheckpointManager directory SRC (steps 0/, 10/, ... holding an item such as default/) into a "
         "tpu_ckpt CheckpointManager directory DST (step_0/, step_10/, ...); steps already in DST are "
         "skipped. Leaves are read in batches of at most --max-batch-bytes of arrays (a larger leaf alone), "
-        "each written before the next is read. Needs pip install tpu_ckpt[orbax].",
-        "0 converted; 2 SRC holds no Orbax checkpoint, DST exists, or Orbax is not installed.",
+        "each written before the next is read. Needs orbax-checkpoint: pip install orbax-checkpoint (tpu_ckpt's [flax] and [orbax] extras bring it).",
+        "0 converted; 2 SRC holds no Orbax checkpoint or a damaged one, DST exists, or Orbax is not installed.",
     )
     p.add_argument("src", metavar="SRC", help="an Orbax checkpoint, step or CheckpointManager directory")
     p.add_argument("dst", metavar="DST", help="the tpu_ckpt checkpoint, or CheckpointManager directory, to write")
@@ -92,6 +93,7 @@ def add_import_orbax(commands: Any) -> None:
 def _import_orbax(args: argparse.Namespace) -> int:
     from tpu_ckpt.orbax_interop import import_orbax  # JAX and Orbax: paid by this command only
 
+    _quiet_closed_loop_callbacks()
     started = time.perf_counter()
     try:
         reports = import_orbax(args.src, args.dst, item=args.item, max_batch_bytes=args.max_batch_bytes)
@@ -108,13 +110,28 @@ def _import_orbax(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quiet_closed_loop_callbacks() -> None:
+    """When Orbax fails on one array of a damaged checkpoint, it closes its event loop while
+    tensorstore still completes the others; their callbacks then fail, and Python prints
+    each as a traceback ("Event loop is closed") beside our one-line error, even after the
+    command returned. Those alone are dropped; a hook someone else set is left alone."""
+    if sys.unraisablehook is sys.__unraisablehook__:
+        sys.unraisablehook = _drop_closed_loop
+
+
+def _drop_closed_loop(unraisable: Any) -> None:
+    error = unraisable.exc_value
+    if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+        sys.__unraisablehook__(unraisable)
+
+
 def add_export_orbax(commands: Any) -> None:
     p = cli_format.command(
         commands, "export-orbax", "write tpu_ckpt checkpoints as Orbax checkpoints",
         "Write tpu_ckpt checkpoint SRC as an Orbax StandardCheckpointer checkpoint DST, or a tpu_ckpt "
         "CheckpointManager directory as an Orbax CheckpointManager directory (DST/<step>/default). Each "
         "checkpoint is restored whole into host memory first (Orbax saves whole trees). "
-        "Needs pip install tpu_ckpt[orbax].",
+        "Needs orbax-checkpoint: pip install orbax-checkpoint (tpu_ckpt's [flax] and [orbax] extras bring it).",
         "0 written; 2 SRC holds no committed checkpoint, DST exists, or Orbax is not installed.",
     )
     p.add_argument("src", metavar="SRC", help="a tpu_ckpt checkpoint or CheckpointManager directory")

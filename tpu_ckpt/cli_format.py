@@ -66,13 +66,17 @@ def or_dash(value: Any, fmt: Any = str) -> str:
 
 
 def size(nbytes: float) -> str:
+    """In the largest unit (powers of 1000) that keeps the number at 1 or more, so that a
+    small export reads ``72 B`` rather than ``0.0 MB``; a value that would round up to
+    ``1000.0`` moves to the next unit."""
     if nbytes < 1000:
-        return f"{nbytes} B"
-    for unit in ("KB", "MB", "GB"):
-        nbytes /= 1000
-        if nbytes < 1000:
-            return f"{nbytes:.1f} {unit}"
-    return f"{nbytes / 1000:.1f} TB"
+        return f"{int(nbytes)} B"
+    value = float(nbytes)
+    for unit in ("KB", "MB", "GB", "TB"):
+        value /= 1000
+        if round(value, 1) < 1000 or unit == "TB":
+            break
+    return f"{value:.1f} {unit}"
 
 
 def age(seconds: float) -> str:

@@ -15,7 +15,7 @@ from tpu_ckpt import cli_format, listing, storage
 from tpu_ckpt.committed import read_manifest
 from tpu_ckpt.diff import Change, diff
 from tpu_ckpt.errors import CheckpointNotFoundError
-from tpu_ckpt.format import LeafEntry, Manifest
+from tpu_ckpt.format import LeafEntry, Manifest, sharding_text
 from tpu_ckpt.progress import Progress
 from tpu_ckpt.verify import verify
 
@@ -76,7 +76,7 @@ def _nothing_in(directory: str, file: Any) -> None:
 
 def _state(entry: listing.Entry) -> str:
     if not entry.committed:
-        return "uncommitted"
+        return "saving" if listing.busy(entry) else "uncommitted"
     return "unreadable" if entry.error else "committed"
 
 
@@ -132,19 +132,7 @@ def _leaf_row(leaf: LeafEntry) -> list[str]:
     if leaf.kind == "value":
         return [leaf.key, "", type(leaf.value).__name__, f"= {leaf.value!r}", "", ""]
     slot = "yes" if leaf.is_slot else "no"
-    return [leaf.key, str(list(leaf.shape)), leaf.dtype, _sharding(leaf.sharding), slot, cli_format.size(leaf.nbytes)]
-
-
-def _sharding(description: dict[str, Any] | None) -> str:
-    """The manifest's sharding description, short: ``data=4,model=2 P(data,model)``."""
-    if description is None:
-        return "host"
-    if description.get("type") == "NamedSharding":
-        mesh = ",".join(f"{axis}={n}" for axis, n in description["mesh"].items())
-        spec = ",".join("+".join(p) if isinstance(p, list) else str(p) for p in description["spec"])
-        return f"{mesh} P({spec})"
-    kind, devices = description.get("type"), description.get("num_devices")
-    return str(kind) if devices == 1 else f"{kind}({devices} devices)"
+    return [leaf.key, str(list(leaf.shape)), leaf.dtype, sharding_text(leaf.sharding), slot, cli_format.size(leaf.nbytes)]
 
 
 def _inspect_json(url: str, manifest: Manifest) -> dict[str, Any]:
@@ -260,10 +248,11 @@ def _change_row(change: Change) -> list[str]:
 def add_gc(commands: Any) -> None:
     p = cli_format.command(
         commands, "gc", "remove the leftovers of interrupted saves",
-        "Remove the uncommitted leftovers under DIR: step_<n> directories without a manifest and "
-        "<name>.tmp-<hex> staging directories. Committed checkpoints and anything the library did not "
-        "write are never touched. Do not run it while a save into DIR is in progress: that save's "
-        "staging directory is a leftover until it commits.",
+        "Remove the uncommitted leftovers of interrupted saves under DIR: directories holding a save's "
+        "staging marker, step_<n> directories without a manifest and <name>.tmp-<hex> staging directories "
+        "without one. A directory with a manifest is a checkpoint, whatever its name, and is never touched, "
+        "nor is anything else the library did not write. A leftover whose save started less than its "
+        "grace period (an hour) ago may still be running: it is kept, and said so.",
         "0 removed (or nothing to remove); 2 DIR does not exist or is a checkpoint itself.",
     )
     p.add_argument("dir", metavar="DIR", help="a directory or gs:// / s3:// prefix")
@@ -272,14 +261,20 @@ def add_gc(commands: Any) -> None:
 
 
 def _gc(args: argparse.Namespace) -> int:
+    now = time.time()
     leftovers = [e for e in listing.scan(args.dir) if not e.committed]
     if not leftovers:
         print(f"no leftovers in {args.dir}")
         return 0
-    if not args.dry_run:
-        listing.remove_leftovers(args.dir, [e.name for e in leftovers])
+    removable = [e.name for e in leftovers if not listing.busy(e, now)]
+    removed = removable if args.dry_run else listing.remove_leftovers(args.dir, removable)
     verb = "would remove" if args.dry_run else "removed"
     for e in leftovers:
-        size = "" if e.nbytes is None else f", {cli_format.size(e.nbytes)}"
-        print(f"{verb} {e.name} (uncommitted, {cli_format.plural(e.files, 'file')}{size})")
+        if e.name in removed:
+            size = "" if e.nbytes is None else f", {cli_format.size(e.nbytes)}"
+            print(f"{verb} {e.name} (uncommitted, {cli_format.plural(e.files, 'file')}{size})")
+        elif e.name in removable:
+            print(f"kept {e.name} (a save started or committed it since it was listed)")
+        else:
+            print(f"kept {e.name} (a save that may still be running; removable in {cli_format.age((e.held_until or now) - now)})")
     return 0

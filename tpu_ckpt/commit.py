@@ -3,7 +3,8 @@
 The merge (``merge_indexes``) is a pure function from the plan's manifest and the indexes to
 a new manifest, so what a commit would write is checked without storage and nobody's dicts
 change under them; ``commit`` adds the IO around it: collect the others' indexes, check the
-staging area holds the files they claim, write the manifest, make the checkpoint visible.
+staging area holds the files they claim and the piece tables, write the manifest, make the
+checkpoint visible.
 """
 
 from __future__ import annotations
@@ -65,10 +66,21 @@ def commit(
     with concurrent.futures.ThreadPoolExecutor(settings().io_threads) as pool:  # one host's latency, not N
         indexes = [own, *pool.map(functools.partial(_take_index, store), others)]
     with slices.grids_shared():  # the tiling check's grids serve the piece table
-        manifest = merge_indexes(planned, indexes)
-        storage.check_written(store, manifest.files)
-        piece_table.write(store, manifest, MANIFEST_FILE)
+        write_manifest(store, merge_indexes(planned, indexes))
     storage.commit(store.location, final)
+
+
+def write_manifest(store: storage.Backend, manifest: Manifest) -> None:
+    """Writes ``manifest``'s piece tables, then the manifest, only once every file it names,
+    data files and tables alike, is in the staging area: a commit never names a missing file.
+    The data files are checked first too, so no table is written into a staging area that is
+    gone (a leader that gave up removed it)."""
+    storage.check_written(store, manifest.files)
+
+    def every_file(tables: dict[str, int]) -> None:
+        storage.check_written(store, {**manifest.files, **tables})
+
+    piece_table.write(store, manifest, MANIFEST_FILE, check=every_file)
 
 
 def _take_index(store: storage.Backend, process: int) -> Manifest:

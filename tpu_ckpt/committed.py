@@ -36,7 +36,7 @@ def table_source(loc: storage.Location) -> piece_table.TableSource:
     def read(name: str, start: int, length: int) -> bytes:
         if loc.is_local:
             root = os.path.abspath(loc.local_path)
-            return safe_reads.read_ranges(safe_reads.confine(root, name), start, [length])[0].tobytes()
+            return safe_reads.read_ranges(root, name, start, [length])[0].tobytes()
         with storage.Store(loc, threads=1) as store:
             return store.read(name, start, [length]).result()[0].tobytes()
 
@@ -54,7 +54,7 @@ def _raise_missing(loc: storage.Location, files: list[str]) -> NoReturn:
     """Why there is no manifest, told from one listing of ``loc``: nothing there, an
     interrupted save, or a directory of checkpoints (a CheckpointManager's) named instead of
     one of them, which is not an interrupted save and must not be reported as one."""
-    found = listing.checkpoints(files)
+    found = listing.checkpoints(files, listing.staged_in(loc, files))
     if found:
         raise CheckpointNotFoundError(_directory_of_checkpoints(loc, found), file=loc.url)
     if not files and storage.is_empty(loc) and not storage.has_staging_leftover(loc):

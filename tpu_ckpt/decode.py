@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from tpu_ckpt import keys, piece_table, slices
+from tpu_ckpt.decode_layout import check_byte_ranges as check_byte_ranges  # restore and verify import it from here
+from tpu_ckpt.decode_layout import check_layout
 from tpu_ckpt.errors import CorruptCheckpointError, FormatVersionError
 from tpu_ckpt.format import (
     FORMAT_NAME,
@@ -63,24 +65,56 @@ def decode_manifest(
             file=where,
         )
     manifest = _Decoder(where, complete, tables).manifest(doc, ".".join(map(str, version)))
-    _check_layout(manifest, where, complete and tiled)
+    check_layout(manifest, where, complete and tiled, paths=complete)
     return manifest
 
 
 def _parse_json(body: bytes, where: str) -> dict[str, Any]:
+    need = _decoded_bytes(body)
+    if need > _available_memory():
+        raise _too_big(where, need)
     try:
         doc = json.loads(body)
     except (ValueError, RecursionError) as e:  # RecursionError: nesting too deep to be ours
         raise CorruptCheckpointError(f"{where}: manifest is not valid JSON ({str(e)[:200]})", file=where) from None
+    except MemoryError:  # a memory limit (ulimit -v) below what the host has free
+        raise _too_big(where, need) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: not a tpu_ckpt manifest", file=where)
     return doc
 
 
+def _decoded_bytes(body: bytes) -> int:
+    """What json.loads holds for ``body``, at least (measured, CPython 3.11): a list and its
+    place in its parent 64 bytes, a small object 200, each further value (a comma) a place
+    and, unless a small int, its object, 44, and a string ~56 (two quotes). So what a
+    manifest will take is known before it is parsed: 200 MB of ``[],`` take over 4 GB, of
+    ``{"a":1},`` 5 GB, of ``"ab",`` 2.6 GB, whatever its brackets."""
+    return 64 * body.count(b"[") + 200 * body.count(b"{") + 44 * body.count(b",") + 28 * body.count(b'"')
+
+
+def _available_memory() -> int:
+    """The host's free memory (MemAvailable), or no bound where it cannot be read."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(b"MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return MAX_INT
+
+
+def _too_big(where: str, need: int) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{where}: decoding this manifest would take about {need / 1e9:.1f} GB of memory or more, more than "
+        "this process can have: it is not a manifest tpu_ckpt wrote, or it is one for a far larger host. "
+        "Restore another checkpoint, or restore it where more memory is free.",
+        file=where,
+    )
+
+
 def _version(doc: dict[str, Any], where: str) -> tuple[int, int]:
     text = doc.get("format_version")
     parts = text.split(".") if isinstance(text, str) else []
-    if len(parts) != 2 or not all(p.isdigit() and len(p) <= 4 for p in parts):
+    if len(parts) != 2 or not all(p.isascii() and p.isdigit() and len(p) <= 4 for p in parts):  # '²'.isdigit()
         raise CorruptCheckpointError(f"{where}: bad format_version {_short(text)}", file=where)
     major, minor = int(parts[0]), int(parts[1])
     if major > int(FORMAT_VERSION.split(".")[0]):
@@ -165,7 +199,7 @@ class _Decoder:
             raise self.fail("source", f"must be an object, got {_short(value)}")
         path = self.str(value.get("path"), "source.path")
         parts = path.split("/")
-        if len(parts) != 2 or parts[0] != ".." or parts[1] in ("", ".", ".."):
+        if len(parts) != 2 or parts[0] != ".." or parts[1] in ("", ".", "..") or not parts[1].isprintable():
             raise self.fail("source.path", f"must name a sibling checkpoint as '../<name>', got {path!r}")
         return {"path": path, "manifest_crc32c": self.int(value.get("manifest_crc32c"), "source.manifest_crc32c", 0xFFFFFFFF)}
 
@@ -214,9 +248,7 @@ class _Decoder:
         itemsize = dtype_from_name(dtype).itemsize
         if type(doc.get("is_slot")) is not bool:
             raise self.fail(f"{field}.is_slot", f"must be true or false, got {_short(doc.get('is_slot'))}")
-        sharding = doc.get("sharding")
-        if sharding is not None and type(sharding) is not dict:
-            raise self.fail(f"{field}.sharding", f"must be an object or null, got {_short(sharding)}")
+        sharding = self.sharding(doc.get("sharding"), f"{field}.sharding")
         if raw is None:  # format 2: the rows of a piece table, read when first used
             if "pieces" in doc:
                 raise self.fail(field, "has both pieces and a table")
@@ -227,13 +259,32 @@ class _Decoder:
             pieces = tuple(self.piece(p, f"{field}.pieces[{j}]", shape, itemsize, files) for j, p in enumerate(raw))
         return LeafEntry(key, path, "array", shape, dtype, doc["is_slot"], sharding, pieces)
 
+    def sharding(self, value: Any, field: str) -> dict[str, Any] | None:
+        """How a leaf was saved sharded, as ``pieces.describe_sharding`` writes it: a
+        NamedSharding's mesh (axis sizes by name) and spec, or a kind and device count. A
+        restore never needs it, but ``inspect`` and ``describe`` show every part of it."""
+        if value is None:
+            return None
+        if type(value) is not dict or type(value.get("type")) is not str:
+            raise self.fail(field, f"must be null or an object with a string type, got {_short(value)}")
+        if value["type"] != "NamedSharding":
+            self.int(value.get("num_devices"), f"{field}.num_devices", 1 << 31)
+            return value
+        mesh, spec = value.get("mesh"), self.list(value.get("spec"), f"{field}.spec")
+        if type(mesh) is not dict or not all(type(n) is int and 0 < n <= 1 << 31 for n in mesh.values()):
+            raise self.fail(f"{field}.mesh", f"must map axis names to sizes, got {_short(mesh)}")
+        for entry in spec:
+            if not (entry is None or type(entry) is str or (type(entry) is list and all(type(a) is str for a in entry))):
+                raise self.fail(f"{field}.spec", f"must list null, axis names or lists of them, got {_short(spec)}")
+        return value
+
     def path_entry(self, entry: Any, field: str, leaf_count: int) -> tuple[str, Any]:
         kind, name = self.list(entry, field, 2)
         if kind not in _PATH_KINDS:
             raise self.fail(field, f"has an unknown kind {_short(kind)}")
         if kind == "seq":  # an index bounded by the leaves, so rebuilding lists stays small
             return kind, self.int(name, field, max(leaf_count - 1, 0))
-        if kind == "dict" and type(name) is int:
+        if kind == "dict" and type(name) in (int, bool):  # a save keeps a dict's int and bool keys
             return kind, name
         if "/" in self.str(name, field):  # save refuses such names: "/" joins a key's entries
             raise self.fail(field, f"has a name containing '/': {_short(name)}")
@@ -284,76 +335,3 @@ class _Decoder:
         if length == 0 and crc != 0:
             raise self.fail(field, "is empty but has a non-zero crc32c")
         return PieceEntry(spec, files[file], self.int(offset, f"{field} (offset)"), length, crc)
-
-
-def _check_layout(manifest: Manifest, where: str, complete: bool) -> None:
-    """What no single field shows: names, byte ranges and keys against each other."""
-    linked = manifest.source["path"] if manifest.source else None
-    for name in [*manifest.files, *manifest.tables]:
-        problem = _file_name_problem(name, linked if name in manifest.files else None)
-        if problem:
-            raise CorruptCheckpointError(f"{where}: data file name {name!r} {problem}", file=where)
-    _check_keys(manifest, where)
-    check_byte_ranges(manifest, where, loaded_only=True)
-    with slices.grids_shared():  # leaves of one layout share their grid
-        for leaf in manifest.leaves if complete else ():
-            if isinstance(leaf.pieces, piece_table.LazyPieces):
-                continue  # a grid's cells tile the leaf by construction (checked on load)
-            problem = leaf.kind == "array" and slices.tiling_problem(leaf.shape, [p.slice for p in leaf.pieces])
-            if problem:
-                raise CorruptCheckpointError(
-                    f"{where}: the pieces of key {leaf.key!r} do not tile its shape: {problem}", key=leaf.key, file=where
-                )
-
-
-def _file_name_problem(name: str, linked: str | None) -> str | None:
-    """Names stay inside the checkpoint: plain relative paths, or, in a linked checkpoint,
-    ``../<sibling>/...`` under its source."""
-    parts = name.split("/")
-    if linked is not None and name.startswith(linked + "/"):
-        parts = parts[2:]
-    if not name or "\x00" in name or "\\" in name or any(p in ("", ".", "..") for p in parts):
-        return "is not a plain relative path inside the checkpoint"
-    return None
-
-
-def check_byte_ranges(manifest: Manifest, where: str, *, loaded_only: bool = False) -> None:
-    """Every piece lies inside its file, and no two share a byte (so each read is checked
-    against its own crc32c: a range read once serves exactly one piece). ``loaded_only``:
-    only the pieces already in memory (a format 2 leaf's rows are read when used); else
-    every leaf's rows are read (verify)."""
-    by_file: dict[str, list[tuple[int, int, str]]] = {}
-    for leaf in manifest.leaves:
-        if loaded_only and isinstance(leaf.pieces, piece_table.LazyPieces) and not leaf.pieces.loaded:
-            continue
-        for p in leaf.pieces:
-            if p.length:
-                by_file.setdefault(p.file, []).append((p.offset, p.offset + p.length, leaf.key))
-    for file, ranges in by_file.items():
-        ranges.sort()
-        size = manifest.files[file]
-        if ranges[-1][1] > size or any(a[1] > b[0] for a, b in zip(ranges, ranges[1:])):
-            bad = next((r for r in ranges if r[1] > size), None) or next(a for a, b in zip(ranges, ranges[1:]) if a[1] > b[0])
-            raise CorruptCheckpointError(
-                f"{where}: a piece of key {bad[2]!r} at bytes [{bad[0]}, {bad[1]}) of {file} overlaps another "
-                f"piece or runs past the file's {size} bytes",
-                key=bad[2], file=where,
-            )
-
-
-def _check_keys(manifest: Manifest, where: str) -> None:
-    """Keys are distinct, and no leaf sits inside another (a tree could not hold both)."""
-    seen: set[str] = set()
-    inner: set[str] = set()
-    for leaf in manifest.leaves:
-        if leaf.key in seen:
-            raise CorruptCheckpointError(f"{where}: key {leaf.key!r} appears twice", key=leaf.key, file=where)
-        seen.add(leaf.key)
-        if leaf.path:
-            parts = leaf.key.split("/")
-            inner.update("/".join(parts[:i]) for i in range(1, len(parts)))
-    clash = next((k for k in seen if k in inner), None)
-    if clash is None and "" in seen and len(seen) > 1:
-        clash = ""
-    if clash is not None:
-        raise CorruptCheckpointError(f"{where}: key {clash!r} is both a leaf and a subtree", key=clash, file=where)

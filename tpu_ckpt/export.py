@@ -18,9 +18,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from tpu_ckpt import keys, piece_table, read_plan, storage
+from tpu_ckpt import keys, piece_table, read_plan, safe_reads, storage
 from tpu_ckpt.committed import read_manifest
-from tpu_ckpt.errors import CheckpointExistsError, TargetMismatchError
+from tpu_ckpt.errors import CheckpointExistsError, CorruptCheckpointError, TargetMismatchError
 from tpu_ckpt.format import MANIFEST_FILE, LeafEntry, Manifest, crc32c, dtype_from_name
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.policies import MaxShardSizePolicy
@@ -129,6 +129,7 @@ def _link(src: storage.Location, dst: storage.Location, subtree: str) -> str:
         for leaf in leaves
     ]
     used = {p.file for leaf in linked for p in leaf.pieces}
+    _check_sources(dst_dir, used)
     with storage.Store(src, threads=1) as store:
         source_crc = crc32c(store.read_file(MANIFEST_FILE) or b"")
     doc = Manifest(
@@ -144,3 +145,18 @@ def _link(src: storage.Location, dst: storage.Location, subtree: str) -> str:
     storage.commit(staging, dst)
     logger.info("tpu_ckpt: linked %s to %s (%d leaves, no data copied)", dst.url, src.url, len(linked))
     return dst.url
+
+
+def _check_sources(dst_dir: str, names: set[str]) -> None:
+    """Opens each data file a link will name (``../<source>/<file>``) as a restore of it
+    would (``safe_reads.open_confined``), so that a link out of the source checkpoint (or a
+    source that is a link out of its directory), or a file of it gone, is refused by the
+    export, not by the serving job's restore."""
+    for name in sorted(names):
+        try:
+            os.close(safe_reads.open_confined(dst_dir, name))
+        except FileNotFoundError:
+            path = safe_reads.confine(dst_dir, name)
+            raise CorruptCheckpointError(
+                f"data file {path} is missing: the checkpoint is incomplete; link to another one", file=path
+            ) from None

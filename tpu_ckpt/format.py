@@ -272,3 +272,15 @@ def tensor_name(key: str, slice_spec: SliceSpec) -> str:
 
 def slice_text(slice_spec: SliceSpec) -> str:
     return ",".join(f"{a}:{b}" for a, b in slice_spec)
+
+
+def sharding_text(description: dict[str, Any] | None) -> str:
+    """A manifest's sharding description, short: ``data=4,model=2 P(data,model)``."""
+    if description is None:
+        return "host"
+    if description.get("type") == "NamedSharding":
+        mesh = ",".join(f"{axis}={n}" for axis, n in description["mesh"].items())
+        spec = ",".join("+".join(p) if isinstance(p, list) else str(p) for p in description["spec"])
+        return f"{mesh} P({spec})"
+    kind, devices = description.get("type"), description.get("num_devices")
+    return str(kind) if devices == 1 else f"{kind}({devices} devices)"

@@ -50,16 +50,15 @@ def flatten(tree: Any, *, keep_none: bool = False) -> tuple[list[tuple[str, list
     ``keep_none`` treats ``None`` as a leaf (saving records it); otherwise ``None`` is an
     empty subtree as everywhere in JAX (a target's ``None`` reads nothing).
 
-    Raises ValueError when a name contains ``/``, or when two leaves get the same key (keys
-    are strings, so ``{1: a, "1": b}`` or ``{0.1: a, np.float32(0.1): b}`` would otherwise save
-    one leaf over the other and restore the survivor into both).
+    Raises ValueError when a name contains ``/``, or when two different key paths, of leaves
+    or of the subtrees above them, get the same key (see :class:`_Keys`).
     """
     import jax
 
     is_leaf: Callable[[Any], bool] | None = (lambda x: x is None) if keep_none else None
     with_path, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
     out = []
-    seen: dict[str, tuple[Any, ...]] = {}
+    given = _Keys()
     for path, leaf in with_path:
         entries = path_entries(path)
         for _, name in entries:
@@ -68,15 +67,57 @@ def flatten(tree: Any, *, keep_none: bool = False) -> tuple[list[tuple[str, list
                     f"Tree key {name!r} (in {jax.tree_util.keystr(path)}) contains '/', which "
                     "tpu_ckpt uses to join key paths; rename it."
                 )
-        key = join(entries)
-        first = seen.setdefault(key, path)
-        if first is not path:
-            raise ValueError(
-                f"Tree paths {_describe_path(first)} and {_describe_path(path)} both become checkpoint "
-                f"key {key!r}, so one leaf would overwrite the other; rename one of them."
-            )
-        out.append((key, entries, leaf))
+        out.append((given.add(path, entries), entries, leaf))
     return out, treedef
+
+
+class _Keys:
+    """The checkpoint keys given so far, of leaves and of the subtrees above them, each with
+    the key path it stands for.
+
+    Keys are strings, so two different key paths can join into one: ``{1: a, "1": b}``,
+    ``{0.1: a, np.float32(0.1): b}``, a node with an attribute ``params`` and a dict key
+    ``'params'``. Of two such leaves one would be saved over the other; of two such subtrees
+    (``params/w`` and ``params/b``) both would be saved, but a restore without a target
+    rebuilds one ``params`` and loses a leaf. Leaves come in tree-flatten order, where a
+    subtree's leaves are consecutive, so a subtree's key is given once, with its first leaf:
+    a key given again stands for another path.
+    """
+
+    def __init__(self) -> None:
+        self._paths: dict[str, tuple[Any, ...]] = {}
+        self._last: tuple[Any, ...] = ()
+        self._keys: list[str] = []  # the keys of the last leaf's path prefixes, outermost first
+
+    def add(self, path: tuple[Any, ...], entries: list[PathEntry]) -> str:
+        """The leaf's key; raises ValueError if it, or a subtree's above it, was given before."""
+        last, self._last = self._last, path
+        most, shared = min(len(last), len(path)), 0
+        while shared < most and (last[shared] is path[shared] or _same(last[shared], path[shared])):
+            shared += 1  # JAX hands a parent's keys to each of its leaves as the same objects
+        if shared and shared in (len(last), len(path)):  # a node that names two children alike
+            shared -= 1
+        given = self._keys
+        del given[shared:]
+        key = given[-1] if given else ""
+        for depth in range(shared, len(path)):
+            name = str(entries[depth][1])
+            key = f"{key}/{name}" if depth else name
+            if key in self._paths:
+                raise ValueError(
+                    f"Tree paths {_describe_path(self._paths[key])} and {_describe_path(path[: depth + 1])} both "
+                    f"become checkpoint key {key!r}, so one would overwrite the other in the checkpoint; "
+                    "rename one of them."
+                )
+            self._paths[key] = path[: depth + 1]
+            given.append(key)
+        return key
+
+
+def _same(one: Any, other: Any) -> bool:
+    """Whether two JAX path keys name the same child (dict keys ``0`` and ``False`` are
+    equal, not the same)."""
+    return one == other and type(getattr(one, "key", None)) is type(getattr(other, "key", None))
 
 
 def _describe_path(path: tuple[Any, ...]) -> str:

@@ -1,11 +1,15 @@
 """What a directory of checkpoints holds, and removing the leftovers of interrupted saves.
 
 The rules are CheckpointManager's (manager.py), so ``tpu-ckpt ls``/``gc`` and a manager
-agree on what is committed and what may be deleted: a checkpoint is a subdirectory with a
-manifest, and a leftover is only ever a name the library itself writes: ``step_<n>``
-without a manifest (CheckpointManager's rule) or a ``<name>.tmp-<hex>`` staging directory,
-which ``tc.save`` to any path leaves when interrupted on a local disk. Anything else (a
-user's own files and directories) is neither listed nor removed.
+agree on what is committed and what may be deleted. What a directory holds decides, not its
+name: a checkpoint is a subdirectory with a manifest (a user's ``model.tmp-1`` too), unless
+its staging marker (``storage.mark_staging``) says it is the staging area of another name,
+a local save that died before its rename. A leftover is a subdirectory without such a
+manifest that is ours: it holds a staging marker, or it bears a name the library writes
+(``step_<n>``, CheckpointManager's rule, or ``<name>.tmp-<hex>``, which older saves left
+unmarked). A leftover whose marker is younger than its grace period may be a save still
+running: it is "busy", and neither ``gc`` nor a manager's cleanup removes it. Anything else
+(a user's own files and directories) is neither listed nor removed.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import json
 import logging
 import os
 import re
+import time
+from collections.abc import Collection, Iterable
 
 from tpu_ckpt import storage
 from tpu_ckpt.decode import decode_manifest
@@ -37,6 +43,7 @@ class Listing:
 
     committed: dict[int, str]  # step -> directory name
     leftovers: list[str]
+    busy: list[str] = dataclasses.field(default_factory=list)  # leftovers that may be saves running
 
     def to_json(self) -> str:
         """What a CheckpointManager's leader tells the other processes (small: names only)."""
@@ -45,7 +52,8 @@ class Listing:
     @classmethod
     def from_json(cls, text: str) -> Listing:
         listing = json.loads(text)
-        return cls({int(step): name for step, name in listing["committed"].items()}, listing["leftovers"])
+        committed = {int(step): name for step, name in listing["committed"].items()}
+        return cls(committed, listing["leftovers"], listing["busy"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +69,7 @@ class Entry:
     mtime: float | None  # commit time (manifest mtime) or last change; local directories only
     error: str | None = None  # why a manifest that exists could not be read
     metrics: dict[str, float | int] | None = None  # as saved with the checkpoint (its manifest)
+    held_until: float | None = None  # a leftover: until when it may be a save still running
 
 
 def scan(directory: str | os.PathLike[str]) -> list[Entry]:
@@ -70,29 +79,58 @@ def scan(directory: str | os.PathLike[str]) -> list[Entry]:
     CheckpointError when ``directory`` is itself a checkpoint.
     """
     loc, files = _listed(directory)
-    listing = parse_listing(files)
+    staged = staged_in(loc, files)
     under: dict[str, list[str]] = collections.defaultdict(list)
     for path in files:
         top, inside, rest = path.partition("/")
         if inside:
             under[top].append(rest)
-    leftovers = set(listing.leftovers) | {top for top in under if STAGING.fullmatch(top)}
-    entries = [_committed(loc, name, step, len(under[name])) for name, step in checkpoints(files).items()]
-    entries += [_leftover(loc, name, under[name]) for name in leftovers]
+    found = checkpoints(files, staged)
+    entries = [_committed(loc, name, step, len(under[name])) for name, step in found.items()]
+    entries += [_leftover(loc, name, under[name]) for name in under if name not in found and _ours(name, under[name])]
     return sorted(entries, key=lambda e: (e.step is None, e.step or 0, e.name))
 
 
-def checkpoints(files: list[str]) -> dict[str, int | None]:
-    """The checkpoints directly under a directory, given every file under it: name -> the
-    step a CheckpointManager sees it as (None if it sees none), by step then name."""
-    steps = {name: step for step, name in parse_listing(files).committed.items()}
-    named = {top for top, _, rest in (path.partition("/") for path in files) if rest == MANIFEST_FILE and not STAGING.fullmatch(top)}
+def _ours(name: str, files: list[str]) -> bool:
+    """Whether an uncommitted subdirectory is a leftover of ours (see module docstring)."""
+    return storage.STAGING_MARKER in files or bool(OWN_LEFTOVER.fullmatch(name) or STAGING.fullmatch(name))
+
+
+def checkpoints(files: list[str], staged: Collection[str] = ()) -> dict[str, int | None]:
+    """The checkpoints directly under a directory, given every file under it and which of its
+    subdirectories are staging areas (:func:`_staged`): name -> the step a CheckpointManager
+    sees it as (None if it sees none), by step then name."""
+    steps = {name: step for step, name in parse_listing(files, staged).committed.items()}
+    named = {top for top, _, rest in (path.partition("/") for path in files) if rest == MANIFEST_FILE} - set(staged)
     return {name: steps.get(name) for name in sorted(named, key=lambda n: (n not in steps, steps.get(n, 0), n))}
 
 
 def checkpoints_in(directory: str | os.PathLike[str]) -> dict[str, int | None]:
-    """:func:`checkpoints` of ``directory``, from one listing and no manifest read."""
-    return checkpoints(_listed(directory)[1])
+    """:func:`checkpoints` of ``directory``, from one listing (and the staging markers of
+    subdirectories holding one beside a manifest), no manifest read."""
+    loc, files = _listed(directory)
+    return checkpoints(files, staged_in(loc, files))
+
+
+def staged_in(loc: storage.Location, files: list[str]) -> set[str]:
+    """The subdirectories, in a listing of ``loc``, holding a manifest that commits nothing."""
+    tops = collections.defaultdict(set)
+    for top, _, rest in (path.partition("/") for path in files):
+        tops[top].add(rest)
+    return _staged(loc, [top for top, names in tops.items() if {MANIFEST_FILE, storage.STAGING_MARKER} <= names])
+
+
+def _staged(loc: storage.Location, marked: Iterable[str]) -> set[str]:
+    """Those of ``marked`` (subdirectories holding a manifest and a staging marker) that are
+    the staging area of another name: a local save that wrote its manifest and died before
+    its rename. On an object store the staging area is the checkpoint, committed by the
+    manifest even before its marker is deleted."""
+    staged = set()
+    for name in marked:
+        marker = storage.read_marker(storage.Location(loc.child(name)))
+        if marker is not None and marker.final is not None and marker.final != name:
+            staged.add(name)
+    return staged
 
 
 def nested(directory: str | os.PathLike[str]) -> dict[str, int]:
@@ -121,12 +159,39 @@ def _listed(directory: str | os.PathLike[str]) -> tuple[storage.Location, list[s
     return loc, files
 
 
-def remove_leftovers(directory: str | os.PathLike[str], names: list[str]) -> None:
-    """Deletes the given leftovers of ``directory`` (as found by :func:`scan`)."""
+def remove_leftovers(directory: str | os.PathLike[str], names: list[str]) -> list[str]:
+    """Deletes the given leftovers of ``directory`` (as found by :func:`scan`, and not busy)
+    that still are (:func:`remove_leftover`); returns those deleted."""
     loc = storage.location(directory)
-    for name in names:
-        logger.info("tpu_ckpt: removing %s: an uncommitted leftover", loc.child(name))
-        storage.remove(storage.Location(loc.child(name)))
+    return [name for name in names if remove_leftover(loc, name, "an uncommitted leftover")]
+
+
+def remove_leftover(loc: storage.Location, name: str, why: str, *, even_busy: bool = False) -> bool:
+    """Deletes the leftover ``name`` of ``loc`` unless, since it was listed, it became a save
+    in progress (unless ``even_busy``) or was committed; returns whether it did.
+
+    The marker is read before the manifest is looked for, the reverse of the order in which
+    a commit writes the manifest and then deletes the marker: a save committing meanwhile is
+    seen by one or the other (a listing, however recent, may predate the commit)."""
+    where = storage.Location(loc.child(name))
+    marker = storage.read_marker(where)
+    if marker is not None and not even_busy and time.time() < marker.held_until:
+        logger.info("tpu_ckpt: keeping %s: a save that may still be running", where.url)
+        return False
+    if _has_manifest(where) and (marker is None or marker.final in (None, name)):
+        logger.info("tpu_ckpt: keeping %s: committed since it was listed", where.url)
+        return False
+    remove_step(loc, name, why)
+    return True
+
+
+def _has_manifest(where: storage.Location) -> bool:
+    """Whether ``where`` holds a manifest now: a stat, or a listing of its prefix (an object
+    store's read would fetch the whole manifest)."""
+    if where.is_local:
+        return os.path.isfile(os.path.join(where.local_path, MANIFEST_FILE))
+    with storage.Store(where, threads=1) as store:
+        return MANIFEST_FILE in store.list()
 
 
 def _committed(loc: storage.Location, name: str, step: int | None, files: int) -> Entry:
@@ -147,7 +212,18 @@ def _leftover(loc: storage.Location, name: str, files: list[str]) -> Entry:
     """A leftover's entry; its size is what its files take on a local disk (object store
     listings carry no sizes, and reading every object to learn one would cost too much)."""
     nbytes = sum(_local_size(loc, name, file) for file in files) if loc.is_local else None
-    return Entry(name, None, False, len(files), nbytes, _mtime(loc, name))
+    held = _held_until(loc, name) if storage.STAGING_MARKER in files else None
+    return Entry(name, None, False, len(files), nbytes, _mtime(loc, name), held_until=held)
+
+
+def _held_until(loc: storage.Location, name: str) -> float | None:
+    marker = storage.read_marker(storage.Location(loc.child(name)))
+    return None if marker is None else marker.held_until
+
+
+def busy(entry: Entry, now: float | None = None) -> bool:
+    """Whether a leftover may be a save still running (its staging marker's grace period)."""
+    return entry.held_until is not None and (time.time() if now is None else now) < entry.held_until
 
 
 def _local_size(loc: storage.Location, *parts: str) -> int:
@@ -177,17 +253,27 @@ def list_run(loc: storage.Location) -> Listing:
     """
     if not loc.is_local:
         with storage.Store(loc, threads=1) as store:
-            return parse_listing(store.list())
+            files = store.list()
+        return _with_busy(loc, parse_listing(files, staged_in(loc, files)))
     root = loc.local_path
     if not os.path.isdir(root):
         return Listing({}, [])
     with os.scandir(root) as entries:  # files directly in the directory are not checkpoints
         names = {e.name for e in entries if e.is_dir(follow_symlinks=False)}
-    steps = {n for n in names if len(INTEGER.findall(n)) == 1 and not STAGING.fullmatch(n)}
-    return _sort(names, {n for n in steps if os.path.isfile(os.path.join(root, n, MANIFEST_FILE))})
+    wanted = {n for n in names if OWN_LEFTOVER.fullmatch(n) or (len(INTEGER.findall(n)) == 1 and not STAGING.fullmatch(n))}
+    with_manifest = {n for n in wanted if os.path.isfile(os.path.join(root, n, MANIFEST_FILE))}
+    marked = {n for n in with_manifest if STAGING.fullmatch(n) and os.path.isfile(os.path.join(root, n, storage.STAGING_MARKER))}
+    return _with_busy(loc, _sort(names, with_manifest, _staged(loc, marked)))
 
 
-def parse_listing(files: list[str]) -> Listing:
+def _with_busy(loc: storage.Location, listing: Listing) -> Listing:
+    """``listing`` with its busy leftovers: one marker read per leftover (there are few)."""
+    now = time.time()
+    held = {name: _held_until(loc, name) for name in listing.leftovers}
+    return dataclasses.replace(listing, busy=[n for n, until in held.items() if until is not None and now < until])
+
+
+def parse_listing(files: list[str], staged: Collection[str] = ()) -> Listing:
     """Sorts the files under the directory into committed steps and leftovers (see :func:`_sort`)."""
     names: set[str] = set()
     with_manifest: set[str] = set()
@@ -197,24 +283,24 @@ def parse_listing(files: list[str]) -> Listing:
             names.add(top)
             if rest == MANIFEST_FILE:
                 with_manifest.add(top)
-    return _sort(names, with_manifest)
+    return _sort(names, with_manifest, staged)
 
 
-def _sort(names: set[str], with_manifest: set[str]) -> Listing:
-    """The subdirectories ``names``, those in ``with_manifest`` holding one, as steps and leftovers.
+def _sort(names: set[str], with_manifest: set[str], staged: Collection[str]) -> Listing:
+    """The subdirectories ``names``, those in ``with_manifest`` holding one and those of them
+    in ``staged`` staging areas nonetheless (:func:`_staged`), as steps and leftovers.
 
-    A committed step is a directory with a manifest and exactly one integer in its name.
-    Staging directories never count as committed steps, even if a save died after writing
-    their manifest.
+    A committed step is a directory with a manifest and exactly one integer in its name, but
+    never a ``<name>.tmp-<hex>`` one, a name a CheckpointManager never gives a step. A
+    leftover is a name a manager writes (``step_<n>``, ``step_<n>.tmp-<hex>``) without a
+    manifest that commits it; a user's ``step_3.tmp-1`` holding one is neither.
     """
     committed: dict[int, str] = {}
-    for name in sorted(with_manifest):
+    for name in sorted(set(with_manifest) - set(staged)):
         numbers = INTEGER.findall(name)
         if len(numbers) == 1 and not STAGING.fullmatch(name):
             committed.setdefault(int(numbers[0]), name)
-    leftovers = sorted(
-        n for n in names if OWN_LEFTOVER.fullmatch(n) and (n not in with_manifest or STAGING.fullmatch(n))
-    )
+    leftovers = sorted(n for n in names if OWN_LEFTOVER.fullmatch(n) and (n not in with_manifest or n in staged))
     return Listing(committed, leftovers)
 
 

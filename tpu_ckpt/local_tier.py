@@ -42,7 +42,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from tpu_ckpt import data_writes, distributed, local_store, relay, relay_server, relay_wire, storage
+from tpu_ckpt import data_writes, distributed, local_store, relay, relay_server, relay_wire, safe_reads, storage
 from tpu_ckpt.background import WRITER, SaveResult
 from tpu_ckpt.errors import CheckpointError
 from tpu_ckpt.gc_pause import gc_paused
@@ -85,14 +85,13 @@ def held_steps(root: str) -> list[LocalStep]:
             continue
         path = os.path.join(root, name)
         try:
-            with open(os.path.join(path, TIER_FILE)) as f:
-                info = json.load(f)
+            info = safe_reads.read_json(path, TIER_FILE, 1 << 16)  # no FIFO, device, link out or deep nesting
             owners = {written_by(n) for n in os.listdir(path) if n.startswith("index-")}
             count = info["count"]
             if type(count) is not int or count < 1:
                 raise ValueError(f"{TIER_FILE} gives a process count of {count!r}")
             found.append(LocalStep(int(match[1]), str(info["token"]), count, tuple(sorted(owners - {None}))))
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, CheckpointError) as e:
             logger.warning("tpu_ckpt: ignoring the local step %s: %s", path, e)
     return sorted(found, key=lambda s: s.step)
 
@@ -266,7 +265,7 @@ class _LocalSave:
             for holder in self.sends_to:
                 contact = self.coord.receive(f"serve{holder}", holder)
                 peers.append(relay.RelayStore(storage.Location(self.root), contact, self.coord.timeout, holder, connections=2))
-            pending = [peer.write(name, [mapped(os.path.join(staging, name))]) for name in names for peer in peers]
+            pending = [peer.write(name, [mapped(staging, name)]) for name in names for peer in peers]
             for future in pending:
                 future.result()
         finally:
@@ -274,11 +273,11 @@ class _LocalSave:
                 peer.close()
 
 
-def mapped(path: str) -> Any:
-    """A file's bytes without a copy in this process's memory (the page cache serves them)."""
-    if os.path.getsize(path) == 0:
-        return b""
-    return np.memmap(path, dtype=np.uint8, mode="r")
+def mapped(root: str, name: str) -> Any:
+    """File ``name`` of ``root``, opened confined to it (``safe_reads.open_confined``), as
+    bytes without a copy in this process's memory (the page cache serves them)."""
+    with os.fdopen(safe_reads.open_confined(root, name), "rb") as f:
+        return np.memmap(f, dtype=np.uint8, mode="r") if os.fstat(f.fileno()).st_size else b""
 
 
 def _commit(root: str, step: int, staging: str, token: str, count: int) -> None:

@@ -37,7 +37,7 @@ from tpu_ckpt.cadence import Cadence, check_step, names_a_step
 from tpu_ckpt.committed import read_manifest
 from tpu_ckpt.errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
 from tpu_ckpt.format import MANIFEST_FILE, metric_values
-from tpu_ckpt.listing import Listing, list_on_leader, remove_step
+from tpu_ckpt.listing import Listing, list_on_leader, remove_leftover, remove_step
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.preemption import PreemptionWatch
 from tpu_ckpt.restore import restore
@@ -179,7 +179,7 @@ class CheckpointManager:
         name = f"step_{step}"
         if name in listing.leftovers and distributed.process_index() == self._leader():
             # An interrupted save of this step, written in place (object stores): in the way.
-            self._remove(name, "an uncommitted leftover of an earlier save of this step")
+            remove_leftover(self._location, name, "an uncommitted leftover of an earlier save of this step", even_busy=True)
         retain = functools.partial(self._after_commit, step, name, score, listing)
         return self._location.child(name), self._options.replace(write_callbacks=(*self._options.write_callbacks, retain))
 
@@ -310,8 +310,8 @@ class CheckpointManager:
             return
         self._scores[name] = score
         for leftover in before.leftovers:
-            if leftover != name:  # removed before the save, and committed by it since
-                self._remove(leftover, "an uncommitted leftover")
+            if leftover != name and leftover not in before.busy:  # busy: maybe another job's save
+                remove_leftover(self._location, leftover, "an uncommitted leftover")
         committed = {**before.committed, step: name}
         expired = self._retention.expired(
             list(committed), step, preserved_since=self._preserved_since,

@@ -33,7 +33,8 @@ Reads: a ranged read is cut into requests of at most ``REQUEST_BYTES``, and a st
 threads (or ``io_threads``, if more), each issuing one read's requests together, and a
 request limit as high of its own in tensorstore, whose default limit (32) is shared by every
 store of the process. A range comes back as a numpy view into the ``bytes`` tensorstore
-returned, copied only when it spans several requests (``_chunks``).
+returned, copied only when it spans several requests (``_chunks``). Sizes a manifest claims
+are checked against the object's real size first (``PROBE_FROM_BYTES``, ``read_file``).
 
 Listing a prefix is filtered here as well as by the server: the ``gcs`` driver asks for a key
 range (``startOffset``/``endOffset``) and trusts the reply, so a GCS-compatible server that
@@ -45,6 +46,7 @@ prefix itself, and deletes object by object (which is what ``delete_range`` does
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +59,8 @@ from tpu_ckpt.io_pool import IOPool, PooledStore
 
 if TYPE_CHECKING:  # storage opens this backend: importing it here would be a cycle
     from tpu_ckpt.storage import Location
+
+logger = logging.getLogger(__name__)
 
 RETRIES = {"max_retries": 8, "initial_delay": "1s", "max_delay": "32s"}
 
@@ -91,26 +95,55 @@ class ObjectStore(PooledStore):
         return self._pool.submit(self._read_ranges, name, start, lengths, then=then)
 
     def read_file(self, name: str, max_bytes: int = safe_reads.MAX_WHOLE_FILE_BYTES) -> bytes | None:
-        """The server sends the whole object before it can be refused as too large."""
-        result = self._wait(self._kv.read(self._key(name)), "Reading", name)
+        """Refuses an object larger than ``max_bytes`` from one byte past that bound, which
+        only such an object has, before reading it whole."""
+        key, where = self._key(name), self.location.child(name)
+        if self._has_byte(key, max_bytes, where):
+            raise CorruptCheckpointError(f"{where} is more than the {max_bytes} bytes it may be", file=where)
+        result = self._wait(self._kv.read(key), "Reading", name)
         if result.state == "missing":
             return None
         value = result.value  # a new copy at every access
-        if len(value) > max_bytes:
-            where = self.location.child(name)
+        if len(value) > max_bytes:  # replaced since
             raise CorruptCheckpointError(f"{where} is {len(value)} bytes, more than {max_bytes}", file=where)
         return value
 
+    def _has_byte(self, key: str, at: int, where: str) -> bool:
+        """Whether the object holds byte ``at``: one request of one byte, which tells a size
+        claimed by a manifest from the object's real size. A range past the end is answered
+        416 (``OUT_OF_RANGE``), or by some GCS-compatible servers with a reply whose
+        Content-Range ends before it starts, which tensorstore refuses as unexpected."""
+        try:
+            result = self._kv.read(key, byte_range=slice(at, at + 1)).result()
+        except ValueError as e:
+            if "OUT_OF_RANGE" in str(e) or "Unexpected Content-Range" in str(e):
+                return False
+            raise CheckpointError(f"Reading {where} failed: {e}", file=where) from e
+        return result.state != "missing" and len(result.value) == 1
+
     def list(self) -> list[str]:
+        """The names under the prefix, but for those an HTTP layer would resolve elsewhere
+        (:func:`unsafe_key`): they are logged as refused, and never read nor deleted."""
         keys = self._wait(self._kv.list(_prefix_range(self._prefix)), "Listing", "")
         prefix = self._prefix.encode()
-        return sorted(k[len(prefix) :].decode() for k in keys if k.startswith(prefix))
+        names = sorted(k[len(prefix) :].decode(errors="replace") for k in keys if k.startswith(prefix))
+        refused = [name for name in names if unsafe_key(self._prefix + name)]
+        if refused:
+            logger.warning(
+                "tpu_ckpt: refused %d objects under %s whose names hold '.', '..' or empty segments (%s): "
+                "a request for one may reach another object, or another bucket, so tpu_ckpt never reads or "
+                "deletes them; remove them with your object store's own tools",
+                len(refused), self.location.url, ", ".join(map(repr, refused[:5])),
+            )
+        return [name for name in names if not unsafe_key(self._prefix + name)]
 
     def delete(self, name: str) -> None:
-        self._wait(self._kv.write(self._prefix + name, None), "Deleting", name)
+        self._wait(self._kv.write(self._key(name), None), "Deleting", name)
 
     def delete_all(self) -> None:
-        deletes = [(name, self._kv.write(self._prefix + name, None)) for name in self.list()]
+        """Deletes the listed objects by their exact keys, never a key range: a range's
+        request may cover more than the prefix (module docstring)."""
+        deletes = [(name, self._kv.write(self._key(name), None)) for name in self.list()]
         for name, done in deletes:
             self._wait(done, "Deleting", name)
 
@@ -132,8 +165,9 @@ class ObjectStore(PooledStore):
             raise CheckpointError(f"{doing} {where} failed: {e}", file=where) from e
 
     def _key(self, name: str) -> str:
-        """Refuses names that lead out of the prefix (an HTTP layer may resolve ``..`` in a URL)."""
-        if safe_reads.escapes(name):
+        """Refuses names that lead out of the prefix, or onto another key under it: an HTTP
+        layer may resolve ``..``, ``.`` and ``//`` in a URL (:func:`unsafe_key`)."""
+        if safe_reads.escapes(name) or unsafe_key(self._prefix + name):
             raise safe_reads.outside_error(self.location.url, name)
         return self._prefix + name
 
@@ -141,6 +175,9 @@ class ObjectStore(PooledStore):
         """All requests of one read are issued at once (tensorstore queues those beyond the
         store's request limit), then awaited."""
         key, where = self._key(name), self.location.child(name)
+        stop = start + sum(lengths)
+        if stop - start > PROBE_FROM_BYTES and not self._has_byte(key, stop - 1, where):
+            raise CorruptCheckpointError(f"{where} is missing, or truncated: it ends before byte {stop}", file=where)
         ranges = request_ranges(start, lengths)
         issued = [self._kv.read(key, byte_range=slice(a, b)) for a, b in ranges]
         return _chunks(start, lengths, ranges, [_received(f, b - a, where) for f, (a, b) in zip(issued, ranges)])
@@ -151,6 +188,12 @@ REQUEST_BYTES = 8 << 20
 least 32 requests, the ``object_reads_in_flight`` a store runs at once; a request of 8 MiB
 spends most of its time transferring (GCS: tens of ms to the first byte, then ~100 MB/s or
 more per stream)."""
+
+
+PROBE_FROM_BYTES = 4 * REQUEST_BYTES
+"""A read longer than this first checks that its object is that long (``_has_byte``): a size
+claimed by a damaged or hostile manifest would otherwise be cut into requests, and memory,
+in proportion to it. Shorter reads are refused from their requests' replies."""
 
 
 def request_ranges(start: int, lengths: Sequence[int]) -> list[tuple[int, int]]:
@@ -215,6 +258,12 @@ def _chunks(start: int, lengths: Sequence[int], ranges: Sequence[tuple[int, int]
             out.append(chunk)
         at += n
     return out
+
+
+def unsafe_key(key: str) -> bool:
+    """Whether a key has a ``.``, ``..`` or empty segment (a leading ``/`` too): joined into a
+    URL, which a client or server may normalise, it names another object, or another bucket."""
+    return any(part in ("", ".", "..") for part in key.split("/"))
 
 
 def _prefix_range(prefix: str) -> Any:

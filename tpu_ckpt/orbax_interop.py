@@ -3,7 +3,10 @@
 A team with a year of Orbax checkpoints needs them to move, and one trying tpu_ckpt needs a
 way back. Orbax is read and written through its own public API (``PyTreeCheckpointer``,
 ``StandardCheckpointer``, ``CheckpointManager``), never by parsing its files, so whatever
-layout it used (OCDBT or not, zarr3 or not) is its business.
+layout it used (OCDBT or not, zarr3 or not) is its business. What Orbax would trust and
+should not, a FIFO, a link out, a 4 TiB array declared in a damaged ``.zarray``, is refused
+before Orbax reads it, and what it raises on a damaged file becomes our typed error
+(``orbax_checks.py``).
 
 An import streams: the leaves are read from Orbax a batch at a time (at most
 ``max_batch_bytes`` of arrays, a larger leaf alone), each batch written as one data file of
@@ -22,15 +25,14 @@ import dataclasses
 import logging
 import operator
 import os
-import re
 from typing import Any
 
 import jax
 import numpy as np
 
-from tpu_ckpt import keys, listing, read_plan, storage
+from tpu_ckpt import keys, listing, orbax_checks, read_plan, storage
 from tpu_ckpt.committed import read_manifest
-from tpu_ckpt.errors import CheckpointNotFoundError
+from tpu_ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from tpu_ckpt.format import LeafEntry, dtype_name
 from tpu_ckpt.restore import restore
 from tpu_ckpt.slots import SlotPredicate, slot_keys
@@ -39,7 +41,6 @@ from tpu_ckpt.stream_write import StreamWriter
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BATCH_BYTES = 1 << 30
-_STEP = re.compile(r"(?:.*_)?(\d+)")  # Orbax's step names: "10", "00000010", or "<prefix>_10"
 _PYTHON_VALUES = (bool, int, float, str, type(None))
 
 
@@ -92,7 +93,7 @@ def import_orbax(
     options = dict(max_batch_bytes=max_batch_bytes, is_slot=is_slot, target=target)
     if _is_pytree(source):
         return [_convert(ocp, source, dst, None, **options)]
-    steps = _steps(source)
+    steps = orbax_checks.step_directories(source)
     if not steps:
         return [_convert(ocp, _item(source, item), dst, None, **options)]
     done = _committed_steps(dst)
@@ -150,7 +151,7 @@ def _orbax() -> tuple[Any, Any]:
         from etils import epath
     except ImportError as e:
         raise ImportError(
-            f"Orbax interop needs orbax-checkpoint, which is not installed ({e}): pip install tpu_ckpt[orbax]"
+            f"Orbax interop needs orbax-checkpoint, which is not installed ({e}): pip install orbax-checkpoint (tpu_ckpt's [flax] and [orbax] extras bring it)"
         ) from e
     return ocp, epath
 
@@ -158,20 +159,24 @@ def _orbax() -> tuple[Any, Any]:
 def _convert(
     ocp: Any, path: Any, dst: Any, step: int | None, *, max_batch_bytes: int, is_slot: SlotPredicate | None, target: Any
 ) -> ImportReport:
+    root = os.fspath(path)
+    orbax_checks.check_files(root)
     checkpointer = ocp.PyTreeCheckpointer()
-    metadata = checkpointer.metadata(path)
-    tree = getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)
+    with orbax_checks.orbax_errors(root):  # the handler's own error, which the checkpointer logs and drops
+        tree = ocp.PyTreeCheckpointHandler().metadata(path).tree
     flat, _ = keys.flatten(tree, keep_none=True)
     is_array = {key: _is_array(ocp, meta) for key, _, meta in flat}
     slots = _slots(tree, flat, is_array, is_slot, target)
     entries = [_entry(key, path_, meta, is_array[key], key in slots) for key, path_, meta in flat]
-    values = _read(checkpointer, path, tree, {k for k, _, meta in flat if not is_array[k] and meta is not None}, ocp)
+    values = _read_named(checkpointer, path, tree, {k for k, _, meta in flat if not is_array[k] and meta is not None}, ocp)
     entries = [dataclasses.replace(e, value=_value(e.key, values[e.key])) if e.key in values else e for e in entries]
     arrays = [e for e in entries if e.kind == "array"]
+    planned = read_plan.batches(arrays, operator.attrgetter("nbytes"), max_batch_bytes)
+    orbax_checks.check_memory(root, planned)
     batches = []
     with StreamWriter(dst, entries, f"imported from Orbax checkpoint {path}") as writer:
-        for batch in read_plan.batches(arrays, operator.attrgetter("nbytes"), max_batch_bytes):
-            writer.write(_read(checkpointer, path, tree, {e.key for e in batch}, ocp))
+        for batch in planned:
+            writer.write(_read_named(checkpointer, path, tree, {e.key for e in batch}, ocp))
             batches.append(sum(e.nbytes for e in batch))
         url = writer.commit()
     report = ImportReport(str(path), url, step, len(entries), sum(batches), tuple(batches))
@@ -218,6 +223,21 @@ def _sharding(meta: Any) -> dict[str, Any] | None:
     return {"type": "NamedSharding", "mesh": dict(zip(meta.axis_names, (int(n) for n in meta.shape))), "spec": spec}
 
 
+def _read_named(checkpointer: Any, path: Any, tree: Any, wanted: set[str], ocp: Any) -> dict[str, Any]:
+    """:func:`_read`, whose errors name the leaf that cannot be read: a batch that fails is
+    read again in halves, down to the failing leaf (on the error path only: at most twice
+    the batch, and never more memory than it)."""
+    ordered = sorted(wanted)
+    try:
+        with orbax_checks.orbax_errors(os.fspath(path), ordered):
+            return _read(checkpointer, path, tree, wanted, ocp)
+    except CorruptCheckpointError:
+        if len(ordered) > 1:
+            for half in (ordered[: len(ordered) // 2], ordered[len(ordered) // 2 :]):
+                _read_named(checkpointer, path, tree, set(half), ocp)
+        raise
+
+
 def _read(checkpointer: Any, path: Any, tree: Any, wanted: set[str], ocp: Any) -> dict[str, Any]:
     """The ``wanted`` leaves, by key: arrays as numpy arrays, values as Orbax restores them.
     Every other leaf is Orbax's PLACEHOLDER, which it does not read."""
@@ -252,17 +272,6 @@ def _value(key: str, value: Any) -> Any:
 def _is_pytree(path: Any) -> bool:
     """Whether ``path`` is one Orbax PyTree checkpoint (an item), not a step or a manager."""
     return (path / "_METADATA").exists() or (path / "manifest.ocdbt").exists()
-
-
-def _steps(path: Any) -> dict[int, Any]:
-    """A manager directory's committed steps, by number; Orbax's temporary directories
-    (``*.orbax-checkpoint-tmp-*``) are interrupted saves and not steps."""
-    found = {}
-    for child in path.iterdir() if path.is_dir() else ():
-        match = _STEP.fullmatch(child.name)
-        if match and "orbax-checkpoint-tmp" not in child.name and child.is_dir():
-            found[int(match[1])] = child
-    return dict(sorted(found.items()))
 
 
 def _item(step: Any, name: str | None) -> Any:

@@ -16,12 +16,16 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Sequence
 
-from tpu_ckpt import data_writes, distributed, local_tier, storage
+import numpy as np
+
+from tpu_ckpt import data_writes, distributed, local_tier, safe_reads, storage
 from tpu_ckpt.decode import decode_manifest
-from tpu_ckpt.format import Manifest
+from tpu_ckpt.errors import CorruptCheckpointError
+from tpu_ckpt.format import Manifest, PieceEntry, crc32c
 from tpu_ckpt.options import CheckpointOptions
-from tpu_ckpt.save import SaveJob
+from tpu_ckpt.save import SaveJob, write_budget
 from tpu_ckpt.save_plan import SavePlan, index_file
 from tpu_ckpt.staging import Staging, prepare
 
@@ -47,8 +51,8 @@ class Upload:
         coord = self.coord
         try:
             source = local_tier.step_dir(root, self.step)
-            plan = _decoded(os.path.join(source, local_tier.PLAN_FILE), tiled=False)
-            index = _decoded(os.path.join(source, index_file(coord.me)), complete=False)
+            plan = _decoded(source, local_tier.PLAN_FILE, tiled=False)
+            index = _decoded(source, index_file(coord.me), complete=False)
             staging = prepare(self.final, coord, 0, self.options.coordination_timeout, relayed=False)
         except BaseException as error:
             with coord:
@@ -57,9 +61,11 @@ class Upload:
         _FromLocalFiles(plan, index, source, self.final, coord, self.options, staging).run()
 
 
-def _decoded(path: str, **how: bool) -> Manifest:
-    with open(path, "rb") as f:
-        return decode_manifest(f.read(), where=path, **how)
+def _decoded(source: str, name: str, **how: bool) -> Manifest:
+    data, where = safe_reads.read_whole(source, name), os.path.join(source, name)
+    if data is None:
+        raise CorruptCheckpointError(f"{where} is missing", file=where)
+    return decode_manifest(data, where=where, **how)
 
 
 class _FromLocalFiles(SaveJob):
@@ -76,13 +82,56 @@ class _FromLocalFiles(SaveJob):
         self._own_files = (*index.files, index_file(coord.me))
 
     def write_own(self, store: storage.CheckpointStore) -> Manifest:
-        """Copies this process's data files, ``writes_in_flight`` at a time, each mapped
-        from the local disk rather than read into memory; returns this process's index."""
-        writes = data_writes.Writes(store, None)
-        for name in self._index.files:
-            writes.copy(name, [local_tier.mapped(os.path.join(self._source, name))])
+        """Copies this process's data files, ``writes_in_flight`` at a time (and within
+        ``host_memory_limit``); returns this process's index. Each file is read into memory,
+        never mapped (a local file truncated meanwhile would kill the process with SIGBUS),
+        and checked as it is read (:func:`_checked`): a damaged local file fails the upload
+        rather than being committed to the persistent tier."""
+        writes = data_writes.Writes(store, write_budget(self.final, self.options))
+        pieces = _pieces_by_file(self._index)
+        try:
+            for name, size in self._index.files.items():
+                writes.make_room(size)
+                writes.copy(name, [_checked(self._source, name, size, pieces.get(name, ()))])
+        except BaseException:
+            writes.settle()  # nothing may land after the staging area is removed
+            raise
         writes.drain()
         return self._index
+
+
+def _pieces_by_file(index: Manifest) -> dict[str, list[tuple[str, PieceEntry]]]:
+    by_file: dict[str, list[tuple[str, PieceEntry]]] = {}
+    for leaf in index.leaves:
+        for piece in leaf.pieces:
+            by_file.setdefault(piece.file, []).append((leaf.key, piece))
+    return by_file
+
+
+def _checked(source: str, name: str, size: int, pieces: Sequence[tuple[str, PieceEntry]]) -> np.ndarray:
+    """The ``size`` bytes of local file ``name``, each of its pieces checked against its
+    crc32c: a file damaged or cut short on the local disk since its save raises
+    :class:`CorruptCheckpointError` naming it."""
+    where = os.path.join(source, name)
+    try:
+        data = safe_reads.read_ranges(source, name, 0, [size])[0]
+    except CorruptCheckpointError as error:
+        raise CorruptCheckpointError(f"{error}. {_ABANDONED}", file=where) from error
+    for key, piece in pieces:
+        if crc32c(data[piece.offset : piece.offset + piece.length]) != piece.crc32c:
+            raise CorruptCheckpointError(
+                f"Leaf {key!r}: the piece at bytes {piece.offset}-{piece.offset + piece.length} of the local file "
+                f"{where} does not match its crc32c: the local step was damaged since it was saved. {_ABANDONED}",
+                key=key,
+                file=where,
+            )
+    return data
+
+
+_ABANDONED = (
+    "Its upload is abandoned and nothing was committed to the persistent tier; the local step stays "
+    "(a restore of it falls back to the persistent tier if it is damaged). Check that disk."
+)
 
 
 class Uploader:

@@ -147,8 +147,9 @@ class RelayStore(PooledStore, storage.CheckpointStore):
     def read(
         self, name: str, start: int, lengths: Sequence[int], then: Callable[[list[np.ndarray]], Any] | None = None
     ) -> concurrent.futures.Future:
-        """The server reads, this process checks (``then``)."""
-        return self._receive_chunks({"op": "read", "name": name, "start": start, "lengths": list(lengths)}, lengths, then)
+        """The server reads, this process checks (``then``). The server is sent only the
+        span: how it splits into pieces is this process's bookkeeping, not the server's."""
+        return self._receive_chunks({"op": "read", "name": name, "start": start, "length": sum(lengths)}, lengths, then)
 
     def shared_piece(
         self, name: str, offset: int, length: int, requester: int, then: Callable[[list[np.ndarray]], Any]
@@ -161,9 +162,7 @@ class RelayStore(PooledStore, storage.CheckpointStore):
         self, request: dict[str, Any], lengths: Sequence[int], then: Callable[[list[np.ndarray]], Any] | None
     ) -> concurrent.futures.Future:
         def receive() -> list[np.ndarray]:
-            chunks = [safe_reads.aligned_empty(n) for n in lengths]
-            self._call(request, [], chunks)
-            return chunks
+            return self._call(request, [], lengths)[1]
 
         return self._pool.submit(receive, then=then)
 
@@ -171,11 +170,11 @@ class RelayStore(PooledStore, storage.CheckpointStore):
         answer, data = self._call({"op": "read_file", "name": name}, [], None)
         return None if answer.get("missing") else data
 
-    def _call(
-        self, request: dict[str, Any], payload: Sequence[memoryview], into: list[np.ndarray] | None
-    ) -> tuple[dict[str, Any], bytes]:
-        """One request and its answer on a free connection. The answer's payload goes into
-        ``into`` when given (no copy), else it is returned as bytes.
+    def _call(self, request: dict[str, Any], payload: Sequence[memoryview], lengths: Sequence[int] | None) -> Any:
+        """One request and its answer on a free connection: the answer, and its payload as
+        fresh arrays of ``lengths`` when given (received into, no copy), else as bytes. The
+        arrays are allocated only once the server answered: it checks a read against its
+        file's real size first, so a manifest claiming a 1 TiB piece costs no allocation here.
 
         A connection that failed mid-message is closed before it goes back to the pool: its
         stream is out of step, and a later request must fail, not read an old answer."""
@@ -186,11 +185,12 @@ class RelayStore(PooledStore, storage.CheckpointStore):
             if "error" in answer:
                 relay_wire.discard(conn, size)
                 raise relay_wire.error_from_json(answer["error"])
-            if into is not None:
-                if size != sum(a.nbytes for a in into):
-                    raise EOFError(f"the answer has {size} bytes, not the {sum(a.nbytes for a in into)} asked for")
-                relay_wire.receive_into(conn, into)
-                return answer, b""
+            if lengths is not None:
+                if size != sum(lengths):
+                    raise EOFError(f"the answer has {size} bytes, not the {sum(lengths)} asked for")
+                chunks = [safe_reads.aligned_empty(n) for n in lengths]
+                relay_wire.receive_into(conn, chunks)
+                return answer, chunks
             if size > relay_wire.MAX_FILE_BYTES:
                 raise ValueError(f"the answer claims {size} bytes, more than the relay's {relay_wire.MAX_FILE_BYTES}")
             return answer, b"".join(relay_wire.receive_chunked(conn, size))

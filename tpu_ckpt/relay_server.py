@@ -4,21 +4,28 @@ Even a peer holding the operation's secret reaches only what its operation needs
 exhaust the server: a server serves only the files its operation registered (a restore: the
 manifest and the data files it lists) and accepts only the names the operation's other
 processes write (a save: their data files and index); every length on the wire is bounded
-before anything is allocated (``relay_wire``'s limits, a ranged read inside its file's
-registered size), and a write's bytes are allocated as they arrive. At most ``(peers + 1)
-* relay_connections`` connections (a setting) are served at once, and one silent for the
-idle timeout is closed; a client reconnects before using a connection idle for half of it. A refused request gets a :class:`~tpu_ckpt.relay_wire.RelayRequestError` naming the file.
+before anything is allocated (``relay_wire``'s limits; a read names one span of its file,
+inside the file's registered size, never a list of pieces to keep track of), and a write's
+bytes are allocated as they arrive. At most ``(peers + 1) * relay_connections``
+authenticated connections (a setting) are served at once, and one silent for the idle
+timeout is closed; a client reconnects before using a connection idle for half of it.
+
+A connection that has not yet sent the secret does not count against that cap: it must
+complete its hello within a short deadline (a whole, which a peer trickling a byte at a
+time cannot stretch), and at most ``_MAX_HANDSHAKES`` wait for theirs, the oldest dropped
+for a newcomer, so strays, scanners or a flood keep no process of the job out. A refused
+request gets a :class:`~tpu_ckpt.relay_wire.RelayRequestError` naming the file.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import errno
 import logging
 import re
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,15 +36,19 @@ from tpu_ckpt.settings import settings
 
 logger = logging.getLogger(__name__)
 
-_MAX_HELLO_BYTES = 1 << 16  # what an unauthenticated peer may make the server read
+_HANDSHAKE_SECONDS = 10.0  # for a hello the client sends as soon as it is connected
+_MAX_HANDSHAKES = 128  # connections waiting for their hello; beyond, the oldest is dropped
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")  # one file in the checkpoint's directory
+
+
 class RelayServer:
     """Serves one storage location (a checkpoint or its staging area) to the other processes.
 
     ``serves`` maps the files peers may read to their size (None: read whole only), and
     ``accepts`` says which plain file names they may write; ``shared`` answers
     load_and_broadcast's piece requests, checking them against its plan. ``peers`` is the
-    number of processes that connect, which bounds the connections served at once.
+    number of processes that connect, which bounds the connections served at once;
+    ``handshake_timeout`` how long a new connection has to send the secret.
 
     Errors raised while serving go back to the caller, which re-raises them as the same
     ``CheckpointError`` subclass.
@@ -48,13 +59,14 @@ class RelayServer:
         serves: Mapping[str, int | None] | None = None,
         accepts: Callable[[str], bool] = lambda name: False,
         shared: Callable[[str, int, int], concurrent.futures.Future] | None = None,
-        idle_timeout: float | None = None,
+        idle_timeout: float | None = None, handshake_timeout: float | None = None,
         write_slots: int | None = None, heartbeat: float | None = None,
     ):
         self.store = store
         self.secret = secrets.token_hex(16)
         self._timeout = timeout
         self._idle = timeout if idle_timeout is None else idle_timeout
+        self._handshake = min(_HANDSHAKE_SECONDS, self._idle) if handshake_timeout is None else handshake_timeout
         self._serves = dict(serves or {})
         self._accepts = accepts
         self._shared = shared  # load_and_broadcast: (file, offset, requester) -> the piece's bytes
@@ -63,11 +75,13 @@ class RelayServer:
         self._write_slots = threading.BoundedSemaphore(knobs.relay_writes_in_flight if write_slots is None else write_slots)
         self._heartbeat = knobs.relay_heartbeat_seconds if heartbeat is None else heartbeat
         self._buffer_bytes = knobs.relay_socket_buffer_bytes
-        self._listener = _listen(host, self._max_connections, self._buffer_bytes, store.location.url)
+        self._listener = relay_wire.listen(host, self._max_connections + _MAX_HANDSHAKES, self._buffer_bytes, store.location.url)
         port = self._listener.getsockname()[1]
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self._lock = threading.Lock()
         self._handlers: dict[socket.socket, threading.Thread] = {}  # open connections only
+        self._pending: dict[socket.socket, None] = {}  # those awaiting their hello, oldest first
+        self._authenticated: set[socket.socket] = set()  # those past it: the ones the cap counts
         self._closed = False
         self._acceptor = threading.Thread(target=self._accept, name="tpu_ckpt relay", daemon=True)
         self._acceptor.start()
@@ -100,31 +114,44 @@ class RelayServer:
                 if self._closed:
                     conn.close()
                     return
-                full = len(self._handlers) >= self._max_connections
+                full = len(self._authenticated) >= self._max_connections
                 if not full:
-                    handler = threading.Thread(target=self._serve, args=(conn,), name="tpu_ckpt relay", daemon=True)
+                    self._make_room(peer)
+                    deadline = time.monotonic() + self._handshake
+                    handler = threading.Thread(target=self._serve, args=(conn, deadline), name="tpu_ckpt relay", daemon=True)
                     self._handlers[conn] = handler
+                    self._pending[conn] = None
             if full:
                 logger.warning("tpu_ckpt: refused a relay connection from %s: %d already open", peer, self._max_connections)
                 conn.setblocking(False)  # the acceptor never waits on one peer
-                _refuse(conn, relay_wire.RelayRequestError(
-                    f"The relay for {self.store.location.url} refused a connection: it serves at most "
-                    f"{self._max_connections} at once, more than this operation's processes open.",
-                    file=self.store.location.url,
-                ))
+                _refuse(conn, self._full())
                 conn.close()
                 continue
             handler.start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _make_room(self, peer: Any) -> None:
+        """Drops the connection that has waited longest for its hello when ``_MAX_HANDSHAKES``
+        wait: a client of the job says hello at once, so the newcomer is the likelier one.
+        Its handler, woken, ends it. Called holding the lock."""
+        if len(self._pending) < _MAX_HANDSHAKES:
+            return
+        oldest = next(iter(self._pending))
+        del self._pending[oldest]
+        logger.warning("tpu_ckpt: dropped the oldest of %d relay connections awaiting their hello, for one from %s", _MAX_HANDSHAKES, peer)
+        _shutdown(oldest)
+
+    def _full(self) -> relay_wire.RelayRequestError:
+        return relay_wire.RelayRequestError(
+            f"The relay for {self.store.location.url} refused a connection: it serves at most "
+            f"{self._max_connections} at once, more than this operation's processes open.",
+            file=self.store.location.url,
+        )
+
+    def _serve(self, conn: socket.socket, deadline: float) -> None:
         try:
             relay_wire.tune(conn, self._buffer_bytes)  # before the handshake's answer: set once a client is in
-            conn.settimeout(self._idle)
-            hello, size = relay_wire.receive_header(conn, limit=_MAX_HELLO_BYTES)
-            if size or not secrets.compare_digest(str(hello.get("secret")).encode(), self.secret.encode()):
-                logger.warning("tpu_ckpt: dropped a relay connection without the operation's secret")
+            if not self._admit(conn, deadline):
                 return
-            relay_wire.send(conn, {"ok": True, "idle": self._idle})
             while self._serve_one(conn):
                 pass
         except Exception as e:  # noqa: BLE001 - one bad connection must not take the server down
@@ -133,7 +160,35 @@ class RelayServer:
         finally:
             with self._lock:
                 del self._handlers[conn]
+                self._pending.pop(conn, None)
+                self._authenticated.discard(conn)
             conn.close()
+
+    def _admit(self, conn: socket.socket, deadline: float) -> bool:
+        """Whether ``conn`` sent the secret by ``deadline`` and an authenticated connection
+        was free for it; it is told so (or why not)."""
+        try:
+            hello, size = relay_wire.receive_header(conn, limit=relay_wire.MAX_REQUEST_BYTES, deadline=deadline)
+        except EOFError:  # a port scanner, or a connection dropped for a newer one (_make_room)
+            logger.info("tpu_ckpt: a relay connection closed before its hello")
+            return False
+        except (OSError, ValueError) as e:  # TimeoutError is an OSError
+            logger.warning("tpu_ckpt: dropped a relay connection without a readable hello within %gs: %s", self._handshake, e)
+            return False
+        if size or not secrets.compare_digest(str(hello.get("secret")).encode(), self.secret.encode()):
+            logger.warning("tpu_ckpt: dropped a relay connection without the operation's secret")
+            return False
+        with self._lock:
+            self._pending.pop(conn, None)
+            full = len(self._authenticated) >= self._max_connections
+            if not full:
+                self._authenticated.add(conn)
+        conn.settimeout(self._timeout)
+        if full:
+            _refuse(conn, self._full())
+            return False
+        relay_wire.send(conn, {"ok": True, "idle": self._idle})
+        return True
 
     def _serve_one(self, conn: socket.socket) -> bool:
         """Waits for one request and answers it; False when the connection is to end.
@@ -143,7 +198,7 @@ class RelayServer:
         no thread. Clients reconnect well before (see ``RelayStore._checkout``)."""
         conn.settimeout(self._idle)
         try:
-            request, size = relay_wire.receive_header(conn)
+            request, size = relay_wire.receive_header(conn, limit=relay_wire.MAX_REQUEST_BYTES)
         except EOFError:
             return False  # the client is done
         except TimeoutError:
@@ -198,15 +253,12 @@ class RelayServer:
         if name not in self._serves:
             raise self._refusal(f"a read of {name!r}, which this operation does not serve", name)
         if op == "read":
-            self._check_range(name, request.get("start"), request.get("lengths"))
+            self._check_range(name, request.get("start"), request.get("length"))
 
-    def _check_range(self, name: str, start: Any, lengths: Any) -> None:
-        if not (
-            _is_count(start) and isinstance(lengths, list) and len(lengths) <= relay_wire.MAX_RANGES
-            and all(_is_count(n) for n in lengths)
-        ):
-            raise self._refusal(f"a malformed read of {name!r} (start and at most {relay_wire.MAX_RANGES} byte counts)", name)
-        size, stop = self._serves[name], start + sum(lengths)
+    def _check_range(self, name: str, start: Any, length: Any) -> None:
+        if not (_is_count(start) and _is_count(length)):
+            raise self._refusal(f"a malformed read of {name!r} (a start and a length, byte counts)", name)
+        size, stop = self._serves[name], start + length
         if size is None:
             raise self._refusal(f"a ranged read of {name!r}, which is served whole only", name)
         if stop > size:
@@ -232,7 +284,7 @@ class RelayServer:
             finally:
                 self._write_slots.release()
         elif op == "read":
-            answer = _outcome(lambda: ({}, self.store.read(name, request["start"], request["lengths"]).result()), where)
+            answer = _outcome(lambda: ({}, self.store.read(name, request["start"], [request["length"]]).result()), where)
         elif op == "read_file":
             answer = _outcome(lambda: self._read_file(name), where)
         else:
@@ -258,36 +310,6 @@ class RelayServer:
     def _read_file(self, name: str) -> tuple[dict[str, Any], list[Any]]:
         data = self.store.read_file(name)
         return {"missing": data is None}, [data or b""]
-
-
-def _listen(host: str, backlog: int, buffer_bytes: int, where: str) -> socket.socket:
-    """A socket listening on the first free port of ``Settings.relay_ports`` (any port when
-    unset). The backlog holds every connection the server serves: SYNs a whole pod sends at
-    once must not overflow it, or clients would wait on retransmissions."""
-    ports = settings().relay_ports
-    first, last = ports or (0, 0)
-    for port in range(first, last + 1):
-        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port left in TIME_WAIT is free
-            relay_wire.tune(listener, buffer_bytes)
-            listener.bind((host, port))
-            listener.listen(backlog)
-            return listener
-        except OSError as e:
-            listener.close()
-            if e.errno != errno.EADDRINUSE or ports is None:
-                raise relay_wire.RelayBindError(
-                    f"The relay for {where} cannot listen on {host}:{port}: {e}. If {host} is not an address "
-                    "of this host, set TPU_CKPT_RELAY_HOST to one the job's other hosts reach it at.",
-                    file=where,
-                ) from e
-    raise relay_wire.RelayBindError(
-        f"The relay for {where} cannot listen on {host}: every port of TPU_CKPT_RELAY_PORTS={first}-{last} is "
-        "in use. Widen the range (each save or restore through the relay holds a port on every serving "
-        "process while it runs) and allow the wider range through the firewall between the job's hosts.",
-        file=where,
-    )
 
 
 def _is_count(value: Any) -> bool:

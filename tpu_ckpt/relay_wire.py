@@ -2,32 +2,35 @@
 
 Each message is a 16-byte header (two big-endian uint64: JSON length, payload length), a
 JSON object, then the payload bytes. Both ends read through the same few functions so that
-every length on the wire is bounded before anything is allocated (``MAX_MESSAGE_BYTES``,
-``MAX_FILE_BYTES``), and every socket call moves a bounded chunk, so the connection's
-timeout measures progress, never the whole transfer. Errors cross as JSON objects, so the
-client raises the same ``CheckpointError`` subclass the server's process raised. Every socket
-of either end goes through :func:`tune` before it carries a byte.
+every length on the wire is bounded before anything is allocated (``MAX_REQUEST_BYTES``,
+``MAX_MESSAGE_BYTES``, ``MAX_FILE_BYTES``), and every socket call moves a bounded chunk, so
+the connection's timeout measures progress, never the whole transfer (a ``deadline`` bounds
+a whole message where a peer trickling bytes must not hold the reader). Errors cross as
+JSON objects, so the client raises the same ``CheckpointError`` subclass the server's
+process raised. Every socket of either end goes through :func:`tune` before it carries a byte.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import logging
 import socket
 import struct
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from tpu_ckpt import errors, read_plan, safe_reads
-from tpu_ckpt.format import ALIGNMENT
+from tpu_ckpt import errors, safe_reads
+from tpu_ckpt.settings import settings
 
-MAX_MESSAGE_BYTES = 16 << 20  # one message's JSON: a read of 64 MiB of tiny pieces lists ~2M lengths
+MAX_REQUEST_BYTES = 64 << 10  # one request's JSON: a file name and a few numbers (a read sends its span, not its pieces)
+MAX_MESSAGE_BYTES = 1 << 20  # one answer's JSON: an error's report at most
 MAX_FILE_BYTES = 1 << 40  # one file written, or read whole, through the relay
-MAX_RANGES = 2 * read_plan.MAX_READ_BYTES // ALIGNMENT  # one read's pieces and the gaps between them
 _HEADER = struct.Struct("!QQ")
 _CHUNK = 8 << 20  # one bounded socket call: the timeout measures progress, not the whole file
 
@@ -72,6 +75,37 @@ def tune(conn: socket.socket, buffer_bytes: int) -> None:
         _report_buffers(buffer_bytes, *granted)
 
 
+def listen(host: str, backlog: int, buffer_bytes: int, where: str) -> socket.socket:
+    """A socket listening on the first free port of ``Settings.relay_ports`` (any port when
+    unset). The backlog holds every connection the server serves, and those awaiting their
+    hello: SYNs a whole pod sends at once must not overflow it, or clients would wait on
+    retransmissions."""
+    ports = settings().relay_ports
+    first, last = ports or (0, 0)
+    for port in range(first, last + 1):
+        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port left in TIME_WAIT is free
+            tune(listener, buffer_bytes)
+            listener.bind((host, port))
+            listener.listen(backlog)
+            return listener
+        except OSError as e:
+            listener.close()
+            if e.errno != errno.EADDRINUSE or ports is None:
+                raise RelayBindError(
+                    f"The relay for {where} cannot listen on {host}:{port}: {e}. If {host} is not an address "
+                    "of this host, set TPU_CKPT_RELAY_HOST to one the job's other hosts reach it at.",
+                    file=where,
+                ) from e
+    raise RelayBindError(
+        f"The relay for {where} cannot listen on {host}: every port of TPU_CKPT_RELAY_PORTS={first}-{last} is "
+        "in use. Widen the range (each save or restore through the relay holds a port on every serving "
+        "process while it runs) and allow the wider range through the firewall between the job's hosts.",
+        file=where,
+    )
+
+
 @functools.cache
 def _report_buffers(asked: int, send: int, receive: int) -> None:
     """Once per process and outcome: the kernel silently caps what a socket asks for, and a
@@ -104,16 +138,19 @@ def send_payload(conn: socket.socket, views: Sequence[memoryview]) -> None:
             conn.sendall(view[start : start + _CHUNK])
 
 
-def receive_header(conn: socket.socket, limit: int = MAX_MESSAGE_BYTES) -> tuple[dict[str, Any], int]:
+def receive_header(
+    conn: socket.socket, limit: int = MAX_MESSAGE_BYTES, deadline: float | None = None
+) -> tuple[dict[str, Any], int]:
     """A message's JSON object and the length of the payload that follows (which the caller
-    bounds before reading it). A malformed or oversized message is a ValueError."""
+    bounds before reading it). A malformed or oversized message is a ValueError; one not
+    complete by ``deadline`` (``time.monotonic()``), a TimeoutError."""
     head = bytearray(_HEADER.size)
-    receive_into(conn, [head])
+    receive_into(conn, [head], deadline)
     meta_size, payload_size = _HEADER.unpack(head)
     if meta_size > limit:
         raise ValueError(f"a {meta_size}-byte message where at most {limit} may come")
     meta = bytearray(meta_size)
-    receive_into(conn, [meta])
+    receive_into(conn, [meta], deadline)
     try:
         message = json.loads(meta)
     except RecursionError:
@@ -133,14 +170,25 @@ def receive(conn: socket.socket) -> tuple[dict[str, Any], bytes]:
     return message, bytes(data)
 
 
-def receive_into(conn: socket.socket, buffers: Sequence[Any]) -> None:
+def receive_into(conn: socket.socket, buffers: Sequence[Any], deadline: float | None = None) -> None:
+    """Fills ``buffers``. The socket's timeout bounds each call; ``deadline`` (when given)
+    the whole, so that a peer sending a byte at a time cannot stretch it."""
     for buffer in buffers:
         view = memoryview(buffer).cast("B")
         while len(view):
+            if deadline is not None:
+                _until(conn, deadline)
             n = conn.recv_into(view[:_CHUNK])
             if n == 0:
                 raise EOFError("the peer closed the connection")
             view = view[n:]
+
+
+def _until(conn: socket.socket, deadline: float) -> None:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the message was not complete by its deadline")
+    conn.settimeout(left)
 
 
 def receive_chunked(conn: socket.socket, size: int) -> list[np.ndarray]:

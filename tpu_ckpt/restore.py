@@ -27,6 +27,7 @@ from tpu_ckpt import (
     relay,
     relay_server,
     relay_wire,
+    restore_check,
     restore_exec,
     shared_reads,
     shared_storage,
@@ -34,7 +35,7 @@ from tpu_ckpt import (
 )
 from tpu_ckpt.committed import read_manifest, store_tables
 from tpu_ckpt.decode import check_byte_ranges, decode_manifest
-from tpu_ckpt.errors import CheckpointError, UncommittedCheckpointError
+from tpu_ckpt.errors import CheckpointError, TargetMismatchError, UncommittedCheckpointError
 from tpu_ckpt.format import MANIFEST_FILE, LeafEntry, Manifest, dtype_from_name
 from tpu_ckpt.gc_pause import gc_paused
 from tpu_ckpt.options import CheckpointOptions, io_process
@@ -195,10 +196,11 @@ def restore_from(
     subtree: str | None, coord: distributed.Coordinator | None,
 ) -> tuple[Any, int, int]:
     """The restored tree, its number of leaves and the bytes read."""
-    plan = plan_restore(
-        manifest, target, subtree, options.skip_slot_variables, batch_bytes=_share(options, settings().read_batch_bytes),
-        url=store.location.url,
-    )
+    skip, url = options.skip_slot_variables, store.location.url
+    try:
+        plan = plan_restore(manifest, target, subtree, skip, batch_bytes=_share(options, settings().read_batch_bytes), url=url)
+    except TargetMismatchError as first:  # every mismatch, as tc.check_restore lists them
+        raise restore_check.all_mismatches(first, manifest, target, subtree, skip, url) from None
     if manifest.tables:  # format 2: the leaves read so far share no byte (1.x: checked on decode)
         check_byte_ranges(manifest, store.location.child(MANIFEST_FILE), loaded_only=True)
     with gc_paused(), _piece_source(store, plan, options, coord) as source:

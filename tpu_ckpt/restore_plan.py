@@ -161,7 +161,7 @@ def plan_restore(
         flat, treedef = keys.flatten(target)
         named = (leaves.get(_join(prefix, key)) for key, _, _ in flat)
         piece_table.prefetch([leaf for leaf in named if leaf is not None and not (skip_slots and leaf.is_slot)], settings().io_threads)
-        entries = [_plan_leaf(leaves, _join(prefix, key), t, skip_slots, url) for key, _, t in flat]
+        entries = [plan_leaf(leaves, _join(prefix, key), t, skip_slots, url) for key, _, t in flat]
         paths = ()
     batches = tuple(map(tuple, read_plan.batches(_units(entries, batch_bytes), _unit_bytes, batch_bytes)))
     return RestorePlan(tuple(entries), batches, treedef, paths, batch_bytes)
@@ -178,8 +178,9 @@ def _whole(leaf: LeafEntry) -> ArrayRead | NoRead:
     return _array_read(leaf.key, leaf, dtype_from_name(leaf.dtype), None, None)
 
 
-def _plan_leaf(leaves: dict[str, LeafEntry], key: str, target: Any, skip_slots: bool, url: str) -> ArrayRead | NoRead:
-    """What to restore for one target leaf."""
+def plan_leaf(leaves: dict[str, LeafEntry], key: str, target: Any, skip_slots: bool, url: str) -> ArrayRead | NoRead:
+    """What to restore for one target leaf; a TargetMismatchError when it does not fit
+    (``restore_check.py`` calls it leaf by leaf, to list every mismatch at once)."""
     leaf = leaves.get(key)
     if leaf is None:
         close = difflib.get_close_matches(key, list(leaves), n=3)

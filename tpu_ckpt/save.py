@@ -129,6 +129,27 @@ def _explain(coord: distributed.Coordinator, error: BaseException, leader: int |
         coord.raise_if_another_failed("save")  # e.g. the leader gave up and removed the staging area
 
 
+def _remove_staging(staging: storage.Location, final: storage.Location) -> None:
+    """Removes an abandoned save's staging area, whole, however late the others are.
+
+    A process that learned its name before the leader gave up may write into it at any time
+    (a straggler: the leader timed out on it). Writes create no directory, so once the
+    directory is gone they fail; but a file made while it is being removed, after the
+    removal listed it, would keep it from going, and leave it behind. So a local staging
+    directory is renamed first, to a name no process writes to (a ``.tmp-`` one, which
+    ``tpu-ckpt gc`` knows, should this process die meanwhile), and removed under that name."""
+    if staging.is_local:
+        doomed = final.staging(storage.new_token())
+        try:
+            os.rename(staging.local_path.rstrip("/"), doomed.local_path)
+            staging = doomed
+        except FileNotFoundError:
+            return  # removed already
+        except OSError as error:  # then removed where it is
+            logger.warning("tpu_ckpt: could not move the staging area %s aside to remove it: %s", staging.url, error)
+    storage.remove(staging)
+
+
 class SaveJob:
     """One planned save being carried out.
 
@@ -229,7 +250,7 @@ class SaveJob:
             self.staging.close()
         elif self.coord.me == self.leader:
             self.staging.close()
-            storage.remove(self.staging.location)
+            _remove_staging(self.staging.location, self.final)
         else:
             storage.remove_files(self.staging.store, self._own_files)
             self.staging.close()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Mapping
 
 
@@ -118,3 +119,15 @@ def configure(value: Settings | None) -> Settings | None:
     global _current
     previous, _current = _current, value
     return previous
+
+
+def use_cpu_devices(count: int) -> None:
+    """Before JAX is imported, for a command that builds shardings it will not run on
+    (``tpu-ckpt plan``): ``count`` CPU devices, unless the environment names a platform or a
+    device count already. Once JAX is imported, its devices are what they are."""
+    if "jax" in sys.modules:
+        return
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(count, 1)}".strip()

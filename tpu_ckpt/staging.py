@@ -50,7 +50,7 @@ def prepare(
         )
     token = storage.new_token()
     location = final.staging(token)
-    staging = Staging(location, storage.open_staging(location))
+    staging = Staging(location, storage.open_staging(location, final, token))
     prove = not relayed and shared_storage.unproved(final, coord.count)
     try:
         contact = ""

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
+import logging
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, Self, runtime_checkable
@@ -30,6 +33,13 @@ import numpy as np
 from tpu_ckpt import local_store, object_store, safe_reads
 from tpu_ckpt.errors import CheckpointError
 from tpu_ckpt.settings import settings
+
+logger = logging.getLogger(__name__)
+
+STAGING_MARKER = "staging.json"  # the first file of a save's staging area (:func:`mark_staging`)
+STAGING_GRACE_S = 3600.0
+"""How long after it started a save's staging area counts as a save in progress, which
+``tpu-ckpt gc`` and a CheckpointManager's leftover cleanup leave alone."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +67,11 @@ class Location:
         local file is written from the buffers themselves; an object is joined into one
         ``bytes`` and tensorstore copies that twice more (``object_store.py``)."""
         return 1 if self.is_local else 3
+
+    @property
+    def name(self) -> str:
+        """The last component of the path: a checkpoint's name in its directory."""
+        return self.url.rstrip("/").rsplit("/", 1)[-1]
 
     def child(self, name: str) -> str:
         return f"{self.url.rstrip('/')}/{name}"
@@ -187,12 +202,85 @@ def has_staging_leftover(loc: Location) -> bool:
     return os.path.isdir(parent) and any(n.startswith(name + ".tmp-") for n in os.listdir(parent))
 
 
-def open_staging(loc: Location) -> Backend:
+def open_staging(loc: Location, final: Location | None = None, token: str = "") -> Backend:
     """A store for a new staging area, whose local directory (and any missing parent) is
-    created here and only here (see ``local_store.make_directory``)."""
-    if loc.is_local:
+    created here and only here (see ``local_store.make_directory``); marked as the staging
+    area of a save of ``final``, if given (:func:`mark_staging`)."""
+    if loc.is_local and final is not None:
+        _make_marked(loc, final, token)
+    elif loc.is_local:
         local_store.make_directory(os.path.abspath(loc.local_path))
+    elif final is not None:
+        with Store(loc, threads=1) as marking:
+            mark_staging(marking, final, token)  # an object appears whole: never seen half-written
     return Store(loc)
+
+
+def _make_marked(loc: Location, final: Location, token: str) -> None:
+    """A local staging directory that appears under its name with its marker already in it
+    (made as ``.<name>`` and renamed), so a cleanup never sees it unmarked, nor its marker
+    half-written."""
+    path = os.path.abspath(loc.local_path.rstrip("/"))
+    hidden = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}")
+    local_store.make_directory(hidden)
+    try:
+        with Store(Location(hidden), threads=1) as store:
+            mark_staging(store, final, token)
+        os.rename(hidden, path)
+    except BaseException as error:
+        shutil.rmtree(hidden, ignore_errors=True)
+        if isinstance(error, OSError):
+            raise local_store.failed("Creating the staging directory", path, error) from error
+        raise
+
+
+def mark_staging(store: Backend, final: Location, token: str) -> None:
+    """Writes the staging marker, before any other file of the save: which checkpoint the
+    staging area becomes, when the save started, and for how long cleanups must leave it
+    alone. Whether a directory is a leftover is decided by this marker and the manifest,
+    never by its name alone: a user's checkpoint may be named ``model.tmp-1``."""
+    marker = {"final": final.name, "token": token, "started": time.time(), "grace_s": STAGING_GRACE_S}
+    store.write(STAGING_MARKER, [json.dumps(marker).encode()]).result()
+
+
+@dataclasses.dataclass(frozen=True)
+class Marker:
+    """A staging marker as read back (see :func:`mark_staging`)."""
+
+    final: str | None  # None: unreadable
+    started: float
+    grace_s: float
+
+    @property
+    def held_until(self) -> float:  # until when the staging area may be a save still running
+        return self.started + self.grace_s
+
+
+def read_marker(loc: Location) -> Marker | None:
+    """The staging marker at ``loc``; None when there is none. An unreadable one (written by
+    hand, damaged) names no checkpoint, so it makes no manifest beside it uncommitted, and
+    holds its directory back for the grace period from its last change (local files), or
+    not at all (objects, which no save leaves half-written)."""
+    with Store(loc, threads=1) as store:
+        try:
+            data = store.read_file(STAGING_MARKER, 1 << 16)
+        except CheckpointError:
+            data = b"{}"
+    if data is None:
+        return None
+    try:
+        marker = json.loads(data)
+        return Marker(str(marker["final"]), float(marker["started"]), float(marker["grace_s"]))
+    except (ValueError, TypeError, KeyError):
+        return Marker(None, _changed(loc, STAGING_MARKER), STAGING_GRACE_S)
+
+
+def _changed(loc: Location, name: str) -> float:
+    """When local file ``name`` of ``loc`` last changed; 0 for an object or a file gone."""
+    try:
+        return os.stat(os.path.join(loc.local_path, name)).st_mtime if loc.is_local else 0.0
+    except OSError:
+        return 0.0
 
 
 def remove(loc: Location) -> None:
@@ -241,6 +329,7 @@ def commit(staging: Location, final: Location) -> None:
     manifest, written last into the final prefix, already was the commit.
     """
     if not final.is_local:
+        _unmark(final)
         return
     src, dst = staging.local_path.rstrip("/"), final.local_path.rstrip("/")
     local_store.fsync_dir(src)
@@ -253,3 +342,17 @@ def commit(staging: Location, final: Location) -> None:
     except CheckpointError:
         shutil.rmtree(dst, ignore_errors=True)  # a save that raises leaves no checkpoint behind
         raise
+    _unmark(final)
+
+
+def _unmark(final: Location) -> None:
+    """Deletes the staging marker of a committed checkpoint (after its manifest, so a save
+    always holds one or the other). The save stands if this fails: a marker beside the
+    manifest of a checkpoint under its own name changes nothing (``listing._staged``)."""
+    try:
+        with Store(final, threads=1) as store:
+            store.delete(STAGING_MARKER)
+    except FileNotFoundError:
+        pass
+    except (CheckpointError, OSError) as error:
+        logger.warning("tpu_ckpt: could not delete the staging marker of %s: %s", final.url, error)

@@ -16,10 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from tpu_ckpt import piece_table, storage
+from tpu_ckpt import storage
+from tpu_ckpt.commit import write_manifest
 from tpu_ckpt.data_layout import data_file
 from tpu_ckpt.errors import CheckpointError, CheckpointExistsError
-from tpu_ckpt.format import MANIFEST_FILE, LeafEntry, Manifest, PieceEntry, dtype_from_name
+from tpu_ckpt.format import LeafEntry, Manifest, PieceEntry, dtype_from_name
 from tpu_ckpt.pieces import PlannedPiece, full_slice
 
 logger = logging.getLogger(__name__)
@@ -81,8 +82,7 @@ class StreamWriter:
             for e in self._entries
         )
         manifest = Manifest(leaves, dict(self._files), 1, self._description)
-        storage.check_written(self._store, manifest.files)
-        piece_table.write(self._store, manifest, MANIFEST_FILE)
+        write_manifest(self._store, manifest)
         storage.commit(self._staging, self.final)
         self._committed = True
         return self.final.url

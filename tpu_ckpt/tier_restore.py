@@ -30,7 +30,7 @@ import numpy as np
 from tpu_ckpt import distributed, local_tier, relay, relay_server, relay_wire, storage
 from tpu_ckpt.commit import merge_indexes, uncovered
 from tpu_ckpt.committed import store_tables
-from tpu_ckpt.decode import check_byte_ranges, decode_manifest
+from tpu_ckpt.decode import decode_manifest
 from tpu_ckpt.errors import CorruptCheckpointError
 from tpu_ckpt.format import MANIFEST_FILE, Manifest
 from tpu_ckpt.options import CheckpointOptions
@@ -131,7 +131,7 @@ def _serve(coord: distributed.Coordinator, own: storage.Backend, parts: list[int
         return
     root = own.location.local_path
     names = [n for n in os.listdir(root) if written_by(n) in parts or n == local_tier.PLAN_FILE]
-    serves = {n: os.path.getsize(os.path.join(root, n)) for n in names}
+    serves = {n: os.lstat(os.path.join(root, n)).st_size for n in names}  # a link's own size: its reads are refused
     server = relay_server.RelayServer(own, distributed.relay_host(), coord.timeout, peers=coord.count - 1, serves=serves)
     serving.callback(server.close)
     coord.publish(f"serve{coord.me}", server.contact())
@@ -183,8 +183,9 @@ def _manifest(store: _Parts, count: int) -> Manifest:
             "parts' indexes are not of one save. Remove that step_<n> on the hosts holding it to fall back.",
             key=problem[0], file=store.location.url,
         )
-    check_byte_ranges(manifest, store.location.url)
-    return manifest
+    # Decoded again whole, as a committed manifest is: every piece checked against its leaf's
+    # shape and dtype, which the plan and each index (intact, but maybe of other saves) only name.
+    return decode_manifest(manifest.to_json(), where=f"the merged manifest of the local step {store.location.url}")
 
 
 class _InMemory:

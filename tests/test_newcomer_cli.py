@@ -1,0 +1,26 @@
+"""Issue #27, what a newcomer met in the command's output: small sizes printed as ``0.0 MB``."""
+
+import numpy as np
+import pytest
+
+import tpu_ckpt as tc
+from tpu_ckpt import cli, cli_format
+
+
+@pytest.mark.parametrize(
+    "nbytes, shown",
+    [
+        (0, "0 B"), (72, "72 B"), (999, "999 B"), (1000, "1.0 KB"), (1500, "1.5 KB"), (40_000, "40.0 KB"),
+        (999_999, "1.0 MB"), (12_345_678, "12.3 MB"), (2.5e12, "2.5 TB"), (5e15, "5000.0 TB"),
+    ],
+)
+def test_sizes_are_shown_in_a_unit_that_keeps_their_digits(nbytes, shown):
+    assert cli_format.size(nbytes) == shown
+
+
+def test_export_of_a_small_checkpoint_prints_its_bytes_not_zero_megabytes(tmp_path, capsys):
+    tc.save(tmp_path / "src", {"params": {"w": np.arange(32, dtype=np.float32).reshape(8, 4)}}).wait()
+    status = cli.main(["export", str(tmp_path / "src"), str(tmp_path / "serving"), "--dtype", "bfloat16"])
+    out = capsys.readouterr().out
+    assert status == 0
+    assert out.startswith(f"wrote {tmp_path / 'serving'}: 64 B in "), out  # 32 bfloat16 values
