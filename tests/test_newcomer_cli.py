@@ -1,10 +1,13 @@
 """Issue #27, what a newcomer met in the command's output: small sizes printed as ``0.0 MB``."""
 
+import io
+
 import numpy as np
 import pytest
 
 import tpu_ckpt as tc
 from tpu_ckpt import cli, cli_format
+from tpu_ckpt.progress import Progress
 
 
 @pytest.mark.parametrize(
@@ -24,3 +27,12 @@ def test_export_of_a_small_checkpoint_prints_its_bytes_not_zero_megabytes(tmp_pa
     out = capsys.readouterr().out
     assert status == 0
     assert out.startswith(f"wrote {tmp_path / 'serving'}: 64 B in "), out  # 32 bfloat16 values
+
+
+def test_the_progress_bar_shows_small_sizes_in_their_unit():
+    """The bar's amounts use the commands' size format: a 72-byte export is not 0.0/0.0 MB."""
+    stream = io.StringIO()
+    stream.isatty = lambda: True  # drawn as on a terminal
+    with Progress("copying", 72, stream=stream) as bar:
+        bar(72, 72)
+    assert "72 B/72 B" in stream.getvalue() and "0.0/0.0 MB" not in stream.getvalue()

@@ -11,6 +11,7 @@ from typing import Any
 import tpu_ckpt
 from tpu_ckpt import listing
 from tpu_ckpt.errors import CheckpointError, CheckpointNotFoundError
+from tpu_ckpt.progress import size  # noqa: F401 - the commands' sizes and the bar's are one format
 
 PROG = "tpu-ckpt"
 
@@ -63,20 +64,6 @@ def plural(n: int, noun: str) -> str:
 
 def or_dash(value: Any, fmt: Any = str) -> str:
     return "-" if value is None else fmt(value)
-
-
-def size(nbytes: float) -> str:
-    """In the largest unit (powers of 1000) that keeps the number at 1 or more, so that a
-    small export reads ``72 B`` rather than ``0.0 MB``; a value that would round up to
-    ``1000.0`` moves to the next unit."""
-    if nbytes < 1000:
-        return f"{int(nbytes)} B"
-    value = float(nbytes)
-    for unit in ("KB", "MB", "GB", "TB"):
-        value /= 1000
-        if round(value, 1) < 1000 or unit == "TB":
-            break
-    return f"{value:.1f} {unit}"
 
 
 def age(seconds: float) -> str:

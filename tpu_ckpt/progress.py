@@ -18,7 +18,7 @@ _WIDTH = 40
 class Progress:
     """A bar on ``stream`` (stderr by default) counting ``total`` units of ``unit``.
 
-    ``unit="bytes"`` shows megabytes; any other unit is shown as a count (``3/8 reps``).
+    ``unit="bytes"`` shows sizes (:func:`size`); any other unit is shown as a count (``3/8 reps``).
     Use it as a context manager so the line is finished when the work is. Redraws are
     throttled to ``interval`` seconds: callers may report progress as often as they like.
     """
@@ -85,7 +85,7 @@ class Progress:
         share = min(self.done / self.total, 1.0) if self.total else 0.0
         filled = int(_WIDTH * share)
         if self.unit == "bytes":
-            amount = f"{self.done / 1e6:.1f}/{self.total / 1e6:.1f} MB"
+            amount = f"{size(self.done)}/{size(self.total)}"
         else:
             amount = f"{self.done}/{self.total} {self.unit}"
         elapsed = now - self._started
@@ -98,3 +98,17 @@ def _is_terminal(stream: TextIO) -> bool:
         return bool(isatty and isatty())
     except ValueError:  # a closed stream
         return False
+
+
+def size(nbytes: float) -> str:
+    """In the largest unit (powers of 1000) that keeps the number at 1 or more, so that a
+    small export reads ``72 B`` rather than ``0.0 MB``; a value that would round up to
+    ``1000.0`` moves to the next unit."""
+    if nbytes < 1000:
+        return f"{int(nbytes)} B"
+    value = float(nbytes)
+    for unit in ("KB", "MB", "GB", "TB"):
+        value /= 1000
+        if round(value, 1) < 1000 or unit == "TB":
+            break
+    return f"{value:.1f} {unit}"
