@@ -38,7 +38,7 @@ from tpu_ckpt.committed import read_manifest
 from tpu_ckpt.errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
 from tpu_ckpt.format import MANIFEST_FILE, metric_values
 from tpu_ckpt.listing import Listing, list_on_leader, remove_leftover, remove_step
-from tpu_ckpt.options import CheckpointOptions
+from tpu_ckpt.options import NO_TREE, CheckpointOptions, manager_options, refuse_orbax_keywords
 from tpu_ckpt.preemption import PreemptionWatch
 from tpu_ckpt.restore import restore
 from tpu_ckpt.save import save
@@ -111,7 +111,7 @@ class CheckpointManager:
         self.keep_checkpoint_every_n_hours = self._retention.every_n_hours
         self._cadence = Cadence(save_interval_steps, save_on_multiples, save_interval_seconds)
         self.save_interval_steps = save_interval_steps
-        self._options = options if options is not None else CheckpointOptions()
+        self._options = manager_options(options)
         self._pending: SaveResult | None = None
         self._scores: dict[str, float | None] = {}  # step directory -> its best_fn score
         # TF's last_preserved_timestamp, which TF reads from its state file (see Args).
@@ -127,7 +127,7 @@ class CheckpointManager:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
 
-    def save(self, step: int, tree: Any, *, metrics: Mapping[str, Any] | None = None, force: bool = False) -> bool:
+    def save(self, step: int, tree: Any = NO_TREE, *, metrics: Mapping[str, Any] | None = None, force: bool = False, **orbax: Any) -> bool:
         """Saves ``tree`` as step ``step`` if :meth:`should_save` says so, or if ``force`` is set.
 
         ``metrics`` (name -> number, e.g. ``{"loss": loss}``) are stored in the step's
@@ -144,6 +144,7 @@ class CheckpointManager:
           CheckpointExistsError: step ``step`` is already committed. Checkpoints are never
             overwritten.
         """
+        refuse_orbax_keywords("save(step, state)", orbax, missing=tree is NO_TREE)
         step = check_step(step, "save(step, tree)")
         persistent = force or self.should_save(step)
         if not persistent and (self._tier is None or not self._tier.cadence.steps_due(step)):
@@ -167,8 +168,7 @@ class CheckpointManager:
         return True
 
     def _persistent(self, step: int, score: float | None) -> tuple[str, CheckpointOptions]:
-        """Where the persistent step goes, and the options of its save (retention after the
-        commit); raises if it is committed already."""
+        """Where the persistent step goes and its save's options (retention after the commit); raises if committed."""
         listing = self._list()
         if step in listing.committed:
             raise CheckpointExistsError(
@@ -205,7 +205,7 @@ class CheckpointManager:
             coord.publish("due", "yes" if due else "no")
             return due
 
-    def restore(self, step: Any = None, target: Any = None, *, options: CheckpointOptions | None = None) -> Any:
+    def restore(self, step: Any = None, target: Any = None, *, options: CheckpointOptions | None = None, **orbax: Any) -> Any:
         """Restores step ``step`` (``None``: the latest committed one). See :func:`tpu_ckpt.restore`.
 
         With ``local_directory``: from the local tier when every process's part of the step is
@@ -220,6 +220,7 @@ class CheckpointManager:
         Raises:
           CheckpointNotFoundError: no committed checkpoint, or none for ``step``.
         """
+        refuse_orbax_keywords("restore(step, abstract_state)", orbax)
         if step is not None and not names_a_step(step):
             if target is not None:
                 raise TypeError(
@@ -266,8 +267,7 @@ class CheckpointManager:
         return sorted(self._list().committed)
 
     def wait_until_finished(self) -> None:
-        """Waits until the save in flight (and an upload to ``directory``) is committed, and
-        raises its failure (once)."""
+        """Waits until the save in flight (and an upload to ``directory``) is committed; raises its failure (once)."""
         self._wait_for_save()
         if self._tier is not None:
             self._tier.wait_for_upload()

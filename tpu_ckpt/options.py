@@ -12,7 +12,7 @@ import math
 import numbers
 import re
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -329,3 +329,38 @@ def _check_memory_limit(limit: Any) -> int | None:
     if limit < MIN_HOST_MEMORY_LIMIT:
         raise ValueError(f"host_memory_limit must be at least {MIN_HOST_MEMORY_LIMIT} bytes (16 MiB), got {limit}")
     return int(limit)
+
+
+def manager_options(options: Any) -> CheckpointOptions:
+    """A CheckpointManager's options: ``None`` is the defaults. Orbax's habit,
+    ``options=ocp.CheckpointManagerOptions(...)``, is refused naming the keywords that say
+    the same here (it would otherwise fail later, on a missing ``io_device``)."""
+    if options is None:
+        return CheckpointOptions()
+    if isinstance(options, CheckpointOptions):
+        return options
+    hint = ""
+    if type(options).__name__ == "CheckpointManagerOptions":
+        hint = (
+            " Orbax's CheckpointManagerOptions fields are CheckpointManager's own keywords here: "
+            "CheckpointManager(directory, max_to_keep=..., save_interval_steps=..., save_on_multiples=True, "
+            "keep_checkpoint_every_n_hours=..., best_fn=..., best_mode=...); asynchronous saves are "
+            "options=tpu_ckpt.CheckpointOptions(enable_async=True)."
+        )
+    raise TypeError(f"CheckpointManager(options=...) takes a tpu_ckpt.CheckpointOptions, not {type(options).__name__}.{hint}")
+
+
+NO_TREE = object()  # CheckpointManager.save's tree when none is given (Orbax passes it as args=)
+
+
+def refuse_orbax_keywords(call: str, keywords: Mapping[str, Any], missing: bool = False) -> None:
+    """Keywords a manager method does not take, as Orbax's ``args=ocp.args.StandardSave(state)``,
+    or (``missing``) no tree at all: a TypeError naming the call to write here instead
+    (``call``, e.g. ``save(step, state)``)."""
+    if not keywords:
+        if missing:
+            raise TypeError(f"CheckpointManager.{call.split('(')[0]}() needs the tree to save: manager.{call}.")
+        return
+    hint = f" Orbax's args=ocp.args.Standard...(x) is a plain argument here: manager.{call}." if "args" in keywords else ""
+    names = ", ".join(sorted(keywords))
+    raise TypeError(f"CheckpointManager.{call.split('(')[0]}() got unexpected keyword arguments: {names}.{hint}")
