@@ -26,3 +26,18 @@ def test_orbax_args_on_save_and_restore_name_the_plain_call(tmp_path):
         with pytest.raises(TypeError, match=r"manager\.restore\(step, abstract_state\)"):
             manager.restore(1, args=ocp.args.StandardRestore(state))
         np.testing.assert_array_equal(manager.restore(1)["w"], state["w"])
+
+
+def test_exporting_an_nnx_checkpoint_names_the_keys_it_has(tmp_path):
+    """An NNX state saved as {"model": ..., "optimizer": ...} has no 'params': the export's
+    error lists the top-level keys, and exporting subtree="model" works."""
+    import optax
+    from flax import nnx
+
+    model = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    tc.save(tmp_path / "nnx", {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}).wait()
+    with pytest.raises(tc.TargetMismatchError, match=r"subtree 'params' is not in checkpoint .*\['model', 'optimizer'\]: pass one"):
+        tc.export_for_serving(tmp_path / "nnx", tmp_path / "serve")
+    tc.export_for_serving(tmp_path / "nnx", tmp_path / "serve", subtree="model")
+    np.testing.assert_array_equal(tc.restore(tmp_path / "serve")["kernel"]["value"], np.asarray(model.kernel.value))

@@ -20,11 +20,12 @@ import numpy as np
 
 from tpu_ckpt import keys, piece_table, read_plan, safe_reads, storage
 from tpu_ckpt.committed import read_manifest
-from tpu_ckpt.errors import CheckpointExistsError, CorruptCheckpointError, TargetMismatchError
+from tpu_ckpt.errors import CheckpointExistsError, CorruptCheckpointError
 from tpu_ckpt.format import MANIFEST_FILE, LeafEntry, Manifest, crc32c, dtype_from_name
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.policies import MaxShardSizePolicy
 from tpu_ckpt.restore import restore
+from tpu_ckpt.restore_plan import missing_subtree
 from tpu_ckpt.save import save
 from tpu_ckpt.settings import settings
 
@@ -41,13 +42,29 @@ def export_for_serving(
     link: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> str:
-    """Writes the ``subtree`` of checkpoint ``src`` (its params) as checkpoint ``dst``.
+    """Writes the ``subtree`` of checkpoint ``src`` (its params) as checkpoint ``dst``;
+    ``tc.restore(dst)`` then returns that subtree as the whole tree.
 
-    ``tc.restore(dst)`` then returns that subtree as the whole tree. ``dtype`` casts float
-    leaves; ``max_shard_size`` re-cuts the data files (``MaxShardSizePolicy``); ``link``
-    writes only a manifest referring to ``src``'s data files (local paths only, and not
-    combinable with ``dtype`` or ``max_shard_size``, which need a rewrite). ``progress(done,
-    total)`` is called with byte counts as the copy proceeds. Returns ``dst``.
+    Args:
+      src: the checkpoint to read.
+      dst: the new checkpoint; it must not exist yet, or be empty.
+      subtree: the key path to export.
+      dtype: casts float leaves (e.g. ``"bfloat16"``); ``None`` keeps them.
+      max_shard_size: re-cuts the data files (:class:`MaxShardSizePolicy`).
+      link: write only a manifest referring to ``src``'s data files (local paths only;
+        not with ``dtype`` or ``max_shard_size``, which need a rewrite).
+      progress: ``progress(done, total)`` is called with byte counts as the copy proceeds.
+
+    Returns:
+      The written checkpoint's path (``dst``).
+
+    Raises:
+      ValueError: ``dtype`` is not a float type, or ``link`` is combined with a rewrite or
+        with a non-local or linked checkpoint.
+      CheckpointExistsError: ``dst`` already holds something.
+      TargetMismatchError: ``src`` has no ``subtree``.
+      CheckpointNotFoundError: nothing is committed at ``src``.
+      CorruptCheckpointError: a data file of ``src`` is missing or fails its checksum.
     """
     if link:
         if dtype is not None or max_shard_size is not None:
@@ -88,7 +105,7 @@ def _read_params(
 def _subtree_leaves(manifest: Manifest, prefix: str, src: Any) -> list[LeafEntry]:
     leaves = [leaf for leaf in manifest.leaves if keys.under(leaf.key, prefix)]
     if not leaves:
-        raise TargetMismatchError(f"subtree {prefix!r} is not in checkpoint {src}", key=prefix, file=str(src))
+        raise missing_subtree(manifest, prefix, str(src))
     return leaves
 
 

@@ -147,11 +147,7 @@ def plan_restore(
     prefix, depth = keys.subtree(subtree)
     leaves = {leaf.key: leaf for leaf in manifest.leaves if keys.under(leaf.key, prefix)}
     if prefix and not leaves:
-        raise TargetMismatchError(
-            f"subtree {prefix!r} is not in checkpoint {url}; its top-level keys are "
-            f"{sorted({leaf.key.split('/')[0] for leaf in manifest.leaves})}",
-            key=prefix, file=url,
-        )
+        raise missing_subtree(manifest, prefix, url)
     if target is None:
         kept = [leaf for leaf in leaves.values() if not (skip_slots and leaf.is_slot)]  # slots left out
         piece_table.prefetch(kept, settings().io_threads)  # format 2: the rows of these leaves at once
@@ -281,3 +277,13 @@ def _sharding_text(sharding: jax.sharding.Sharding) -> str:
     if isinstance(sharding, jax.sharding.NamedSharding):
         return f"NamedSharding(mesh={dict(sharding.mesh.shape)}, spec={tuple(sharding.spec)})"
     return f"{type(sharding).__name__}(devices={sorted(d.id for d in sharding.device_set)})"
+
+
+def missing_subtree(manifest: Manifest, prefix: str, url: str) -> TargetMismatchError:
+    """A subtree the checkpoint lacks, named with the top-level keys it has (an NNX state's
+    params are under the key its model was saved as, not ``params``)."""
+    return TargetMismatchError(
+        f"subtree {prefix!r} is not in checkpoint {url}; its top-level keys are "
+        f"{sorted({leaf.key.split('/')[0] for leaf in manifest.leaves})}: pass one of them (or a key path under one) as subtree",
+        key=prefix, file=url,
+    )
