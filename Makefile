@@ -4,12 +4,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench pod-scale lint wheel clean
+.PHONY: demo test test-fast bench pod-scale lint wheel docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test,bench]"
+	$(PY) -m pip install --quiet -e ".[test,bench,docs]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -17,6 +17,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+	$(MAKE) docs
+
+# The API reference (docs/api.md: every public name's docstring) as HTML in site/, offline;
+# --strict turns every warning (a docstring naming a parameter the signature lacks) into a failure.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --quiet
 
 # The inner loop: pure and single-process tests, no emulators, notebooks or process groups.
 test-fast: $(STAMP)
@@ -38,4 +44,4 @@ wheel: $(STAMP)
 	$(PY) -m pip wheel --quiet --no-deps --wheel-dir dist .
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) build dist site *.egg-info

@@ -15,6 +15,10 @@ writes_in_flight, and reports each library's sync save throughput as a share of 
 
     python scripts/benchmark.py --scale 0.1 --reps 2
     python scripts/benchmark.py --workload many --reps 1 --json /tmp/bench.json
+    python scripts/benchmark.py --workload cli
+
+Every run ends with the CLI start-up row: the median of 10 `tpu-ckpt inspect` runs on a small
+checkpoint, wall time and the CPU the child used (user + system, from getrusage).
 """
 
 import os
@@ -30,8 +34,10 @@ import ctypes  # noqa: E402
 import ctypes.util  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
+import resource  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
@@ -75,6 +81,8 @@ FLOOR_TARGETS = {
 NO_RATIO = {"step_donated"}  # reported side by side, neither compared nor judged
 BASELINE_STEPS = 3  # steps with no save in flight per rep, their median the baseline (one is noisy)
 MIN_BANDWIDTH_SHARE = 0.8  # lm sync save throughput / fsync'd sequential write bandwidth
+CLI_RUNS = 10
+CLI_WALL_TARGET_S = 0.3  # `tpu-ckpt inspect` on a quiet machine: no JAX, ml_dtypes or tensorstore
 
 
 def mesh(shape):
@@ -520,9 +528,32 @@ def report(name, samples, bandwidth):
     return rows
 
 
+def cli_startup(workdir):
+    """Median wall and CPU seconds of `tpu-ckpt inspect` on a small checkpoint, each run a
+    fresh interpreter as a user's shell starts it; prints its row and returns it for --json."""
+    path = os.path.join(workdir, "cli_step_1")
+    tc.save(path, {"w": np.ones((64, 64), np.float32), "b": np.zeros(64, jnp.bfloat16), "step": np.int64(1)})
+    script = os.path.join(os.path.dirname(sys.executable), "tpu-ckpt")
+    command = [script] if os.path.exists(script) else [sys.executable, "-m", "tpu_ckpt"]
+    walls, cpus = [], []
+    for _ in range(CLI_RUNS):
+        before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+        subprocess.run([*command, "inspect", path], check=True, stdout=subprocess.DEVNULL)
+        walls.append(time.perf_counter() - start)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpus.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+    wall, cpu = statistics.median(walls), statistics.median(cpus)
+    row = {"metric": "CLI start-up (tpu-ckpt inspect)", "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
+           "target": f"<= {CLI_WALL_TARGET_S} s wall", "result": "PASS" if wall <= CLI_WALL_TARGET_S else "FAIL"}
+    print(f"\n== CLI start-up (median of {CLI_RUNS}) ==\n{row['metric']}: {wall:.3f} s wall, {cpu:.3f} s CPU  "
+          f"target {row['target']}  {row['result']}")
+    return row
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workload", choices=("lm", "many", "all"), default="all")
+    parser.add_argument("--workload", choices=("lm", "many", "cli", "all"), default="all",
+                        help="cli: only the CLI start-up row, which every run ends with")
     parser.add_argument("--scale", type=float, default=1.0, help="lm size; 1.0 ~= 1.3 GB")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dir", help="existing directory (on the disk to test) to hold the scratch directory; "
@@ -537,10 +568,12 @@ def main():
     workdir = os.path.abspath(tempfile.mkdtemp(prefix="tpu_ckpt_bench_", dir=args.dir))
     libs = [TpuCkpt(), Orbax()]
     try:
-        bandwidth = disk_bandwidth(workdir, args.scale)
-        print(f"disk: fsync'd sequential write {bandwidth:.0f} MB/s ({workdir})")
+        workloads = {"all": ("lm", "many"), "cli": ()}.get(args.workload, (args.workload,))
+        bandwidth = disk_bandwidth(workdir, args.scale) if workloads else None  # cli writes no data to speak of
+        if workloads:
+            print(f"disk: fsync'd sequential write {bandwidth:.0f} MB/s ({workdir})")
         results = {"disk_write_mbps": bandwidth, "scale": args.scale, "reps": args.reps, "workloads": {}}
-        for name in ("lm", "many") if args.workload == "all" else (args.workload,):
+        for name in workloads:
             tree = lm_state(args.scale) if name == "lm" else many_state()
             leaves = jax.tree.leaves(tree)
             print(f"\n{name}: {len(leaves)} leaves, {sum(x.nbytes for x in leaves) / MB:.1f} MB",
@@ -551,6 +584,7 @@ def main():
             free(tree)
             rows = report(name, samples, bandwidth)
             results["workloads"][name] = {"samples": samples, "rows": rows}
+        results["cli_startup"] = cli_startup(workdir)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=2)

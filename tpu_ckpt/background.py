@@ -27,9 +27,15 @@ logger = logging.getLogger(__name__)
 class SaveResult:
     """The outcome of :func:`tpu_ckpt.save`: ``path``, ``done()`` and ``wait(timeout)``.
 
-    ``wait()`` returns the path once the checkpoint is committed and visible to every
-    process (and its write callbacks ran), and re-raises any error of the background write.
-    For a synchronous save everything happened before ``save`` returned.
+    For a synchronous save everything happened before ``save`` returned. ``save`` makes
+    these; users only read them.
+
+    Args:
+      path: the checkpoint being written, readable as ``.path``.
+      thread: the background write of an asynchronous save; ``None`` for a synchronous one.
+
+    Raises:
+      CheckpointError: from ``wait()``: the background write failed.
     """
 
     def __init__(self, path: str, thread: threading.Thread | None = None):
@@ -39,9 +45,28 @@ class SaveResult:
         self._seen = False
 
     def done(self) -> bool:
+        """Whether the save has finished, committed or failed (``wait()`` then does not block).
+
+        Returns:
+          ``True`` once nothing is left to write in the background.
+        """
         return self._thread is None or not self._thread.is_alive()
 
     def wait(self, timeout: float | None = None) -> str:
+        """Blocks until the checkpoint is committed and visible to every process (and its
+        write callbacks ran).
+
+        Args:
+          timeout: the most seconds to wait; ``None`` waits as long as the save takes.
+
+        Returns:
+          The checkpoint's path.
+
+        Raises:
+          TimeoutError: the save is still in progress after ``timeout`` seconds.
+          CheckpointError: the background write failed (its error, re-raised, also when a
+            later ``save`` reported it first).
+        """
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():

@@ -18,6 +18,7 @@ import math
 import numbers
 import operator
 import time
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -85,3 +86,19 @@ def names_a_step(arg: Any) -> bool:
     except TypeError:
         return False
     return True
+
+
+NO_TREE = object()  # CheckpointManager.save's tree when none is given (Orbax passes it as args=)
+
+
+def refuse_orbax_keywords(call: str, keywords: Mapping[str, Any], missing: bool = False) -> None:
+    """Keywords a manager method does not take, as Orbax's ``args=ocp.args.StandardSave(state)``,
+    or (``missing``) no tree at all: a TypeError naming the call to write here instead
+    (``call``, e.g. ``save(step, state)``)."""
+    if not keywords:
+        if missing:
+            raise TypeError(f"CheckpointManager.{call.split('(')[0]}() needs the tree to save: manager.{call}.")
+        return
+    hint = f" Orbax's args=ocp.args.Standard...(x) is a plain argument here: manager.{call}." if "args" in keywords else ""
+    names = ", ".join(sorted(keywords))
+    raise TypeError(f"CheckpointManager.{call.split('(')[0]}() got unexpected keyword arguments: {names}.{hint}")

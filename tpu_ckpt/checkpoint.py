@@ -31,6 +31,12 @@ class Checkpoint:
         ckpt = tc.Checkpoint(state=train_state, step=0)
         path = ckpt.save("/ckpts/run")        # "/ckpts/run-1"
         ckpt.restore(path)                    # loads back into ckpt.state and ckpt.step
+
+    Args:
+      **trees: the named pytrees, readable and assignable as attributes (``ckpt.state``).
+
+    Raises:
+      ValueError: a tree is named ``save_counter``, which the Checkpoint keeps itself.
     """
 
     def __init__(self, **trees: Any):
@@ -60,7 +66,19 @@ class Checkpoint:
         del self._trees[name]
 
     def save(self, file_prefix: str | os.PathLike[str], options: CheckpointOptions | None = None) -> str:
-        """Saves to ``<file_prefix>-<save_counter + 1>`` and bumps ``save_counter``."""
+        """Saves to ``<file_prefix>-<save_counter + 1>`` and bumps ``save_counter`` (not when it fails).
+
+        Args:
+          file_prefix: the checkpoint path before ``-<number>``.
+          options: :class:`CheckpointOptions` for this save.
+
+        Returns:
+          The path written.
+
+        Raises:
+          CheckpointExistsError: the path already holds something.
+          CheckpointError: as :func:`tpu_ckpt.save` raises.
+        """
         path = f"{os.fspath(file_prefix)}-{self.save_counter + 1}"
         self.save_counter += 1
         try:
@@ -70,19 +88,61 @@ class Checkpoint:
             raise
 
     def write(self, file_prefix: str | os.PathLike[str], options: CheckpointOptions | None = None) -> str:
-        """Saves to exactly ``file_prefix``; ``save_counter`` is unchanged."""
+        """Saves to exactly ``file_prefix``; ``save_counter`` is unchanged.
+
+        Args:
+          file_prefix: the checkpoint path.
+          options: :class:`CheckpointOptions` for this save.
+
+        Returns:
+          The path written.
+
+        Raises:
+          CheckpointExistsError: the path already holds something.
+          CheckpointError: as :func:`tpu_ckpt.save` raises.
+        """
         return self._save(os.fspath(file_prefix), options)
 
     def restore(self, save_path: str | os.PathLike[str], options: CheckpointOptions | None = None) -> Checkpoint:
-        """Loads ``save_path`` into the attributes (and ``save_counter``)."""
+        """Loads ``save_path`` into the attributes (and ``save_counter``).
+
+        Args:
+          save_path: a path ``save`` or ``write`` returned.
+          options: :class:`CheckpointOptions` for this restore.
+
+        Returns:
+          This Checkpoint, its trees replaced by the restored ones.
+
+        Raises:
+          CheckpointNotFoundError: nothing is committed at ``save_path``.
+          TargetMismatchError: a tree's structure, shapes or dtypes differ from the saved one.
+          CheckpointError: as :func:`tpu_ckpt.restore` raises.
+        """
         return self._load(save_path, options, with_counter=True)
 
     def read(self, save_path: str | os.PathLike[str], options: CheckpointOptions | None = None) -> Checkpoint:
-        """Loads ``save_path`` into the attributes, leaving ``save_counter`` as it is."""
+        """Loads ``save_path`` into the attributes, leaving ``save_counter`` as it is.
+
+        Args:
+          save_path: a path ``save`` or ``write`` returned.
+          options: :class:`CheckpointOptions` for this restore.
+
+        Returns:
+          This Checkpoint, its trees replaced by the restored ones.
+
+        Raises:
+          CheckpointNotFoundError: nothing is committed at ``save_path``.
+          TargetMismatchError: a tree's structure, shapes or dtypes differ from the saved one.
+          CheckpointError: as :func:`tpu_ckpt.restore` raises.
+        """
         return self._load(save_path, options, with_counter=False)
 
     def sync(self) -> None:
-        """Waits for this object's in-flight asynchronous save; re-raises its failure."""
+        """Waits for this object's in-flight asynchronous save.
+
+        Raises:
+          CheckpointError: the background write failed (its error, re-raised).
+        """
         if self._last_save is not None:
             self._last_save.wait()
 

@@ -37,7 +37,7 @@ from tpu_ckpt.format import (
     LeafEntry,
     Manifest,
     PieceEntry,
-    dtype_from_name,
+    dtype_itemsize,
     unseal,
 )
 
@@ -245,7 +245,7 @@ class _Decoder:
         if len(shape) > MAX_RANK or math.prod(shape) > MAX_INT:
             raise self.fail(f"{field}.shape", f"is not a shape an array can have: {_short(list(shape))}")
         dtype = self.str(doc.get("dtype"), f"{field}.dtype")
-        itemsize = dtype_from_name(dtype).itemsize
+        itemsize = dtype_itemsize(dtype)
         if type(doc.get("is_slot")) is not bool:
             raise self.fail(f"{field}.is_slot", f"must be true or false, got {_short(doc.get('is_slot'))}")
         sharding = self.sharding(doc.get("sharding"), f"{field}.sharding")

@@ -24,7 +24,7 @@ import numpy as np
 from tpu_ckpt import read_plan, slices, storage
 from tpu_ckpt.committed import read_manifest
 from tpu_ckpt.errors import CorruptCheckpointError
-from tpu_ckpt.format import LeafEntry, PieceEntry, dtype_from_name
+from tpu_ckpt.format import LeafEntry, PieceEntry, dtype_from_name, dtype_itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,8 +127,7 @@ def _compared_pieces(
     """Compares one leaf a piece of ``a`` at a time, yielding (elements that differ, their
     largest |b - a|, bytes) for each. A piece of ``b`` is kept only while pieces of ``a``
     still to come overlap it (``a``'s pieces go in slice order, so that is few)."""
-    dtype = dtype_from_name(a.dtype)
-    raw = np.dtype(f"V{dtype.itemsize}")  # compare bits, whatever the dtype
+    raw = np.dtype(f"V{dtype_itemsize(a.dtype)}")  # compare bits, whatever the dtype
     plan = [(p, read_plan.overlapping(b, p.slice)) for p in sorted(a.pieces, key=lambda p: p.slice) if p.length]
     uses = collections.Counter(q for _, overlaps in plan for q in overlaps)
     held: dict[PieceEntry, np.ndarray] = {}
@@ -141,7 +140,7 @@ def _compared_pieces(
             common = slices.intersect(piece.slice, q.slice)
             if common is not None:
                 count, biggest = _differences(
-                    mine[slices.relative(common, piece.slice)], held[q][slices.relative(common, q.slice)], dtype
+                    mine[slices.relative(common, piece.slice)], held[q][slices.relative(common, q.slice)], a.dtype
                 )
                 differing += count
                 largest = float(np.maximum(largest, biggest))  # NaN, once met, stays
@@ -151,14 +150,15 @@ def _compared_pieces(
         yield differing, largest, piece.length
 
 
-def _differences(mine: np.ndarray, theirs: np.ndarray, dtype: np.dtype) -> tuple[int, float]:
+def _differences(mine: np.ndarray, theirs: np.ndarray, dtype_name: str) -> tuple[int, float]:
     """How many elements' bits differ, and the largest |theirs - mine| among them (0 for
     -0.0 against 0.0, NaN where either is NaN). Only the differing elements are widened, so
-    equal data costs one boolean mask."""
+    equal data costs one boolean mask (and no ml_dtypes import for a bfloat16 leaf)."""
     differs = mine != theirs
     count = int(np.count_nonzero(differs))
     if not count:
         return 0, 0.0
+    dtype = dtype_from_name(dtype_name)
     wide = np.complex128 if np.issubdtype(dtype, np.complexfloating) else np.float64
     before, after = (x[differs].view(dtype).astype(wide) for x in (mine, theirs))
     return count, float(np.max(np.abs(after - before)))

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 
 class CheckpointError(Exception):
-    """Base class of every tpu_ckpt error; carries the offending key and file when known."""
+    """Base class of every tpu_ckpt error; carries the offending key and file when known.
+
+    Args:
+      message: what is wrong and what to do, naming the checkpoint key or file.
+      key: the checkpoint key (a leaf's path joined by ``/``) at fault, readable as ``.key``.
+      file: the checkpoint, manifest or data file at fault, readable as ``.file``.
+    """
 
     def __init__(self, message: str, *, key: str | None = None, file: str | None = None):
         super().__init__(message)
@@ -47,7 +53,13 @@ class InvalidShardsError(CheckpointError, ValueError):
 
 
 class CoordinationTimeoutError(CheckpointError, TimeoutError):
-    """Some processes did not reach a cross-process stage within ``coordination_timeout``."""
+    """Some processes did not reach a cross-process stage within ``coordination_timeout``.
+
+    Args:
+      message: the stage, the processes that did not arrive, and what to do.
+      stage: the name of the stage waited on, as ``.stage``.
+      missing: the indices of the processes that did not arrive, as ``.missing``.
+    """
 
     def __init__(self, message: str, *, stage: str, missing: list[int]):
         super().__init__(message)
@@ -56,8 +68,13 @@ class CoordinationTimeoutError(CheckpointError, TimeoutError):
 
 
 class RemoteProcessError(CheckpointError):
-    """Another process of the job failed at a stage this process was waiting on;
-    ``remote_type`` names the class of its error (e.g. ``"CorruptCheckpointError"``)."""
+    """Another process of the job failed at a stage this process was waiting on.
+
+    Args:
+      message: the failing process and its error's message.
+      remote_type: the class name of its error (e.g. ``"CorruptCheckpointError"``), as
+        ``.remote_type``; ``None`` when unknown.
+    """
 
     def __init__(self, message: str, *, remote_type: str | None = None):
         super().__init__(message)

@@ -16,7 +16,6 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import crc32c as _crc32c
-import ml_dtypes
 import numpy as np
 
 from tpu_ckpt.errors import CorruptCheckpointError, FormatVersionError
@@ -27,20 +26,24 @@ if TYPE_CHECKING:  # annotations only: the format itself needs no JAX
 
 FORMAT_NAME = "tpu_ckpt"
 FORMAT_VERSION = "2.0"
+"""The on-disk format version (``MAJOR.MINOR``, FORMAT.md) this library writes. It reads any
+minor version of a major version it knows, and refuses a newer major with FormatVersionError."""
 MANIFEST_FILE = "manifest.json"
 MAX_METRICS = 1000  # a manifest's metrics are few numbers (a loss, an accuracy), never a log
 MIN_INT, MAX_INT = -(1 << 63), (1 << 63) - 1
 
-_ML_DTYPES = {
-    name: np.dtype(getattr(ml_dtypes, name))
-    for name in (
-        "bfloat16", "float8_e3m4", "float8_e4m3", "float8_e4m3b11fnuz", "float8_e4m3fn",
-        "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn",
-        "float6_e2m3fn", "float6_e3m2fn", "int2", "int4", "uint2", "uint4",
-    )
-    if hasattr(ml_dtypes, name)
+_ML_ITEMSIZES = {  # ml_dtypes' names and sizes, known without importing it (see dtype_itemsize)
+    "bfloat16": 2,
+    **dict.fromkeys(
+        (
+            "float8_e3m4", "float8_e4m3", "float8_e4m3b11fnuz", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
+            "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn",
+            "int2", "int4", "uint2", "uint4",
+        ),
+        1,
+    ),
 }
-_ML_FLOATS = frozenset(name for name in _ML_DTYPES if "float" in name)
+_ML_FLOATS = frozenset(name for name in _ML_ITEMSIZES if "float" in name)
 NUMPY_DTYPES = {
     np.dtype(t).name: np.dtype(t)
     for t in (
@@ -48,7 +51,19 @@ NUMPY_DTYPES = {
         np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128,
     )
 }
-_DTYPES = {**NUMPY_DTYPES, **_ML_DTYPES}
+_ITEMSIZES = {**{name: dt.itemsize for name, dt in NUMPY_DTYPES.items()}, **_ML_ITEMSIZES}
+DTYPE_NAMES = frozenset(_ITEMSIZES)
+
+
+@functools.cache
+def _dtypes() -> dict[str, np.dtype]:
+    """Every dtype a checkpoint can hold, built on first use: importing ml_dtypes costs about a
+    second of CPU, which the commands that only read manifests never pay."""
+    import ml_dtypes
+
+    ml = {name: np.dtype(getattr(ml_dtypes, name)) for name in _ML_ITEMSIZES if hasattr(ml_dtypes, name)}
+    return {**NUMPY_DTYPES, **ml}
+
 
 def dtype_name(dtype: Any) -> str:
     """The manifest's name for a dtype; TypeError for dtypes a checkpoint cannot hold."""
@@ -59,18 +74,29 @@ def dtype_name(dtype: Any) -> str:
 def _dtype_name(dt: np.dtype) -> str:
     # Cached: numpy's dtype.name is slow, and a save asks once per piece.
     name = dt.name
-    if _DTYPES.get(name) != dt:
-        raise TypeError(f"dtype {dt!r} cannot be checkpointed (supported: {', '.join(sorted(_DTYPES))})")
+    if _dtypes().get(name) != dt:
+        raise TypeError(f"dtype {dt!r} cannot be checkpointed (supported: {', '.join(sorted(_dtypes()))})")
     return name
 
 
 def dtype_from_name(name: str) -> np.dtype:
+    """A manifest's dtype; ml_dtypes is imported only for its own dtypes (``_dtypes``)."""
     try:
-        return _DTYPES[name]
+        return NUMPY_DTYPES[name] if name in NUMPY_DTYPES else _dtypes()[name]
     except KeyError:
-        raise FormatVersionError(
-            f"The checkpoint uses dtype {name!r}, unknown to this tpu_ckpt/ml_dtypes; upgrade them."
-        ) from None
+        raise _unknown_dtype(name) from None
+
+
+def dtype_itemsize(name: str) -> int:
+    """Bytes per element of a manifest's dtype, from a table: sizing leaves needs no ml_dtypes."""
+    try:
+        return _ITEMSIZES[name]
+    except KeyError:
+        raise _unknown_dtype(name) from None
+
+
+def _unknown_dtype(name: str) -> FormatVersionError:
+    return FormatVersionError(f"The checkpoint uses dtype {name!r}, unknown to this tpu_ckpt/ml_dtypes; upgrade them.")
 
 
 crc32c = _crc32c.crc32c
@@ -106,7 +132,7 @@ class LeafEntry:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * dtype_from_name(self.dtype).itemsize if self.kind == "array" else 0
+        return math.prod(self.shape) * dtype_itemsize(self.dtype) if self.kind == "array" else 0
 
     @functools.cached_property
     def piece_at(self) -> dict[SliceSpec, PieceEntry]:

@@ -33,12 +33,12 @@ from typing import Any
 
 from tpu_ckpt import distributed, promote, retention, storage, tiers
 from tpu_ckpt.background import SaveResult
-from tpu_ckpt.cadence import Cadence, check_step, names_a_step
+from tpu_ckpt.cadence import NO_TREE, Cadence, check_step, names_a_step, refuse_orbax_keywords
 from tpu_ckpt.committed import read_manifest
 from tpu_ckpt.errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
 from tpu_ckpt.format import MANIFEST_FILE, metric_values
 from tpu_ckpt.listing import Listing, list_on_leader, remove_leftover, remove_step
-from tpu_ckpt.options import NO_TREE, CheckpointOptions, manager_options, refuse_orbax_keywords
+from tpu_ckpt.options import CheckpointOptions, manager_options
 from tpu_ckpt.preemption import PreemptionWatch
 from tpu_ckpt.restore import restore
 from tpu_ckpt.save import save
@@ -54,10 +54,8 @@ class CheckpointManager:
       max_to_keep: how many of the newest checkpoints to keep. ``None`` keeps all of them.
       keep_checkpoint_every_n_hours: also keep, forever, each checkpoint that leaves the
         newest ``max_to_keep`` at least this many hours after the last one kept this way
-        (TF's rule). The times are the manifests' mtimes, so this needs a local directory
-        (object stores do not report when an object was written) and ``cp -p`` to copy. The
-        clock starts when the manager is created on an empty directory (as in TF), else at
-        the oldest step (TF reads that time from its state file; we keep none).
+        (TF's rule), by manifest mtimes: local directories only (copy with ``cp -p``). The
+        clock starts at creation on an empty directory (as in TF), else at the oldest step.
       save_interval_steps: ``save`` writes only when ``step`` is at least this many steps
         past the last step this manager saved or restored (TF's ``checkpoint_interval``).
         A manager's first save is always due, as in TF.
@@ -65,20 +63,22 @@ class CheckpointManager:
         ``save_interval_steps`` (Orbax's rule: 0, 10, 20, ...), past the last step saved
         or restored. A job interrupted at a multiple then loses no step.
       save_interval_seconds: continuous saving (Orbax's ``ContinuousCheckpointingPolicy``):
-        also require that this manager's last save has finished (with ``enable_async``,
-        that it is no longer writing in the background) and that at least this many
-        seconds have passed since it started, or since the last ``restore``. 0: save
-        whenever no save is in flight. In a multi-process job the io process decides for all.
-      keep_best, best_fn, best_mode: also keep the ``keep_best`` steps whose
-        ``best_fn(metrics)`` (the metrics given to ``save``) is highest (``best_mode="max"``)
-        or lowest (``"min"``); see retention.py for how the rules combine.
-      options: the :class:`CheckpointOptions` for every save (``enable_async`` included).
-        They are also the default for ``restore``.
-      local_directory: a path on each host's own disk (local SSD, RAM disk): the local tier.
-        Every ``local_interval_steps`` (and at every persistent step) each process saves its
-        own pieces there and sends a copy to ``local_replicas`` other hosts; the persistent
-        steps are then uploaded to ``directory`` from those files, in the background. Each
-        host keeps its newest ``local_max_to_keep`` local steps. See tiers.py.
+        also require that this manager's last save has finished (no longer writing in the
+        background) and at least this many seconds have passed since it started, or since
+        the last ``restore``; 0: whenever no save is in flight. The io process decides for all.
+      keep_best: also keep this many steps, those whose ``best_fn`` score is best.
+      best_fn: a step's score, from the metrics given to its ``save``; see retention.py.
+      best_mode: ``"max"`` (the highest score is best) or ``"min"``.
+      options: the :class:`CheckpointOptions` of every save, and the default for ``restore``.
+      local_directory: a path on each host's own disk (local SSD, RAM disk), the local tier, where each process saves
+        its own pieces; persistent steps are uploaded to ``directory`` from those files in the background (tiers.py).
+      local_interval_steps: the local tier saves every this many steps (and every persistent one).
+      local_max_to_keep: how many of its newest local steps each host keeps.
+      local_replicas: how many other hosts get a copy of each process's local pieces.
+
+    Raises:
+      ValueError: a retention, interval or local-tier argument is out of range.
+      TypeError: ``options`` is not a :class:`CheckpointOptions` (Orbax's options are keywords here).
 
     Every process of a multi-process job creates the manager and makes the same calls (SPMD:
     ``save``, ``restore``, ``latest_step``, ``all_steps``), as one process lists for all.
@@ -141,8 +141,8 @@ class CheckpointManager:
         tier is (see tiers.py); ``force`` saves to both.
 
         Raises:
-          CheckpointExistsError: step ``step`` is already committed. Checkpoints are never
-            overwritten.
+          CheckpointExistsError: step ``step`` is already committed (nothing is ever overwritten).
+          TypeError: no ``tree``, or Orbax's keywords (``**orbax``, e.g. ``args=``) instead of it.
         """
         refuse_orbax_keywords("save(step, state)", orbax, missing=tree is NO_TREE)
         step = check_step(step, "save(step, tree)")
@@ -206,19 +206,19 @@ class CheckpointManager:
             return due
 
     def restore(self, step: Any = None, target: Any = None, *, options: CheckpointOptions | None = None, **orbax: Any) -> Any:
-        """Restores step ``step`` (``None``: the latest committed one). See :func:`tpu_ckpt.restore`.
+        """Restores step ``step`` (``None``: the latest committed one) into ``target``, with
+        ``options`` (default: the manager's); see :func:`tpu_ckpt.restore`. ``restore(target)``,
+        Orbax's habit, is ``restore(None, target)``: a first argument that is no integer is the target.
 
         With ``local_directory``: from the local tier when every process's part of the step is
-        on some live host (its own disk or a replica) and ``directory`` has no newer step;
-        else from ``directory``.
-
-        ``restore(target)``, Orbax's habit, is ``restore(None, target)``: a first argument
-        that is no integer is the target. First waits for a save in flight, and raises its
-        failure like :meth:`wait_until_finished`. The restored step then counts as the last
-        saved step for the save rules, as after TF's ``restore_or_initialize``.
+        on some live host (its own disk or a replica) and ``directory`` has no newer step; else
+        from ``directory``. First waits for a save in flight, and raises its failure like
+        :meth:`wait_until_finished`. The restored step then counts as the last saved step for
+        the save rules, as after TF's ``restore_or_initialize``.
 
         Raises:
           CheckpointNotFoundError: no committed checkpoint, or none for ``step``.
+          TypeError: Orbax's keywords (``**orbax``, e.g. ``args=``), or a non-integer step and a target.
         """
         refuse_orbax_keywords("restore(step, abstract_state)", orbax)
         if step is not None and not names_a_step(step):

@@ -46,12 +46,12 @@ prefix itself, and deletes object by object (which is what ``delete_range`` does
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import tensorstore as ts
 
 from tpu_ckpt import safe_reads
 from tpu_ckpt.errors import CheckpointError, CorruptCheckpointError
@@ -64,14 +64,23 @@ logger = logging.getLogger(__name__)
 
 RETRIES = {"max_retries": 8, "initial_delay": "1s", "max_delay": "32s"}
 
-# memory:// stores live in it too, shared by every open of the same path.
-_CONTEXT = ts.Context({"gcs_request_retries": RETRIES, "s3_request_retries": RETRIES})
+
+@functools.cache
+def _context() -> Any:
+    """The one tensorstore context; memory:// stores live in it too, shared by every open of
+    the same path. Built, and tensorstore imported, on the first open of an object store: the
+    commands that read local checkpoints never pay for it."""
+    import tensorstore as ts
+
+    return ts.Context({"gcs_request_retries": RETRIES, "s3_request_retries": RETRIES})
 
 
 class ObjectStore(PooledStore):
     """The objects under one checkpoint's prefix (``storage.Backend``)."""
 
     def __init__(self, loc: Location, *, threads: int, reads_in_flight: int):
+        import tensorstore as ts  # here: reading local checkpoints never imports it (``_context``)
+
         self.location = loc
         self._pool = IOPool(max(threads, reads_in_flight))  # a thread waits on each read or write
         spec = loc.kvstore_spec()
@@ -79,7 +88,7 @@ class ObjectStore(PooledStore):
         if spec["driver"] in ("gcs", "s3"):  # memory:// has no requests
             spec[f"{spec['driver']}_request_concurrency"] = {"limit": max(threads, reads_in_flight)}
         try:
-            self._kv = ts.KvStore.open(spec, context=_CONTEXT).result()  # the bucket's root (module docstring)
+            self._kv = ts.KvStore.open(spec, context=_context()).result()  # the bucket's root (module docstring)
         except ValueError as e:
             raise CheckpointError(f"Could not open {loc.url}: {e}", file=loc.url) from e
 
@@ -268,6 +277,8 @@ def unsafe_key(key: str) -> bool:
 
 def _prefix_range(prefix: str) -> Any:
     """The keys starting with ``prefix``, which is empty or ends with '/'."""
+    import tensorstore as ts
+
     if not prefix:
         return ts.KvStore.KeyRange()
     return ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))

@@ -12,7 +12,7 @@ import math
 import numbers
 import re
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -66,27 +66,27 @@ class CheckpointOptions:
         file; ``None`` means :class:`ShardByDevicePolicy`.
       coordination_timeout: seconds any cross-process wait may take before raising an error
         that names the processes which did not arrive.
-      load_and_broadcast: on a multi-process restore, read each piece several processes
-        need once (on one of them) and send it to the others over TCP instead of having
-        each read it from storage (see ``shared_reads.py``). Refused together with
-        ``io_device``, where one process already reads everything once.
-      host_memory_limit: ``None`` (the default: unbounded, as fast as memory allows), or the
-        most bytes of host memory a save or restore holds beyond the live arrays and the
-        restored result (our extension; not in TF): data files in flight, an async save's
-        snapshot (``save`` then blocks until the last of it fits), read batches and the
-        pieces ``load_and_broadcast`` keeps for peers. README "Memory" says what each
-        operation holds.
+      load_and_broadcast: on a multi-process restore, read each piece several processes need
+        once (on one of them) and send it to the others over TCP (see ``shared_reads.py``).
+        Refused together with ``io_device``, where one process already reads everything once.
+      host_memory_limit: ``None`` (the default: unbounded, as fast as memory allows), or the most
+        bytes of host memory a save or restore holds beyond the live arrays and the restored
+        result (our extension; not in TF): data files in flight, an async save's snapshot (``save``
+        then blocks until the last of it fits), read batches and the pieces ``load_and_broadcast``
+        keeps for peers. README "Memory" says what each operation holds.
 
-    TF spellings (``experimental_io_device``, ``experimental_write_callbacks``,
-    ``experimental_skip_slot_variables``, ``experimental_sharding_callback``, and the
-    deprecated ``experimental_enable_async_checkpoint``) are accepted as keywords and
-    readable as attributes.
+    TF spellings are accepted as keywords and readable as attributes: ``experimental_io_device``,
+    ``experimental_write_callbacks``, ``experimental_skip_slot_variables``,
+    ``experimental_sharding_callback`` and the deprecated ``experimental_enable_async_checkpoint``.
 
-    Flags must be ``bool`` (a numpy bool too): ``enable_async="no"`` is a ``TypeError``, not
-    ``True``. Options compare equal when their fields do (sharding callbacks: the same object,
-    or the same class, description and attributes), hash accordingly (so they are unhashable
-    when a write callback is), and survive ``copy``, ``deepcopy`` and serialisation by
-    ``__reduce__`` (the last when their callbacks serialise).
+    Raises:
+      TypeError: a flag is not a ``bool`` (a numpy bool is one; ``enable_async="no"`` is
+        refused, not taken as ``True``), or another field has the wrong type.
+      ValueError: a value is out of range, or a field is given under both its names.
+
+    Options compare equal when their fields do (sharding callbacks: the same object, or the same class,
+    description and attributes), hash accordingly (so they are unhashable when a write callback is),
+    and survive ``copy``, ``deepcopy`` and serialisation by ``__reduce__`` (when their callbacks do).
     """
 
     __slots__ = (
@@ -164,7 +164,7 @@ class CheckpointOptions:
         raise AttributeError(f"CheckpointOptions has no attribute {name!r}")
 
     def replace(self, **changes: Any) -> CheckpointOptions:
-        """A copy with some fields changed (options are immutable)."""
+        """A copy with the fields ``**changes`` names changed (options are immutable)."""
         fields = {name: getattr(self, name) for name in self.__slots__}
         unknown = set(changes) - set(fields)
         if unknown:
@@ -348,19 +348,3 @@ def manager_options(options: Any) -> CheckpointOptions:
             "options=tpu_ckpt.CheckpointOptions(enable_async=True)."
         )
     raise TypeError(f"CheckpointManager(options=...) takes a tpu_ckpt.CheckpointOptions, not {type(options).__name__}.{hint}")
-
-
-NO_TREE = object()  # CheckpointManager.save's tree when none is given (Orbax passes it as args=)
-
-
-def refuse_orbax_keywords(call: str, keywords: Mapping[str, Any], missing: bool = False) -> None:
-    """Keywords a manager method does not take, as Orbax's ``args=ocp.args.StandardSave(state)``,
-    or (``missing``) no tree at all: a TypeError naming the call to write here instead
-    (``call``, e.g. ``save(step, state)``)."""
-    if not keywords:
-        if missing:
-            raise TypeError(f"CheckpointManager.{call.split('(')[0]}() needs the tree to save: manager.{call}.")
-        return
-    hint = f" Orbax's args=ocp.args.Standard...(x) is a plain argument here: manager.{call}." if "args" in keywords else ""
-    names = ", ".join(sorted(keywords))
-    raise TypeError(f"CheckpointManager.{call.split('(')[0]}() got unexpected keyword arguments: {names}.{hint}")

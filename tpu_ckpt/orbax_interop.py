@@ -48,8 +48,15 @@ _PYTHON_VALUES = (bool, int, float, str, type(None))
 class ImportReport:
     """One Orbax checkpoint converted (or, with ``skipped``, found converted already).
 
-    ``batches`` holds the bytes of arrays read and held in memory by each batch, in order:
-    each is at most ``max_batch_bytes``, or one leaf larger than that.
+    Attributes:
+      src: the Orbax checkpoint read.
+      dst: the tpu_ckpt checkpoint written.
+      step: the manager step it came from, or ``None`` for a lone checkpoint.
+      leaves: how many leaves were converted.
+      nbytes: how many bytes of array data were converted.
+      batches: the bytes of arrays read and held in memory by each batch, in order: each is
+        at most ``max_batch_bytes``, or one leaf larger than that.
+      skipped: ``dst`` was committed already (an earlier, interrupted import), so nothing was read.
     """
 
     src: str
@@ -62,6 +69,7 @@ class ImportReport:
 
     @property
     def peak_batch_bytes(self) -> int:
+        """The most array bytes held in memory at once (the largest batch)."""
         return max(self.batches, default=0)
 
 
@@ -75,16 +83,28 @@ def import_orbax(
     target: Any = None,
 ) -> list[ImportReport]:
     """Converts an Orbax PyTree/Standard checkpoint, or an Orbax ``CheckpointManager``
-    directory, into tpu_ckpt checkpoints; returns one report per checkpoint.
+    directory, into tpu_ckpt checkpoints. Steps already committed in ``dst`` are skipped,
+    so an interrupted import resumes.
 
-    ``src`` may be one checkpoint (as ``StandardCheckpointer.save`` writes it), one step of
-    a manager (holding items such as ``default/``), or a manager's directory, whose steps
-    become ``dst/step_<n>`` (a tpu_ckpt ``CheckpointManager`` directory). Steps already
-    committed in ``dst`` are skipped, so an interrupted import resumes. ``item`` names the
-    item to convert when a step holds several PyTree items. ``is_slot`` and ``target``
-    decide the slot flags as in ``tc.save(target, is_slot=...)``; without a target they are
-    decided on the tree Orbax restores without one (nested dicts and lists), and
-    ``is_slot(key, leaf)`` gets a ``jax.ShapeDtypeStruct``, the data not being read yet.
+    Args:
+      src: one checkpoint (as ``StandardCheckpointer.save`` writes it), one step of a
+        manager (holding items such as ``default/``), or a manager's directory.
+      dst: the tpu_ckpt checkpoint; for a manager's directory, a tpu_ckpt
+        ``CheckpointManager`` directory of ``dst/step_<n>``.
+      item: the item to convert when a step holds several PyTree items.
+      max_batch_bytes: at most this many bytes of arrays are read and held at once.
+      is_slot: decides the slot flags as in ``tc.save(target, is_slot=...)``; without a
+        ``target`` it gets a ``jax.ShapeDtypeStruct`` per leaf, the data not being read yet.
+      target: the tree to restore the Orbax checkpoint as; without it, nested dicts and lists.
+
+    Returns:
+      One :class:`ImportReport` per checkpoint, in step order.
+
+    Raises:
+      ImportError: orbax-checkpoint is not installed.
+      ValueError: ``max_batch_bytes`` is not positive, or ``target`` lacks leaves of ``src``.
+      CheckpointNotFoundError: ``src`` is no Orbax PyTree checkpoint (or lacks ``item``).
+      CorruptCheckpointError: Orbax cannot read a file of ``src``.
     """
     if max_batch_bytes < 1:
         raise ValueError(f"max_batch_bytes must be positive, got {max_batch_bytes}")
@@ -111,10 +131,22 @@ def import_orbax(
 def export_orbax(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, target: Any = None) -> list[str]:
     """Writes tpu_ckpt checkpoint ``src`` as an Orbax ``StandardCheckpointer`` checkpoint
     ``dst``, or a tpu_ckpt ``CheckpointManager`` directory as an Orbax ``CheckpointManager``
-    directory (``dst/<step>/default``). Returns the Orbax checkpoints written.
+    directory (``dst/<step>/default``).
 
-    Orbax saves whole trees, so each checkpoint is restored whole first: into host memory
-    without ``target``, or onto the devices and shardings ``target`` names.
+    Args:
+      src: a tpu_ckpt checkpoint, or a tpu_ckpt ``CheckpointManager`` directory.
+      dst: where Orbax writes.
+      target: Orbax saves whole trees, so each checkpoint is restored whole first: into host
+        memory without ``target``, or onto the devices and shardings ``target`` names.
+
+    Returns:
+      The paths of the Orbax checkpoints written.
+
+    Raises:
+      ImportError: orbax-checkpoint is not installed.
+      CheckpointNotFoundError: ``src`` holds no committed checkpoint.
+      TargetMismatchError: ``target`` does not match a checkpoint.
+      CorruptCheckpointError: a data file of ``src`` is missing or fails its checksum.
     """
     ocp, epath = _orbax()
     try:

@@ -52,10 +52,12 @@ class ShardableTensor:
 
     @property
     def slice_shape(self) -> tuple[int, ...]:
+        """The piece's own shape (``stop - start`` along each axis)."""
         return tuple(stop - start for start, stop in self.slice_spec)
 
     @property
     def nbytes(self) -> int:
+        """The piece's bytes of element data."""
         return math.prod(self.slice_shape) * np.dtype(self.dtype).itemsize
 
 
@@ -76,7 +78,16 @@ class ShardingCallback(abc.ABC):
 
     @abc.abstractmethod
     def __call__(self, shardable_tensors: Sequence[ShardableTensor]) -> list[Shard]:
-        """Returns the shards (data files) for this process's pieces."""
+        """The shards (data files) for this process's pieces.
+
+        Args:
+          shardable_tensors: every piece this process saves, in the save's order.
+
+        Returns:
+          A list of shards ``{checkpoint_key: {slice_spec: array}}``, one per data file.
+          A result that does not cover each piece exactly once, or changes a dtype, makes
+          ``save`` raise :class:`InvalidShardsError` before any byte is written.
+        """
 
     def __hash__(self) -> int:
         # Like TF: equal descriptions and configuration hash equal.

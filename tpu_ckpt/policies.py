@@ -33,15 +33,18 @@ class ShardByDevicePolicy(ShardingCallback):
 
     @property
     def description(self) -> str:
+        """TensorFlow's description of this policy, recorded in the manifest."""
         return "Split tensors into shards based on their device spec."
 
     def __call__(self, shardable_tensors: Sequence[ShardableTensor]) -> list[Shard]:
+        """The shards (data files) for ``shardable_tensors``, this process's pieces: see
+        :meth:`ShardingCallback.__call__`."""
         tensors = list(shardable_tensors)  # a wrapping callback may pass any iterable
         return [_shard(group) for group in self.arrange(tensors, [t.device for t in tensors])]
 
     def arrange(self, pieces: Sequence[T], devices: Sequence[Any]) -> list[list[T]]:
-        """Any pieces, given each one's device, in the data files this policy makes: what
-        ``__call__`` does without building shards (how a save plans a million pieces)."""
+        """Any ``pieces``, given each one's device in ``devices``, in the data files this policy
+        makes: what ``__call__`` does without building shards (how a save plans a million pieces)."""
         groups: dict[Any, list[T]] = {}
         for piece, device in zip(pieces, devices):
             group = groups.get(device)
@@ -56,13 +59,16 @@ class ShardByTaskPolicy(ShardingCallback):
 
     @property
     def description(self) -> str:
+        """TensorFlow's description of this policy, recorded in the manifest."""
         return "Split tensors into shards based on their device spec task."
 
     def __call__(self, shardable_tensors: Sequence[ShardableTensor]) -> list[Shard]:
+        """The shards (data files) for ``shardable_tensors``, this process's pieces: see
+        :meth:`ShardingCallback.__call__`."""
         return [_shard(group) for group in self.arrange(list(shardable_tensors), ())]
 
     def arrange(self, pieces: Sequence[T], devices: Sequence[Any]) -> list[list[T]]:
-        """As ``ShardByDevicePolicy.arrange``."""
+        """As ``ShardByDevicePolicy.arrange``: all ``pieces`` in one data file, whatever their ``devices``."""
         return [list(pieces)] if pieces else []
 
 
@@ -88,6 +94,12 @@ class MaxShardSizePolicy(ShardingCallback):
     than the limit is the only thing that exceeds it; such elements (and oversized scalars) get
     a data file each, after all the others. Sizes count element bytes only, so a file may exceed
     the limit by its header.
+
+    Args:
+      max_shard_size: the most bytes of element data in one data file.
+
+    Raises:
+      ValueError: ``max_shard_size`` is not a positive int.
     """
 
     def __init__(self, max_shard_size: int):
@@ -97,9 +109,12 @@ class MaxShardSizePolicy(ShardingCallback):
 
     @property
     def description(self) -> str:
+        """TensorFlow's description of this policy, recorded in the manifest."""
         return "Split tensors into shards with a max shard size."
 
     def __call__(self, shardable_tensors: Sequence[ShardableTensor]) -> list[Shard]:
+        """The shards (data files) for ``shardable_tensors``, this process's pieces: see
+        :meth:`ShardingCallback.__call__`."""
         return pack(shardable_tensors, self.max_shard_size)
 
 

@@ -47,7 +47,15 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class ArrayMetadata:
-    """What :func:`metadata` reports for an array leaf, without reading any data."""
+    """What :func:`metadata` reports for an array leaf, without reading any data.
+
+    Attributes:
+      shape: the global shape.
+      dtype: the numpy dtype as saved.
+      nbytes: the global array's size in bytes.
+      is_slot: whether the leaf is optimizer slot state (``skip_slot_variables`` skips it).
+      saved_sharding: the sharding it was saved with, as the manifest records it, or ``None``.
+    """
 
     shape: tuple[int, ...]
     dtype: np.dtype
@@ -57,8 +65,20 @@ class ArrayMetadata:
 
 
 def metadata(path: str | os.PathLike[str]) -> Any:
-    """The checkpoint's tree as nested dicts/lists of :class:`ArrayMetadata` (and saved
-    Python values), read from the manifest alone."""
+    """The checkpoint's tree, read from the manifest alone (no data file is opened).
+
+    Args:
+      path: the checkpoint directory or URL.
+
+    Returns:
+      Nested dicts/lists of :class:`ArrayMetadata` for the arrays, and the saved Python values.
+
+    Raises:
+      CheckpointNotFoundError: nothing is committed at ``path``.
+      UncommittedCheckpointError: only a partial, never committed save is there.
+      FormatVersionError: a newer format version wrote it.
+      CorruptCheckpointError: the manifest is unreadable.
+    """
     manifest = read_manifest(storage.location(path))
     return keys.unflatten_nested(
         (leaf.path, _leaf_metadata(leaf) if leaf.kind == "array" else leaf.value) for leaf in manifest.leaves
@@ -101,9 +121,17 @@ def restore(
       subtree: a key path such as ``"params"``: restore only that part (``target`` then
         describes that part).
 
+    Returns:
+      The restored tree: ``target``'s structure with its leaves filled in, or nested
+      dicts/lists of numpy arrays and saved Python values without a target.
+
     Raises:
-      CheckpointNotFoundError, UncommittedCheckpointError, FormatVersionError,
-      CorruptCheckpointError, TargetMismatchError.
+      CheckpointNotFoundError: nothing is committed at ``path``.
+      UncommittedCheckpointError: only a partial, never committed save is there.
+      FormatVersionError: a newer format version wrote it.
+      CorruptCheckpointError: a data file is missing, truncated or fails its checksum.
+      TargetMismatchError: ``target`` or ``subtree`` does not match the checkpoint's tree,
+        shapes or dtypes (every mismatch is listed).
     """
     options = options or CheckpointOptions()
     started = time.perf_counter()

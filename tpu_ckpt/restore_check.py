@@ -65,41 +65,58 @@ class ProcessReads:
 
 @dataclasses.dataclass
 class RestoreReport:
-    """The answer of :func:`check_restore`. ``ok`` is whether ``tc.restore`` would succeed
-    as far as the manifest can tell (a corrupt data file is found by ``verify``, not here);
-    ``problems`` are the errors it would raise, one line each, naming the key."""
+    """The answer of :func:`check_restore`.
+
+    Attributes:
+      url: the checkpoint checked.
+      ok: whether ``tc.restore`` would succeed as far as the manifest can tell (a corrupt
+        data file is found by ``tpu-ckpt verify``, not here).
+      problems: the errors the restore would raise, one line each, naming the key.
+      leaves: one ``LeafCheck`` per array read: saved and restored form, bytes read.
+      unread_keys: keys in the checkpoint (or its subtree) that the target does not name.
+      casts: the float casts, as ``"key: float32 -> bfloat16"``.
+      skipped_slots: the slot variables ``skip_slot_variables`` leaves unread.
+      reads: process index -> what it reads (bytes, requests, over-read).
+      bytes_per_second: the read speed the estimated times assume.
+    """
 
     url: str
     ok: bool
     problems: list[str]
     leaves: list[LeafCheck]
-    unread_keys: list[str]  # in the checkpoint (or its subtree), not named by the target
-    casts: list[str]  # "key: float32 -> bfloat16"
+    unread_keys: list[str]
+    casts: list[str]
     skipped_slots: list[str]
     reads: dict[int, ProcessReads]
     bytes_per_second: float
 
     @property
     def bytes_per_process(self) -> dict[int, int]:
+        """Process index -> bytes of pieces it reads."""
         return {p: r.nbytes for p, r in self.reads.items()}
 
     @property
     def requests_per_process(self) -> dict[int, int]:
+        """Process index -> storage requests it makes (adjacent reads coalesced)."""
         return {p: r.requests for p, r in self.reads.items()}
 
     @property
     def over_read_per_process(self) -> dict[int, int]:
+        """Process index -> bytes it reads beyond its own regions."""
         return {p: r.over_read for p, r in self.reads.items()}
 
     @property
     def seconds_per_process(self) -> dict[int, float]:
+        """Process index -> estimated seconds of reading, at ``bytes_per_second``."""
         return {p: r.nbytes / self.bytes_per_second for p, r in self.reads.items()}
 
     @property
     def resharded(self) -> list[str]:
+        """The keys whose regions are cut out of pieces saved with another layout."""
         return [leaf.key for leaf in self.leaves if leaf.resharded]
 
     def to_json(self) -> dict[str, Any]:
+        """The report as JSON-ready dicts and lists (``tpu-ckpt plan --json``)."""
         doc = dataclasses.asdict(self)
         doc["reads"] = {str(p): {**dataclasses.asdict(r), "seconds": r.nbytes / self.bytes_per_second} for p, r in self.reads.items()}
         return doc
@@ -137,14 +154,27 @@ def check_restore(
     devices_per_process: int | None = None,
 ) -> RestoreReport:
     """What ``tc.restore(path, target, options=options, subtree=subtree)`` would do, from
-    the manifest and piece tables only: see :class:`RestoreReport`.
+    the manifest and piece tables only (no data file is read).
 
-    ``bytes_per_second`` (per process) turns bytes into the estimated time;
-    ``devices_per_process`` counts device ``d`` as process ``d.id // devices_per_process``,
-    to plan a multi-host restore from one machine with that many devices.
+    Args:
+      path: the checkpoint directory or URL.
+      target: as for :func:`restore`: ``None``, or a pytree of arrays or ``jax.ShapeDtypeStruct``.
+      options: as for :func:`restore` (``skip_slot_variables``, ``host_memory_limit``).
+      subtree: as for :func:`restore`.
+      bytes_per_second: each process's read speed, which turns bytes into the estimated time.
+      devices_per_process: counts device ``d`` as process ``d.id // devices_per_process``,
+        to plan a multi-host restore from one machine with that many devices.
 
-    Raises CheckpointNotFoundError, UncommittedCheckpointError, FormatVersionError or
-    CorruptCheckpointError when there is no usable manifest at ``path``.
+    Returns:
+      A :class:`RestoreReport`: whether the restore would succeed (a mismatched ``target``
+      is a problem it lists, not an error), and what each process would read.
+
+    Raises:
+      ValueError: ``bytes_per_second`` or ``devices_per_process`` is not positive.
+      CheckpointNotFoundError: nothing is committed at ``path``.
+      UncommittedCheckpointError: only a partial, never committed save is there.
+      FormatVersionError: a newer format version wrote it.
+      CorruptCheckpointError: the manifest is unreadable.
     """
     if not bytes_per_second > 0 or (devices_per_process is not None and devices_per_process < 1):
         raise ValueError(f"bytes_per_second and devices_per_process must be positive, got {bytes_per_second}, {devices_per_process}")

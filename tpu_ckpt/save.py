@@ -47,16 +47,29 @@ def save(
 ) -> SaveResult:
     """Saves a pytree of arrays and small Python values as a checkpoint at ``path``.
 
-    Called by every process of a multi-process job. Raises :class:`CheckpointExistsError`
-    if ``path`` already holds anything (checkpoints are never overwritten). With
-    ``options.enable_async`` it returns once the data is on the host; ``wait()`` on the
-    result (or the next ``save``) reports how the background write ended.
+    Called by every process of a multi-process job. With ``options.enable_async`` it returns
+    once the data is on the host; ``wait()`` on the result (or the next ``save``) reports
+    how the background write ended.
 
-    ``is_slot(key, leaf) -> bool`` replaces the rule deciding which leaves are optimizer
-    slot variables (see ``slots.py``), for optimizers the rule does not recognise.
+    Args:
+      path: the checkpoint directory or URL (``memory://``, ``gs://``, ``s3://``); it must
+        not exist yet, or be empty.
+      tree: a pytree whose leaves are ``jax.Array``, numpy arrays or small Python values.
+      options: :class:`CheckpointOptions`; ``None`` means the defaults.
+      is_slot: ``is_slot(key, leaf) -> bool`` replaces the rule deciding which leaves are
+        optimizer slot variables (see ``slots.py``), for optimizers it does not recognise.
+      metrics: name -> number, stored in the manifest: ``tpu-ckpt ls`` shows them and
+        CheckpointManager's best-k retention ranks checkpoints by them.
 
-    ``metrics`` (name -> number) go into the manifest, where ``tpu-ckpt ls`` shows them and
-    CheckpointManager's best-k retention ranks checkpoints by them.
+    Returns:
+      A :class:`SaveResult`; its ``wait()`` returns ``path`` once the save is committed.
+
+    Raises:
+      CheckpointExistsError: ``path`` already holds something (nothing is ever overwritten).
+      InvalidShardsError: the sharding callback's shards do not cover each piece once.
+      CoordinationTimeoutError: another process did not reach a stage of the save in time.
+      RemoteProcessError: another process of the job failed the save.
+      CheckpointError: the storage write failed (the checkpoint stays uncommitted).
     """
     options = options or CheckpointOptions()
     metrics = None if metrics is None else metric_values(metrics)
