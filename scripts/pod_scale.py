@@ -17,6 +17,20 @@ bytes (every file but the safetensors data), the data files' bytes against the a
 bytes, and PASS/FAIL against issue 12's targets: metadata and one-leaf restore each <= 1 s
 and <= 150 MB RSS growth, save <= 20 s (at 1.1 M pieces; in proportion to the pieces at
 other sizes), control bytes <= 24 per piece. It exits 1 when a target fails.
+
+    python scripts/pod_scale.py --processes 8 [--devices-per-process 64] [--leaves 2200] [--json OUT]
+
+With ``--processes P`` the same checkpoint is saved by P real JAX processes (jax.distributed
+on CPU, gloo collectives: ``scripts/workers.py``), D simulated devices each, every leaf
+sharded over all P x D devices, so every multi-process path runs (index files, the leader's
+merge, the coordinator's collectives); then restored by P fresh processes, as a new job
+would. It reports per process: save planning (``plan_save`` alone), the save's blocking time,
+peak RSS growth and the bytes it sent the leader (its index file); the leader's commit time
+and RSS growth; per process on restore: time, piece-table bytes read, piece entries built, RSS
+growth, and a bit-exact check of the first, middle and last leaves' local shards; and the
+listing cost (``CheckpointManager.all_steps`` on the directory, plus the object count and
+parse an object store's listing would cost). Then the same at 1 x D x L, the same share per
+host, and the ratios P vs 1. Times are wall and CPU (getrusage: all of a process's threads).
 """
 
 from __future__ import annotations
@@ -25,15 +39,19 @@ import argparse
 import json
 import os
 import pathlib
+import resource
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 
+import workers  # scripts/workers.py
+
 MB = 1e6
 PIECE_ELEMENTS = 4  # float32: 16 bytes a piece
 PHASES = ("save", "metadata", "restore_one", "restore_all")
+STAGES = ("save", "restore")  # of --processes: each in fresh processes
 ISSUE_PIECES = 512 * 2200  # the size issue 12 sets its targets at
 # metric -> (largest passing value, unit); issue 12 items 7 and 8. The save's limit grows
 # with the pieces at other sizes (linearly: what a per-piece cost allows); the others do not.
@@ -52,10 +70,20 @@ def main() -> int:
     parser.add_argument("--devices", type=int, default=512, help="simulated devices, each holding one piece of every leaf")
     parser.add_argument("--leaves", type=int, default=2200)
     parser.add_argument("--dir", default=None, help="where the scratch directory goes (default: the system's temp dir)")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds each phase may take")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds each phase may take (with --processes: each stage, all its processes)")
+    parser.add_argument("--processes", type=int, help="run P real JAX processes (then --devices-per-process, not --devices)")
+    parser.add_argument("--devices-per-process", type=int, default=64)
+    parser.add_argument("--json", default=None, help="with --processes: also write the results here, as JSON")
     parser.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
+    parser.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=2, type=int, metavar=("PORT", "INDEX"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(_worker(args, *args.worker)), flush=True)
+        return 0
+    if args.processes:
+        return _multi(args)
     if args.phase:
         print(json.dumps(_run_phase(args)))
         return 0
@@ -144,15 +172,27 @@ def _holds_what_was_saved(tree: dict, shape: tuple[int]) -> bool:
 
 def _timed(call, check=lambda _: True) -> dict:
     """Wall time and peak RSS growth of ``call``; ``check`` runs on its result afterwards, untimed."""
-    rss_before = _status_kib("VmRSS")
-    pathlib.Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-    start = time.perf_counter()
-    result = call()
-    seconds = time.perf_counter() - start
-    peak = _status_kib("VmHWM") * 1024 / MB
+    result, measured = _measured(call)
     if not check(result):
         raise SystemExit("the restored values differ from the saved ones")
-    return {"seconds": seconds, "rss_growth_mb": peak - rss_before * 1024 / MB, "peak_rss_mb": peak}
+    return {"seconds": measured["wall_s"], "rss_growth_mb": measured["rss_growth_mb"], "peak_rss_mb": measured["peak_rss_mb"]}
+
+
+def _measured(call) -> tuple:
+    """``call()``'s result; its wall time, CPU time (user + system, every thread of this
+    process) and peak RSS growth (VmHWM after over VmRSS before, the peak reset first)."""
+    rss_before = _status_kib("VmRSS") * 1024 / MB
+    pathlib.Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    cpu_before, start = _cpu_s(), time.perf_counter()
+    result = call()
+    wall, cpu = time.perf_counter() - start, _cpu_s() - cpu_before
+    peak = _status_kib("VmHWM") * 1024 / MB
+    return result, {"wall_s": wall, "cpu_s": cpu, "rss_growth_mb": peak - rss_before, "rss_before_mb": rss_before, "peak_rss_mb": peak}
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _status_kib(field: str) -> int:
@@ -188,6 +228,205 @@ def _report(args: argparse.Namespace, results: dict[str, dict]) -> int:
         failed += not ok
         print(f"{metric:<26}{measured[metric]:>10.2f} {unit:<2}{'<= ' + f'{limit:.3g}':>10} {unit:<3}{'PASS' if ok else 'FAIL'}")
     return 1 if failed else 0
+
+
+# -- several processes (--processes) ------------------------------------------------------
+
+
+def _multi(args: argparse.Namespace) -> int:
+    """P x D x L, then 1 x D x L (each host's share the same), side by side."""
+    runs = {processes: _multi_run(args, processes) for processes in dict.fromkeys((args.processes, 1))}
+    summary = {"devices_per_process": args.devices_per_process, "leaves": args.leaves, "runs": runs,
+               "ratios": _ratios(runs[args.processes], runs[1]) if args.processes != 1 else {}}
+    for run in runs.values():
+        _multi_report(run)
+    if summary["ratios"]:
+        print(f"\nP={args.processes} vs P=1 (largest over the processes; the leader's for its commit):")
+        for name, ratio in summary["ratios"].items():
+            print(f"  {name:<28}{ratio:>8.2f}x")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+def _multi_run(args: argparse.Namespace, processes: int) -> dict:
+    """Saves in ``processes`` fresh processes, restores in as many others."""
+    scratch = tempfile.mkdtemp(prefix="tpu_ckpt_pod_scale_mp_", dir=args.dir)
+    path = os.path.join(scratch, "0")  # step 0 of a CheckpointManager's directory
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices_per_process}"}
+    command = [sys.executable, __file__, "--processes", str(processes), "--devices-per-process",
+               str(args.devices_per_process), "--leaves", str(args.leaves), "--path", path]
+    try:
+        run = {stage: workers.launch([*command, "--stage", stage], processes, [], env, args.timeout) for stage in STAGES}
+        run["files"] = _file_bytes(path)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    run.update(processes=processes, devices_per_process=args.devices_per_process, leaves=args.leaves,
+               pieces=processes * args.devices_per_process * args.leaves)
+    return run
+
+
+def _worker(args: argparse.Namespace, port: int, index: int) -> dict:
+    """One process of a --processes run: its stage, measured."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=args.processes, process_id=index)
+    from jax.experimental import multihost_utils
+
+    import tpu_ckpt as tc
+
+    for name in ("save", "restore", "CheckpointManager"):  # the package loads them on first use: now, not measured
+        getattr(tc, name)
+    mesh = jax.sharding.Mesh(jax.devices(), ("d",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+    shape = (jax.device_count() * PIECE_ELEMENTS,)
+    multihost_utils.sync_global_devices(f"pod_scale {args.stage}")  # all start together
+    result = (_save_stage if args.stage == "save" else _restore_stage)(args, sharding, shape)
+    jax.distributed.shutdown()
+    return {"process": index, **result}
+
+
+def _save_stage(args: argparse.Namespace, sharding, shape: tuple[int]) -> dict:
+    """``plan_save`` alone, then the save; the leader's commit and the index sent to it are
+    measured by wrapping ``commit.commit`` and ``Manifest.to_json`` (only a non-leader's index
+    is encoded, to be written for the leader)."""
+    import jax
+
+    import tpu_ckpt as tc
+    from tpu_ckpt import commit
+    from tpu_ckpt.format import Manifest
+    from tpu_ckpt.save_plan import plan_save
+
+    state = {_name(i): jax.make_array_from_callback(shape, sharding, lambda index, i=i: _values(shape, i)[index])
+             for i in range(args.leaves)}
+    plan, planning = _measured(lambda: plan_save(state))
+    seen = {"sent_to_leader_bytes": 0, "commit": None, "peak_before_commit_mb": 0.0}
+    real_commit, real_to_json = commit.commit, Manifest.to_json
+
+    def measured_commit(*call_args) -> None:
+        seen["peak_before_commit_mb"] = _status_kib("VmHWM") * 1024 / MB  # before _measured resets it
+        _, seen["commit"] = _measured(lambda: real_commit(*call_args))
+
+    def sized_to_json(self: Manifest) -> bytes:
+        body = real_to_json(self)
+        seen["sent_to_leader_bytes"] += len(body)
+        return body
+
+    commit.commit, Manifest.to_json = measured_commit, sized_to_json
+    try:
+        _, saving = _measured(lambda: tc.save(args.path, state).wait())
+    finally:
+        commit.commit, Manifest.to_json = real_commit, real_to_json
+    saving["rss_growth_mb"] = max(saving["rss_growth_mb"], seen.pop("peak_before_commit_mb") - saving["rss_before_mb"])
+    return {"pieces": plan.piece_count, "planning": planning, "save": saving, **seen}
+
+
+def _restore_stage(args: argparse.Namespace, sharding, shape: tuple[int]) -> dict:
+    """A full restore onto the saved sharding, counting the piece-table bytes read and the
+    piece entries built (by wrapping ``piece_table._read_rows`` and ``_load``); then the
+    manager's listing of the directory."""
+    import threading
+
+    import jax
+    import numpy as np
+
+    import tpu_ckpt as tc
+    from tpu_ckpt import listing, piece_table
+
+    target = {_name(i): jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding) for i in range(args.leaves)}
+    counts, lock = {"table_bytes": 0, "entries": 0}, threading.Lock()
+    real_read, real_load = piece_table._read_rows, piece_table._load
+
+    def read_rows(*call_args) -> bytes:
+        data = real_read(*call_args)
+        with lock:
+            counts["table_bytes"] += len(data)
+        return data
+
+    def load(*call_args) -> tuple:
+        pieces = real_load(*call_args)
+        with lock:
+            counts["entries"] += len(pieces)
+        return pieces
+
+    piece_table._read_rows, piece_table._load = read_rows, load
+    try:
+        restored, restoring = _measured(lambda: tc.restore(args.path, target))
+    finally:
+        piece_table._read_rows, piece_table._load = real_read, real_load
+    checked = _check_shards(restored, shape)
+    manager = tc.CheckpointManager(os.path.dirname(args.path))
+    steps, listed = _measured(manager.all_steps)
+    if steps != [0]:
+        raise SystemExit(f"the manager lists steps {steps}, not [0]")
+    keys = [f"0/{name}" for name in os.listdir(args.path)]  # what an object store's listing returns
+    _, parsed = _measured(lambda: listing.parse_listing(keys))
+    return {"restore": restoring, **counts, "checked_shards": checked, "manager_all_steps": listed,
+            "objects": len(keys), "object_listing_parse": parsed}
+
+
+def _values(shape: tuple[int], leaf: int):
+    import numpy as np
+
+    return np.arange(shape[0], dtype=np.float32) + leaf
+
+
+def _check_shards(tree: dict, shape: tuple[int]) -> int:
+    """Compares this process's shards of the first, middle and last leaves with what was
+    saved, bit for bit; returns how many it compared."""
+    import numpy as np
+
+    names = sorted(tree)
+    checked = 0
+    for name in dict.fromkeys((names[0], names[len(names) // 2], names[-1])):
+        expected = _values(shape, int(name[4:]))
+        for shard in tree[name].addressable_shards:
+            if np.asarray(shard.data).tobytes() != expected[shard.index].tobytes():
+                raise SystemExit(f"{name}: the restored shard {shard.index} differs from the saved one")
+            checked += 1
+    return checked
+
+
+def _ratios(many: dict, one: dict) -> dict[str, float]:
+    """P processes against 1: the largest value over the processes of each."""
+    metrics = {
+        "planning_cpu_s": ("save", lambda r: r["planning"]["cpu_s"]),
+        "save_blocking_s": ("save", lambda r: r["save"]["wall_s"]),
+        "save_rss_growth_mb": ("save", lambda r: r["save"]["rss_growth_mb"]),
+        "commit_cpu_s": ("save", lambda r: r["commit"]["cpu_s"] if r["commit"] else 0.0),
+        "commit_rss_growth_mb": ("save", lambda r: r["commit"]["rss_growth_mb"] if r["commit"] else 0.0),
+        "restore_cpu_s": ("restore", lambda r: r["restore"]["cpu_s"]),
+        "restore_rss_growth_mb": ("restore", lambda r: r["restore"]["rss_growth_mb"]),
+        "table_bytes_read": ("restore", lambda r: r["table_bytes"]),
+        "entries_built": ("restore", lambda r: r["entries"]),
+    }
+    ratios = {}
+    for name, (stage, value) in metrics.items():
+        base = max(map(value, one[stage]))
+        ratios[name] = max(map(value, many[stage])) / base if base else float("nan")
+    return ratios
+
+
+def _multi_report(run: dict) -> None:
+    files = run["files"]
+    print(f"\n{run['processes']} processes x {run['devices_per_process']} devices x {run['leaves']} leaves = {run['pieces']:,} pieces; {files['count']} files,"
+          f" control bytes {files['control']:,} (manifest {files['manifest']:,})")
+    print(f"{'process':>7} {'plan s/cpu':>11} {'save s/cpu':>11} {'save MB':>8} {'sent B':>10}"
+          f" {'restore s/cpu':>14} {'table B':>10} {'entries':>9} {'rest. MB':>8}")
+    for saved, restored in zip(run["save"], run["restore"]):
+        p, s, r = saved["planning"], saved["save"], restored["restore"]
+        print(f"{saved['process']:>7} {p['wall_s']:>5.2f}/{p['cpu_s']:<5.2f} {s['wall_s']:>5.2f}/{s['cpu_s']:<5.2f}"
+              f" {s['rss_growth_mb']:>8.0f} {saved['sent_to_leader_bytes']:>10,} {r['wall_s']:>7.2f}/{r['cpu_s']:<6.2f}"
+              f" {restored['table_bytes']:>10,} {restored['entries']:>9,} {r['rss_growth_mb']:>8.0f}")
+    leader = next(r for r in run["save"] if r["commit"])
+    c, lead = leader["commit"], run["restore"][0]
+    print(f"leader's commit: {c['wall_s']:.2f} s, CPU {c['cpu_s']:.2f} s, peak RSS growth {c['rss_growth_mb']:.0f} MB")
+    print(f"listing: manager.all_steps {lead['manager_all_steps']['wall_s'] * 1e3:.1f} ms (local: one stat a step);"
+          f" an object store's listing would return {lead['objects']} objects, parsed in"
+          f" {lead['object_listing_parse']['cpu_s'] * 1e3:.1f} ms CPU")
+    print(f"restored shards compared bit for bit: {sum(r['checked_shards'] for r in run['restore'])}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 
 
 def free_port() -> int:
@@ -15,16 +16,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(command: list[str], processes: int, extra: list[str], env: dict) -> list[dict]:
+def launch(command: list[str], processes: int, extra: list[str], env: dict, timeout: float = 900) -> list[dict]:
     """Runs ``command --worker PORT INDEX *extra`` for INDEX in 0..processes-1, against one
-    coordinator port; returns each worker's last line, parsed. A failed worker ends the run."""
+    coordinator port; returns each worker's last line, parsed. A failed worker ends the run,
+    as does one still running ``timeout`` seconds after the start."""
     port = free_port()
     procs = [
         subprocess.Popen([*command, "--worker", str(port), str(i), *extra], stdout=subprocess.PIPE, text=True, env=env)
         for i in range(processes)
     ]
     try:
-        outputs = [p.communicate(timeout=900)[0] for p in procs]
+        deadline = time.monotonic() + timeout
+        outputs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:

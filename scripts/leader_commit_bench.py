@@ -1,0 +1,258 @@
+"""The leader's commit at many processes, on synthetic indexes: reading them to the manifest.
+
+    python scripts/leader_commit_bench.py [--processes 64] [--devices-per-process 4]
+        [--leaves 2200] [--dir /tmp] [--json OUT]
+
+Issue 21's pod-scale target is ``--processes 1536 --devices-per-process 4 --leaves 2200``
+(13.5 M pieces); the default (563 k pieces) runs here in under two minutes.
+
+Every leaf is float32 of shape (processes * devices * 4,), one 16-byte piece per device, the
+devices of process p holding its p-th stretch: what a pod's fully sharded state looks like to
+the commit. Process p's index is written into a local staging directory exactly as a save
+writes it (``commit.index(...).to_json()`` as ``index-<p>.json``), beside a sparse data file of
+the size it claims; process 0 (the leader) keeps its own in memory, as a save does. Then, each
+in a fresh interpreter (nothing of the setup in its heap):
+
+- ``commit``: the real ``commit.commit`` end to end (read and delete every index, merge,
+  check the tiling, write the piece tables and the manifest, rename), under ``gc_paused`` as a
+  save runs it: wall and CPU time (getrusage), peak RSS growth (VmHWM over VmRSS before it).
+- ``stages``: the same work stage by stage on the same files: decode (read + ``decode_manifest``
+  of every index), merge + tiling (``merge_indexes``), encode (``Manifest.encode``: the
+  format 2 manifest and its tables); µs per piece each.
+
+The indexes are copied aside before the commit (which deletes them) and put back for the
+stages. CPU time is this process's (all threads): on a shared machine it is the steadier number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+MB = 1e6
+PIECE_BYTES = 16  # float32 x 4
+PHASES = ("setup", "commit", "stages")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--processes", type=int, default=64)
+    parser.add_argument("--devices-per-process", type=int, default=4)
+    parser.add_argument("--leaves", type=int, default=2200)
+    parser.add_argument("--dir", default=None, help="where the scratch directory goes (default: the system's temp dir)")
+    parser.add_argument("--json", default=None, help="also write the results here, as JSON")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds each phase may take")
+    parser.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.phase:
+        print(json.dumps(_run_phase(args)))
+        return 0
+    scratch = tempfile.mkdtemp(prefix="tpu_ckpt_leader_commit_", dir=args.dir)
+    try:
+        results = {phase: _child(args, phase, scratch) for phase in PHASES}
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    summary = _summary(args, results)
+    _report(summary)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+def _child(args: argparse.Namespace, phase: str, scratch: str) -> dict:
+    command = [
+        sys.executable, __file__, "--phase", phase, "--path", scratch, "--processes", str(args.processes),
+        "--devices-per-process", str(args.devices_per_process), "--leaves", str(args.leaves),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr)
+        raise SystemExit(f"phase {phase} failed with exit status {done.returncode}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _run_phase(args: argparse.Namespace) -> dict:
+    staging, saved = os.path.join(args.path, "ckpt.tmp-bench"), os.path.join(args.path, "indexes")
+    if args.phase == "setup":
+        return _setup(args, staging, saved)
+    if args.phase == "commit":
+        return _commit(args, staging, os.path.join(args.path, "ckpt"))
+    final = os.path.join(args.path, "ckpt")  # the commit renamed the staging directory, and deleted the indexes
+    for name in os.listdir(saved):
+        shutil.copy(os.path.join(saved, name), os.path.join(final, name))
+    return _stages(args, final)
+
+
+def _layout(args: argparse.Namespace) -> tuple[int, int]:
+    """Devices in all, elements per leaf."""
+    devices = args.processes * args.devices_per_process
+    return devices, devices * PIECE_BYTES // 4
+
+
+def _name(leaf: int) -> str:
+    return f"leaf{leaf:05d}"
+
+
+def _index(args: argparse.Namespace, process: int):
+    """Process ``process``'s index as a save makes it (``commit.index``): its devices' pieces
+    of every leaf, one data file, the pieces side by side in it."""
+    from tpu_ckpt import commit
+    from tpu_ckpt.format import PieceEntry
+    from tpu_ckpt.save_plan import data_file
+
+    d = args.devices_per_process
+    file = data_file(process, 0)
+    pieces, offset = {}, 0
+    for leaf in range(args.leaves):
+        own = []
+        for device in range(process * d, (process + 1) * d):
+            start = device * (PIECE_BYTES // 4)
+            crc = (leaf * 7919 + device) & 0xFFFFFFFF
+            own.append(PieceEntry(((start, start + PIECE_BYTES // 4),), file, offset, PIECE_BYTES, crc))
+            offset += PIECE_BYTES
+        pieces[_name(leaf)] = own
+    return commit.index(pieces, {file: offset})
+
+
+def _planned(args: argparse.Namespace):
+    """The plan's manifest: the tree, no piece locations yet."""
+    from tpu_ckpt.format import LeafEntry, Manifest
+
+    _, elements = _layout(args)
+    leaves = tuple(
+        LeafEntry(_name(i), [("dict", _name(i))], "array", (elements,), "float32") for i in range(args.leaves)
+    )
+    return Manifest(leaves, {}, args.processes, "bench")
+
+
+def _setup(args: argparse.Namespace, staging: str, saved: str) -> dict:
+    """Every other process's index file and (sparse) data file in the staging directory; the
+    leader's data file too. Copies of the indexes go to ``saved``."""
+    from tpu_ckpt.save_plan import data_file, index_file
+
+    os.makedirs(staging)
+    os.makedirs(saved)
+    sizes = []
+    for process in range(args.processes):
+        own = _index(args, process)
+        with open(os.path.join(staging, data_file(process, 0)), "wb") as f:
+            f.truncate(own.files[data_file(process, 0)])
+        body = own.to_json()
+        sizes.append(len(body))
+        if process:
+            pathlib.Path(staging, index_file(process)).write_bytes(body)
+            shutil.copy(os.path.join(staging, index_file(process)), os.path.join(saved, index_file(process)))
+    return {"index_bytes_per_process": sizes[-1], "index_bytes_total": sum(sizes[1:])}
+
+
+def _measured(call) -> tuple[object, dict]:
+    """``call()``'s result, and its wall time, CPU time (user + system, all threads) and peak
+    RSS growth."""
+    rss_before = _status_kib("VmRSS")
+    pathlib.Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    cpu_before, start = _cpu_s(), time.perf_counter()
+    result = call()
+    wall, cpu = time.perf_counter() - start, _cpu_s() - cpu_before
+    growth = (_status_kib("VmHWM") - rss_before) * 1024 / MB
+    return result, {"wall_s": wall, "cpu_s": cpu, "rss_growth_mb": growth}
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _status_kib(field: str) -> int:
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _commit(args: argparse.Namespace, staging: str, final: str) -> dict:
+    """The real commit, end to end; then a check that the manifest it wrote reads back whole."""
+    from tpu_ckpt import commit, storage
+    from tpu_ckpt.gc_pause import gc_paused
+
+    planned, own = _planned(args), _index(args, 0)
+    store = storage.Store(storage.location(staging))
+    with store, gc_paused():
+        _, measured = _measured(lambda: commit.commit(store, storage.location(final), planned, own, range(1, args.processes)))
+    files = [p for p in pathlib.Path(final).iterdir() if not p.name.endswith(".safetensors")]
+    measured["manifest_and_table_bytes"] = sum(p.stat().st_size for p in files)
+    measured["checked_pieces"] = _check(args, final)
+    return measured
+
+
+def _check(args: argparse.Namespace, final: str) -> int:
+    """Reads the committed checkpoint's manifest and the first and last leaves' pieces back;
+    raises unless each is where the synthetic index put it. Returns the pieces checked."""
+    from tpu_ckpt import committed, storage
+
+    manifest = committed.read_manifest(storage.location(final))
+    checked = 0
+    for leaf in (0, args.leaves - 1):
+        entry = manifest.leaves[leaf]
+        expected = sorted(p for q in range(args.processes) for p in _index(args, q).leaves[leaf].pieces)
+        if list(entry.pieces) != expected:
+            raise SystemExit(f"leaf {entry.key}: the committed pieces differ from the indexes'")
+        checked += len(expected)
+    return checked
+
+
+def _stages(args: argparse.Namespace, where: str) -> dict:
+    """The commit's CPU stages one by one, on the same indexes."""
+    from tpu_ckpt import commit, slices, storage
+    from tpu_ckpt.decode import decode_manifest
+    from tpu_ckpt.gc_pause import gc_paused
+    from tpu_ckpt.save_plan import index_file
+
+    planned, own = _planned(args), _index(args, 0)
+    store = storage.Store(storage.location(where))
+
+    def decode() -> list:
+        names = [index_file(p) for p in range(1, args.processes)]
+        return [decode_manifest(store.read_file(n), where=n, complete=False) for n in names]
+
+    with store, gc_paused(), slices.grids_shared():
+        indexes, decoded = _measured(decode)
+        merged, merge = _measured(lambda: commit.merge_indexes(planned, [own, *indexes]))
+        _, encode = _measured(merged.encode)
+    return {"decode": decoded, "merge_and_tiling": merge, "encode": encode}
+
+
+def _summary(args: argparse.Namespace, results: dict) -> dict:
+    pieces = args.processes * args.devices_per_process * args.leaves
+    stages = results["stages"]
+    return {
+        "processes": args.processes, "devices_per_process": args.devices_per_process, "leaves": args.leaves,
+        "pieces": pieces, **results["setup"], "commit": results["commit"],
+        "stages": {name: {**s, "us_per_piece_cpu": s["cpu_s"] / pieces * 1e6, "us_per_piece_wall": s["wall_s"] / pieces * 1e6}
+                   for name, s in stages.items()},
+    }
+
+
+def _report(summary: dict) -> None:
+    c = summary["commit"]
+    print(f"{summary['processes']} processes x {summary['devices_per_process']} devices x {summary['leaves']} leaves"
+          f" = {summary['pieces']:,} pieces")
+    print(f"indexes: {summary['index_bytes_per_process']:,} bytes a process, {summary['index_bytes_total']:,} in all;"
+          f" manifest + tables {c['manifest_and_table_bytes']:,} bytes")
+    print(f"commit.commit: wall {c['wall_s']:.2f} s, CPU {c['cpu_s']:.2f} s, peak RSS growth {c['rss_growth_mb']:.0f} MB"
+          f" ({c['cpu_s'] / summary['pieces'] * 1e6:.2f} us CPU a piece); {c['checked_pieces']:,} pieces read back and checked")
+    print(f"{'stage':<18}{'wall s':>8}{'CPU s':>8}{'us/piece':>10}{'RSS MB':>8}")
+    for name, s in summary["stages"].items():
+        print(f"{name:<18}{s['wall_s']:>8.2f}{s['cpu_s']:>8.2f}{s['us_per_piece_cpu']:>10.2f}{s['rss_growth_mb']:>8.0f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
