@@ -30,12 +30,12 @@ import argparse
 import json
 import os
 import pathlib
-import resource
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
+
+import workers  # scripts/workers.py
 
 MB = 1e6
 PIECE_BYTES = 16  # float32 x 4
@@ -154,30 +154,6 @@ def _setup(args: argparse.Namespace, staging: str, saved: str) -> dict:
     return {"index_bytes_per_process": sizes[-1], "index_bytes_total": sum(sizes[1:])}
 
 
-def _measured(call) -> tuple[object, dict]:
-    """``call()``'s result, and its wall time, CPU time (user + system, all threads) and peak
-    RSS growth."""
-    rss_before = _status_kib("VmRSS")
-    pathlib.Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-    cpu_before, start = _cpu_s(), time.perf_counter()
-    result = call()
-    wall, cpu = time.perf_counter() - start, _cpu_s() - cpu_before
-    growth = (_status_kib("VmHWM") - rss_before) * 1024 / MB
-    return result, {"wall_s": wall, "cpu_s": cpu, "rss_growth_mb": growth}
-
-
-def _cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def _status_kib(field: str) -> int:
-    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
 def _commit(args: argparse.Namespace, staging: str, final: str) -> dict:
     """The real commit, end to end; then a check that the manifest it wrote reads back whole."""
     from tpu_ckpt import commit, storage
@@ -186,7 +162,7 @@ def _commit(args: argparse.Namespace, staging: str, final: str) -> dict:
     planned, own = _planned(args), _index(args, 0)
     store = storage.Store(storage.location(staging))
     with store, gc_paused():
-        _, measured = _measured(lambda: commit.commit(store, storage.location(final), planned, own, range(1, args.processes)))
+        _, measured = workers.measured(lambda: commit.commit(store, storage.location(final), planned, own, range(1, args.processes)))
     files = [p for p in pathlib.Path(final).iterdir() if not p.name.endswith(".safetensors")]
     measured["manifest_and_table_bytes"] = sum(p.stat().st_size for p in files)
     measured["checked_pieces"] = _check(args, final)
@@ -224,9 +200,9 @@ def _stages(args: argparse.Namespace, where: str) -> dict:
         return [decode_manifest(store.read_file(n), where=n, complete=False) for n in names]
 
     with store, gc_paused(), slices.grids_shared():
-        indexes, decoded = _measured(decode)
-        merged, merge = _measured(lambda: commit.merge_indexes(planned, [own, *indexes]))
-        _, encode = _measured(merged.encode)
+        indexes, decoded = workers.measured(decode)
+        merged, merge = workers.measured(lambda: commit.merge_indexes(planned, [own, *indexes]))
+        _, encode = workers.measured(merged.encode)
     return {"decode": decoded, "merge_and_tiling": merge, "encode": encode}
 
 

@@ -39,12 +39,10 @@ import argparse
 import json
 import os
 import pathlib
-import resource
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 import workers  # scripts/workers.py
 
@@ -172,34 +170,10 @@ def _holds_what_was_saved(tree: dict, shape: tuple[int]) -> bool:
 
 def _timed(call, check=lambda _: True) -> dict:
     """Wall time and peak RSS growth of ``call``; ``check`` runs on its result afterwards, untimed."""
-    result, measured = _measured(call)
+    result, measured = workers.measured(call)
     if not check(result):
         raise SystemExit("the restored values differ from the saved ones")
     return {"seconds": measured["wall_s"], "rss_growth_mb": measured["rss_growth_mb"], "peak_rss_mb": measured["peak_rss_mb"]}
-
-
-def _measured(call) -> tuple:
-    """``call()``'s result; its wall time, CPU time (user + system, every thread of this
-    process) and peak RSS growth (VmHWM after over VmRSS before, the peak reset first)."""
-    rss_before = _status_kib("VmRSS") * 1024 / MB
-    pathlib.Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-    cpu_before, start = _cpu_s(), time.perf_counter()
-    result = call()
-    wall, cpu = time.perf_counter() - start, _cpu_s() - cpu_before
-    peak = _status_kib("VmHWM") * 1024 / MB
-    return result, {"wall_s": wall, "cpu_s": cpu, "rss_growth_mb": peak - rss_before, "rss_before_mb": rss_before, "peak_rss_mb": peak}
-
-
-def _cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def _status_kib(field: str) -> int:
-    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
 
 
 def _report(args: argparse.Namespace, results: dict[str, dict]) -> int:
@@ -301,13 +275,13 @@ def _save_stage(args: argparse.Namespace, sharding, shape: tuple[int]) -> dict:
 
     state = {_name(i): jax.make_array_from_callback(shape, sharding, lambda index, i=i: _values(shape, i)[index])
              for i in range(args.leaves)}
-    plan, planning = _measured(lambda: plan_save(state))
+    plan, planning = workers.measured(lambda: plan_save(state))
     seen = {"sent_to_leader_bytes": 0, "commit": None, "peak_before_commit_mb": 0.0}
     real_commit, real_to_json = commit.commit, Manifest.to_json
 
     def measured_commit(*call_args) -> None:
-        seen["peak_before_commit_mb"] = _status_kib("VmHWM") * 1024 / MB  # before _measured resets it
-        _, seen["commit"] = _measured(lambda: real_commit(*call_args))
+        seen["peak_before_commit_mb"] = workers.status_kib("VmHWM") * 1024 / MB  # before _measured resets it
+        _, seen["commit"] = workers.measured(lambda: real_commit(*call_args))
 
     def sized_to_json(self: Manifest) -> bytes:
         body = real_to_json(self)
@@ -316,7 +290,7 @@ def _save_stage(args: argparse.Namespace, sharding, shape: tuple[int]) -> dict:
 
     commit.commit, Manifest.to_json = measured_commit, sized_to_json
     try:
-        _, saving = _measured(lambda: tc.save(args.path, state).wait())
+        _, saving = workers.measured(lambda: tc.save(args.path, state).wait())
     finally:
         commit.commit, Manifest.to_json = real_commit, real_to_json
     saving["rss_growth_mb"] = max(saving["rss_growth_mb"], seen.pop("peak_before_commit_mb") - saving["rss_before_mb"])
@@ -353,16 +327,16 @@ def _restore_stage(args: argparse.Namespace, sharding, shape: tuple[int]) -> dic
 
     piece_table._read_rows, piece_table._load = read_rows, load
     try:
-        restored, restoring = _measured(lambda: tc.restore(args.path, target))
+        restored, restoring = workers.measured(lambda: tc.restore(args.path, target))
     finally:
         piece_table._read_rows, piece_table._load = real_read, real_load
     checked = _check_shards(restored, shape)
     manager = tc.CheckpointManager(os.path.dirname(args.path))
-    steps, listed = _measured(manager.all_steps)
+    steps, listed = workers.measured(manager.all_steps)
     if steps != [0]:
         raise SystemExit(f"the manager lists steps {steps}, not [0]")
     keys = [f"0/{name}" for name in os.listdir(args.path)]  # what an object store's listing returns
-    _, parsed = _measured(lambda: listing.parse_listing(keys))
+    _, parsed = workers.measured(lambda: listing.parse_listing(keys))
     return {"restore": restoring, **counts, "checked_shards": checked, "manager_all_steps": listed,
             "objects": len(keys), "object_listing_parse": parsed}
 

@@ -4,6 +4,8 @@ script, each printing one JSON line last, run to completion (killed on the way o
 from __future__ import annotations
 
 import json
+import pathlib
+import resource
 import socket
 import subprocess
 import sys
@@ -39,3 +41,30 @@ def launch(command: list[str], processes: int, extra: list[str], env: dict, time
 
 if __name__ == "__main__":
     sys.exit("a module of the benchmark scripts, not a script")
+
+
+MB = 1e6
+
+
+def measured(call) -> tuple:
+    """``call()``'s result; its wall time, CPU time (user + system, every thread of this
+    process) and peak RSS growth (VmHWM after over VmRSS before, the peak reset first)."""
+    rss_before = status_kib("VmRSS") * 1024 / MB
+    pathlib.Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    cpu_before, start = cpu_seconds(), time.perf_counter()
+    result = call()
+    wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu_before
+    peak = status_kib("VmHWM") * 1024 / MB
+    return result, {"wall_s": wall, "cpu_s": cpu, "rss_growth_mb": peak - rss_before, "rss_before_mb": rss_before, "peak_rss_mb": peak}
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def status_kib(field: str) -> int:
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)

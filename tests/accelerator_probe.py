@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from rss import reset_peak, rss  # tests/rss.py: this script's directory
+from rss import measured  # tests/rss.py: this script's directory
 
 import tpu_ckpt as tc
 
@@ -27,19 +27,11 @@ tc.save(os.path.join(directory, "warmup"), {"x": jnp.ones(8)}).wait()
 out = {"state_bytes": int(x.nbytes), "platform": devices[0].platform}
 
 
-def measured(name, operation):
-    reset_peak(trim=True)
-    base = rss("VmRSS")
-    result = operation()
-    out[name] = rss("VmHWM") - base
-    return result
-
-
 bounded = tc.CheckpointOptions(host_memory_limit=limit)
-measured("sync_save", lambda: tc.save(os.path.join(directory, "sync"), {"x": x}))
-measured("bounded_save", lambda: tc.save(os.path.join(directory, "bounded"), {"x": x}, options=bounded))
+measured(out, "sync_save", lambda: tc.save(os.path.join(directory, "sync"), {"x": x}))
+measured(out, "bounded_save", lambda: tc.save(os.path.join(directory, "bounded"), {"x": x}, options=bounded))
 target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)}
-restored = measured("bounded_restore", lambda: tc.restore(os.path.join(directory, "bounded"), target, options=bounded))
+restored = measured(out, "bounded_restore", lambda: tc.restore(os.path.join(directory, "bounded"), target, options=bounded))
 out["restored_exactly"] = bool(np.array_equal(np.asarray(restored["x"]), np.asarray(x)))
 out["restored_on"] = restored["x"].sharding.device_set == x.sharding.device_set
 print(json.dumps(out))

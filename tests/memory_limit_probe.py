@@ -16,7 +16,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from rss import reset_peak, rss  # noqa: E402  (tests/rss.py: this script's directory)
+from rss import measured  # noqa: E402  (tests/rss.py: this script's directory)
 
 import tpu_ckpt as tc  # noqa: E402
 
@@ -31,18 +31,10 @@ tc.save(os.path.join(directory, "warmup"), {"x": jnp.ones(8)}, options=bounded.r
 out = {"state_bytes": n * 4}
 
 
-def measured(name, operation):
-    reset_peak(trim=True)
-    base = rss("VmRSS")
-    result = operation()
-    out[name] = rss("VmHWM") - base
-    return result
-
-
-measured("sync_save", lambda: tc.save(os.path.join(directory, "sync"), {"x": x}, options=bounded))
-measured("async_save", lambda: tc.save(os.path.join(directory, "async"), {"x": x}, options=bounded.replace(enable_async=True)).wait())
+measured(out, "sync_save", lambda: tc.save(os.path.join(directory, "sync"), {"x": x}, options=bounded))
+measured(out, "async_save", lambda: tc.save(os.path.join(directory, "async"), {"x": x}, options=bounded.replace(enable_async=True)).wait())
 target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)}
-restored = measured("restore", lambda: tc.restore(os.path.join(directory, "async"), target, options=bounded))
+restored = measured(out, "restore", lambda: tc.restore(os.path.join(directory, "async"), target, options=bounded))
 out["restored_exactly"] = all(
     np.array_equal(np.asarray(a.data), np.asarray(b.data)) for a, b in zip(restored["x"].addressable_shards, x.addressable_shards)
 )

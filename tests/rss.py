@@ -25,3 +25,14 @@ def reset_peak(trim: bool = False) -> None:
             libc.malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+def measured(out: dict, name: str, operation):
+    """``operation()``'s result. Records in ``out[name]`` the peak RSS above the RSS before it
+    (free heap pages trimmed and the peak reset first), and in ``out[name + "_held"]`` what it
+    still holds once it returned (a restore's result, say)."""
+    reset_peak(trim=True)
+    base = rss("VmRSS")
+    result = operation()
+    out[name], out[name + "_held"] = rss("VmHWM") - base, rss("VmRSS") - base
+    return result

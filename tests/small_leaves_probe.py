@@ -11,7 +11,7 @@ import sys
 
 import jax
 import numpy as np
-from rss import reset_peak, rss  # tests/rss.py: this script's directory
+from rss import measured  # tests/rss.py: this script's directory
 
 import tpu_ckpt as tc
 
@@ -23,17 +23,9 @@ tc.save(os.path.join(directory, "warmup"), {"x": np.ones(8)}, options=bounded.re
 out = {"state_bytes": leaves * 16384, "pieces": leaves}
 
 
-def measured(name, operation):
-    reset_peak(trim=True)
-    base = rss("VmRSS")
-    result = operation()
-    out[name], out[name + "_held"] = rss("VmHWM") - base, rss("VmRSS") - base
-    return result
-
-
-measured("sync_save", lambda: tc.save(os.path.join(directory, "sync"), tree, options=bounded))
-measured("async_save", lambda: tc.save(os.path.join(directory, "async"), tree, options=bounded.replace(enable_async=True)).wait())
+measured(out, "sync_save", lambda: tc.save(os.path.join(directory, "sync"), tree, options=bounded))
+measured(out, "async_save", lambda: tc.save(os.path.join(directory, "async"), tree, options=bounded.replace(enable_async=True)).wait())
 target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
-restored = measured("restore", lambda: tc.restore(os.path.join(directory, "async"), target, options=bounded))
+restored = measured(out, "restore", lambda: tc.restore(os.path.join(directory, "async"), target, options=bounded))
 out["restored_exactly"] = all(np.array_equal(np.asarray(restored[k]), np.asarray(v)) for k, v in tree.items())
 print(json.dumps(out))

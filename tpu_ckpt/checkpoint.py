@@ -121,20 +121,8 @@ class Checkpoint:
         return self._load(save_path, options, with_counter=True)
 
     def read(self, save_path: str | os.PathLike[str], options: CheckpointOptions | None = None) -> Checkpoint:
-        """Loads ``save_path`` into the attributes, leaving ``save_counter`` as it is.
-
-        Args:
-          save_path: a path ``save`` or ``write`` returned.
-          options: :class:`CheckpointOptions` for this restore.
-
-        Returns:
-          This Checkpoint, its trees replaced by the restored ones.
-
-        Raises:
-          CheckpointNotFoundError: nothing is committed at ``save_path``.
-          TargetMismatchError: a tree's structure, shapes or dtypes differ from the saved one.
-          CheckpointError: as :func:`tpu_ckpt.restore` raises.
-        """
+        """:meth:`restore` (the same ``save_path``, ``options``, result and errors), leaving
+        ``save_counter`` as it is."""
         return self._load(save_path, options, with_counter=False)
 
     def sync(self) -> None:
