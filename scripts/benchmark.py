@@ -53,8 +53,8 @@ from flax.training import train_state  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import tpu_ckpt as tc  # noqa: E402
-from tpu_ckpt.progress import Progress  # noqa: E402
-from tpu_ckpt.save_plan import plan_save  # noqa: E402
+from tpu_ckpt.runtime import Progress  # noqa: E402
+from tpu_ckpt.saving import plan_save  # noqa: E402
 from tpu_ckpt.settings import settings  # noqa: E402
 
 MB = 1e6

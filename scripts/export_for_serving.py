@@ -18,17 +18,17 @@ import argparse
 import logging
 import sys
 
-from tpu_ckpt import cli_convert
+from tpu_ckpt import cli
 from tpu_ckpt.errors import CheckpointError
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli_convert.export_arguments(parser)
+    cli.export_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        return cli_convert.export(args)
+        return cli.export(args)
     except (CheckpointError, ValueError, TypeError) as e:
         print(f"export_for_serving: {e}", file=sys.stderr)
         return 1

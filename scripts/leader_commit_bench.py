@@ -105,12 +105,12 @@ def _name(leaf: int) -> str:
 def _index(args: argparse.Namespace, process: int):
     """Process ``process``'s index as a save makes it (``commit.index``): its devices' pieces
     of every leaf, one data file, the pieces side by side in it."""
-    from tpu_ckpt import commit
+    from tpu_ckpt import saving
     from tpu_ckpt.format import PieceEntry
-    from tpu_ckpt.save_plan import data_file
+    from tpu_ckpt.saving import data_file_name
 
     d = args.devices_per_process
-    file = data_file(process, 0)
+    file = data_file_name(process, 0)
     pieces, offset = {}, 0
     for leaf in range(args.leaves):
         own = []
@@ -120,7 +120,7 @@ def _index(args: argparse.Namespace, process: int):
             own.append(PieceEntry(((start, start + PIECE_BYTES // 4),), file, offset, PIECE_BYTES, crc))
             offset += PIECE_BYTES
         pieces[_name(leaf)] = own
-    return commit.index(pieces, {file: offset})
+    return saving.index(pieces, {file: offset})
 
 
 def _planned(args: argparse.Namespace):
@@ -137,15 +137,15 @@ def _planned(args: argparse.Namespace):
 def _setup(args: argparse.Namespace, staging: str, saved: str) -> dict:
     """Every other process's index file and (sparse) data file in the staging directory; the
     leader's data file too. Copies of the indexes go to ``saved``."""
-    from tpu_ckpt.save_plan import data_file, index_file
+    from tpu_ckpt.saving import data_file_name, index_file
 
     os.makedirs(staging)
     os.makedirs(saved)
     sizes = []
     for process in range(args.processes):
         own = _index(args, process)
-        with open(os.path.join(staging, data_file(process, 0)), "wb") as f:
-            f.truncate(own.files[data_file(process, 0)])
+        with open(os.path.join(staging, data_file_name(process, 0)), "wb") as f:
+            f.truncate(own.files[data_file_name(process, 0)])
         body = own.to_json()
         sizes.append(len(body))
         if process:
@@ -156,13 +156,13 @@ def _setup(args: argparse.Namespace, staging: str, saved: str) -> dict:
 
 def _commit(args: argparse.Namespace, staging: str, final: str) -> dict:
     """The real commit, end to end; then a check that the manifest it wrote reads back whole."""
-    from tpu_ckpt import commit, storage
-    from tpu_ckpt.gc_pause import gc_paused
+    from tpu_ckpt import saving, storage
+    from tpu_ckpt.runtime import gc_paused
 
     planned, own = _planned(args), _index(args, 0)
     store = storage.Store(storage.location(staging))
     with store, gc_paused():
-        _, measured = workers.measured(lambda: commit.commit(store, storage.location(final), planned, own, range(1, args.processes)))
+        _, measured = workers.measured(lambda: saving.commit(store, storage.location(final), planned, own, range(1, args.processes)))
     files = [p for p in pathlib.Path(final).iterdir() if not p.name.endswith(".safetensors")]
     measured["manifest_and_table_bytes"] = sum(p.stat().st_size for p in files)
     measured["checked_pieces"] = _check(args, final)
@@ -172,9 +172,9 @@ def _commit(args: argparse.Namespace, staging: str, final: str) -> dict:
 def _check(args: argparse.Namespace, final: str) -> int:
     """Reads the committed checkpoint's manifest and the first and last leaves' pieces back;
     raises unless each is where the synthetic index put it. Returns the pieces checked."""
-    from tpu_ckpt import committed, storage
+    from tpu_ckpt import catalog, storage
 
-    manifest = committed.read_manifest(storage.location(final))
+    manifest = catalog.read_manifest(storage.location(final))
     checked = 0
     for leaf in (0, args.leaves - 1):
         entry = manifest.leaves[leaf]
@@ -187,10 +187,10 @@ def _check(args: argparse.Namespace, final: str) -> int:
 
 def _stages(args: argparse.Namespace, where: str) -> dict:
     """The commit's CPU stages one by one, on the same indexes."""
-    from tpu_ckpt import commit, slices, storage
-    from tpu_ckpt.decode import decode_manifest
-    from tpu_ckpt.gc_pause import gc_paused
-    from tpu_ckpt.save_plan import index_file
+    from tpu_ckpt import saving, storage
+    from tpu_ckpt.format import decode_manifest, grids_shared
+    from tpu_ckpt.runtime import gc_paused
+    from tpu_ckpt.saving import index_file
 
     planned, own = _planned(args), _index(args, 0)
     store = storage.Store(storage.location(where))
@@ -199,9 +199,9 @@ def _stages(args: argparse.Namespace, where: str) -> dict:
         names = [index_file(p) for p in range(1, args.processes)]
         return [decode_manifest(store.read_file(n), where=n, complete=False) for n in names]
 
-    with store, gc_paused(), slices.grids_shared():
+    with store, gc_paused(), grids_shared():
         indexes, decoded = workers.measured(decode)
-        merged, merge = workers.measured(lambda: commit.merge_indexes(planned, [own, *indexes]))
+        merged, merge = workers.measured(lambda: saving.merge_indexes(planned, [own, *indexes]))
         _, encode = workers.measured(merged.encode)
     return {"decode": decoded, "merge_and_tiling": merge, "encode": encode}
 

@@ -269,9 +269,9 @@ def _save_stage(args: argparse.Namespace, sharding, shape: tuple[int]) -> dict:
     import jax
 
     import tpu_ckpt as tc
-    from tpu_ckpt import commit
     from tpu_ckpt.format import Manifest
-    from tpu_ckpt.save_plan import plan_save
+    from tpu_ckpt.saving import _commit as commit
+    from tpu_ckpt.saving import plan_save
 
     state = {_name(i): jax.make_array_from_callback(shape, sharding, lambda index, i=i: _values(shape, i)[index])
              for i in range(args.leaves)}
@@ -307,7 +307,8 @@ def _restore_stage(args: argparse.Namespace, sharding, shape: tuple[int]) -> dic
     import numpy as np
 
     import tpu_ckpt as tc
-    from tpu_ckpt import listing, piece_table
+    from tpu_ckpt import catalog
+    from tpu_ckpt.format import _piece_table as piece_table
 
     target = {_name(i): jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding) for i in range(args.leaves)}
     counts, lock = {"table_bytes": 0, "entries": 0}, threading.Lock()
@@ -336,7 +337,7 @@ def _restore_stage(args: argparse.Namespace, sharding, shape: tuple[int]) -> dic
     if steps != [0]:
         raise SystemExit(f"the manager lists steps {steps}, not [0]")
     keys = [f"0/{name}" for name in os.listdir(args.path)]  # what an object store's listing returns
-    _, parsed = workers.measured(lambda: listing.parse_listing(keys))
+    _, parsed = workers.measured(lambda: catalog.parse_listing(keys))
     return {"restore": restoring, **counts, "checked_shards": checked, "manager_all_steps": listed,
             "objects": len(keys), "object_listing_parse": parsed}
 

@@ -1,5 +1,6 @@
 """Test set-up: 8 simulated CPU devices, configured before anything imports jax."""
 
+import dataclasses
 import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -22,3 +23,13 @@ def mesh42():
 @pytest.fixture(scope="session")
 def mesh24():
     return jax.make_mesh((2, 4), ("data", "model"))
+
+
+@pytest.fixture
+def knobs():
+    """``knobs(**fields)`` changes this process's settings for one test; they come back after."""
+    from tpu_ckpt.settings import configure, settings
+
+    previous = configure(None)
+    yield lambda **fields: configure(dataclasses.replace(settings(), **fields))
+    configure(previous)

@@ -31,7 +31,7 @@ def leaf(path: str, key: str) -> dict:
     if entry.get("kind") != "array":
         return entry
     from tpu_ckpt import storage
-    from tpu_ckpt.committed import read_manifest
+    from tpu_ckpt.catalog import read_manifest
 
     decoded = next(e for e in read_manifest(storage.location(str(path))).leaves if e.key == key)
     entry["pieces"] = [
@@ -95,7 +95,7 @@ def as_format_1_2(path) -> None:
     import dataclasses
 
     from tpu_ckpt import storage
-    from tpu_ckpt.committed import read_manifest
+    from tpu_ckpt.catalog import read_manifest
 
     decoded = read_manifest(storage.location(str(path)))
     leaves = tuple(dataclasses.replace(e, pieces=tuple(e.pieces)) for e in decoded.leaves)

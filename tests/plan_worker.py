@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import tpu_ckpt as tc  # noqa: E402
-from tpu_ckpt.save_plan import plan_save  # noqa: E402
+from tpu_ckpt.saving import plan_save  # noqa: E402
 
 
 def global_array(mesh: jax.sharding.Mesh, spec: P, value: np.ndarray) -> jax.Array:
@@ -49,8 +49,8 @@ tree = {
 plan = plan_save(tree)
 files = {f.name: [[p.key, p.slice, p.nbytes] for p in f.pieces] for f in plan.files}
 lines = Lines()
-logging.getLogger("tpu_ckpt.save").addHandler(lines)
-logging.getLogger("tpu_ckpt.save").setLevel(logging.INFO)
+logging.getLogger("tpu_ckpt.saving._save").addHandler(lines)
+logging.getLogger("tpu_ckpt.saving._save").setLevel(logging.INFO)
 tc.save(os.path.join(directory, "ckpt"), tree).wait()
 print("RESULT " + json.dumps({"process": jax.process_index(), "files": files, "log": lines.lines}), flush=True)
 jax.distributed.shutdown()

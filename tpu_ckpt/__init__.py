@@ -11,13 +11,9 @@ The public names are imported on first use (PEP 562), so that ``import tpu_ckpt`
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tpu_ckpt.background import SaveResult
-    from tpu_ckpt.checkpoint import Checkpoint
     from tpu_ckpt.errors import (
         CheckpointError,
         CheckpointExistsError,
@@ -30,22 +26,25 @@ if TYPE_CHECKING:
         TargetMismatchError,
         UncommittedCheckpointError,
     )
-    from tpu_ckpt.export import export_for_serving
     from tpu_ckpt.format import FORMAT_VERSION
+    from tpu_ckpt.interop import Checkpoint, ImportReport, export_for_serving, export_orbax, import_orbax
     from tpu_ckpt.manager import CheckpointManager
     from tpu_ckpt.options import CheckpointOptions
-    from tpu_ckpt.orbax_interop import ImportReport, export_orbax, import_orbax
-    from tpu_ckpt.pieces import ShardableTensor, ShardingCallback
-    from tpu_ckpt.policies import MaxShardSizePolicy, ShardByDevicePolicy, ShardByTaskPolicy
-    from tpu_ckpt.restore import ArrayMetadata, metadata, restore
-    from tpu_ckpt.restore_check import RestoreReport, check_restore
-    from tpu_ckpt.save import save
+    from tpu_ckpt.restoring import ArrayMetadata, RestoreReport, check_restore, metadata, restore
+    from tpu_ckpt.saving import SaveResult, save
+    from tpu_ckpt.sharding import (
+        MaxShardSizePolicy,
+        ShardableTensor,
+        ShardByDevicePolicy,
+        ShardByTaskPolicy,
+        ShardingCallback,
+    )
 
 __version__ = "0.1.0"
 
 _MODULE_OF = {
-    "ArrayMetadata": "restore",
-    "Checkpoint": "checkpoint",
+    "ArrayMetadata": "restoring",
+    "Checkpoint": "interop",
     "CheckpointError": "errors",
     "CheckpointExistsError": "errors",
     "CheckpointManager": "manager",
@@ -55,25 +54,25 @@ _MODULE_OF = {
     "CorruptCheckpointError": "errors",
     "FORMAT_VERSION": "format",
     "FormatVersionError": "errors",
-    "ImportReport": "orbax_interop",
+    "ImportReport": "interop",
     "InvalidShardsError": "errors",
-    "MaxShardSizePolicy": "policies",
+    "MaxShardSizePolicy": "sharding",
     "RemoteProcessError": "errors",
-    "RestoreReport": "restore_check",
-    "SaveResult": "background",
-    "ShardByDevicePolicy": "policies",
-    "ShardByTaskPolicy": "policies",
-    "ShardableTensor": "pieces",
-    "ShardingCallback": "pieces",
+    "RestoreReport": "restoring",
+    "SaveResult": "saving",
+    "ShardByDevicePolicy": "sharding",
+    "ShardByTaskPolicy": "sharding",
+    "ShardableTensor": "sharding",
+    "ShardingCallback": "sharding",
     "TargetMismatchError": "errors",
     "UncommittedCheckpointError": "errors",
-    "check_restore": "restore_check",
-    "export_for_serving": "export",
-    "export_orbax": "orbax_interop",
-    "import_orbax": "orbax_interop",
-    "metadata": "restore",
-    "restore": "restore",
-    "save": "save",
+    "check_restore": "restoring",
+    "export_for_serving": "interop",
+    "export_orbax": "interop",
+    "import_orbax": "interop",
+    "metadata": "restoring",
+    "restore": "restoring",
+    "save": "saving",
 }
 
 __all__ = (
@@ -108,20 +107,6 @@ __all__ = (
     "restore",
     "save",
 )
-
-
-class _Package(types.ModuleType):
-    """Importing a submodule binds it as an attribute of its package; for ``save`` and
-    ``restore`` that would hide the functions of the same name, so those bindings are
-    dropped (the submodules stay in ``sys.modules``)."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _MODULE_OF and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:

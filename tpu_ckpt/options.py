@@ -18,8 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from tpu_ckpt.pieces import ShardingCallback
-from tpu_ckpt.policies import ShardByDevicePolicy
+from tpu_ckpt.sharding import ShardByDevicePolicy, ShardingCallback
 
 WriteCallback = Callable[[], Any] | Callable[[str], Any]
 

@@ -1,0 +1,88 @@
+"""Multi-tier CheckpointManager with 4 real JAX processes, each with a private local disk."""
+
+import json
+import os
+
+import pytest
+
+from tests import multiprocess
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+
+def _ok(results):
+    for r in results:
+        assert r.returncode == 0 and r.result is not None, r.output[-4000:]
+    return [r.result for r in results]
+
+
+def test_local_tier_survives_lost_hosts_and_falls_back_to_the_persistent_tier(tmp_path):
+    results = _ok(multiprocess.run("tiers.tier_scenarios.survivors_and_lost_hosts", 4, str(tmp_path)))
+    for me, res in enumerate(results):
+        # (e) while step 5 was being uploaded, the local saves of 6 and 7 went on.
+        assert {"step_5", "step_6"} <= set(res["while_uploading"]["local"]), res
+        assert "step_5" not in res["while_uploading"]["persistent"], res
+        assert res["uploaded_same_bytes"], res
+        assert res["persistent_steps"] == [1, 5]
+        # local_max_to_keep=3 on every host; each holds its own part and its predecessor's.
+        assert sorted(res["local"]) == ["step_6", "step_7", "step_8"], res
+        owners = sorted({me, (me - 1) % 4})
+        for files in res["local"].values():
+            assert [f for f in files if f.startswith("index-")] == [f"index-{p:05d}.json" for p in owners], files
+        # (a) all alive, (b) process 2's disk wiped: the local step, no persistent file opened.
+        for case in ("all_alive", "one_lost"):
+            assert res[case]["step"] == 8 and res[case]["mismatches"] == [], (case, res)
+            assert res[case]["persistent_opened"] == [], (case, res)
+        # (c) processes 1 and 2 wiped: process 1's part is gone; the persistent step 5.
+        assert res["latest_two_lost"] == 5
+        assert res["two_lost"]["step"] == 5 and res["two_lost"]["mismatches"] == [], res
+        assert any(f.endswith(".safetensors") for f in res["two_lost"]["persistent_opened"]), res
+        assert res["plain_restore_mismatches"] == []
+        assert res["keys_left"] == []  # every local save, upload and tier restore deleted its keys
+    manifest = tmp_path / "persistent" / "step_5" / "manifest.json"
+    assert manifest.exists() and not os.path.exists(tmp_path / "persistent" / "step_6")
+    assert json.loads(manifest.read_bytes().rsplit(b',"manifest_crc32c"', 1)[0] + b"}")["process_count"] == 4
+
+
+def test_a_host_killed_during_a_local_save_leaves_the_previous_step(tmp_path):
+    killed = multiprocess.run("tiers.tier_scenarios.killed_during_a_local_save", 4, str(tmp_path), "kill")
+    assert killed[1].returncode == -9, killed[1].output[-3000:]
+    for i in (0, 2, 3):  # each hears of it from us, unless JAX's own heartbeat ends it first
+        assert killed[i].result is None or killed[i].result["error"], killed[i].output[-3000:]
+    resumed = _ok(multiprocess.run("tiers.tier_scenarios.killed_during_a_local_save", 4, str(tmp_path), "resume"))
+    for res in resumed:
+        assert res["latest"] == 2 and res["step"] == 2 and res["mismatches"] == [], res
+        assert res["persistent_opened"] == [], res
+        assert res["after"] == ["step_2", "step_3"], res  # the next save removed any leftover
+    assert [n for n in resumed[1]["before"] if not n.startswith("step_3.tmp-")] == ["step_1", "step_2"], resumed[1]
+    assert len(resumed[1]["before"]) == 3, resumed[1]  # the killed process's part of step 3, never committed
+
+
+def test_a_local_directory_shared_by_the_processes_is_refused(tmp_path):
+    for res in _ok(multiprocess.run("tiers.tier_scenarios.shared_local_directory", 2, str(tmp_path))):
+        assert res["error"] == "CheckpointError" and "is shared with other processes" in res["message"], res
+    assert sorted(os.listdir(tmp_path / "local")) == []  # nothing committed, nothing left
+
+
+def test_a_local_step_restores_onto_another_process_count(tmp_path):
+    saved = _ok(multiprocess.run("tiers.tier_scenarios.another_process_count", 4, str(tmp_path), "save"))
+    assert [f for f in saved[0]["local"]["step_2"] if f.startswith("index-")] == [
+        "index-00000.json", "index-00002.json", "index-00003.json"]
+    for res in _ok(multiprocess.run("tiers.tier_scenarios.another_process_count", 2, str(tmp_path), "restore")):
+        assert res["step"] == 2 and res["mismatches"] == [] and res["persistent_opened"] == [], res
+
+
+def test_a_damaged_part_fails_the_restore_on_every_process(tmp_path):
+    merging, other = _ok(multiprocess.run("tiers.tier_scenarios.damaged_index", 2, str(tmp_path)))
+    assert merging["error"] == "CorruptCheckpointError" and "index-00001.json" in merging["message"], merging
+    assert other["error"] == "RemoteProcessError" and "index-00001.json" in other["message"], other
+
+
+def test_async_local_saves_keep_host_memory_limit_on_every_process(tmp_path):
+    for res in _ok(multiprocess.run("tiers.tier_scenarios.async_local_saves_under_a_memory_limit", 2, str(tmp_path))):
+        assert res == {"local": [], "persistent": []}, res
+
+
+def test_a_damaged_local_data_file_falls_back_to_the_persistent_step(tmp_path):
+    for res in _ok(multiprocess.run("tiers.tier_scenarios.damaged_data_falls_back", 2, str(tmp_path))):
+        assert res == {"step": 1, "mismatches": []}, res

@@ -1,0 +1,21 @@
+"""Committed checkpoints as they are found: one open checkpoint (manifest and piece tables
+read once), a run's listing, verification and diffs. No JAX."""
+
+from tpu_ckpt.catalog._committed import read_manifest, store_tables, table_source
+from tpu_ckpt.catalog._diff import Change, diff
+from tpu_ckpt.catalog._listing import (
+    Entry,
+    Listing,
+    busy,
+    checkpoints_in,
+    list_run,
+    nested,
+    parse_listing,
+    remove_leftover,
+    remove_leftovers,
+    remove_step,
+    scan,
+)
+from tpu_ckpt.catalog._verify import verify
+
+__all__ = ["Change", "Entry", "Listing", "busy", "checkpoints_in", "diff", "list_run", "nested", "parse_listing", "read_manifest", "remove_leftover", "remove_leftovers", "remove_step", "scan", "store_tables", "table_source", "verify"]

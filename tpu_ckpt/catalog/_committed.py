@@ -1,0 +1,98 @@
+"""Reading a checkpoint's committed manifest, with the errors a user can act on.
+
+Shared by restore, export and the command line (verify, diff, ls).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NoReturn
+
+from tpu_ckpt import storage
+from tpu_ckpt.catalog import _listing as listing
+from tpu_ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UncommittedCheckpointError
+from tpu_ckpt.format import MANIFEST_FILE, Manifest, TableSource, crc32c, decode_manifest
+
+
+def read_manifest(loc: storage.Location) -> Manifest:
+    """The committed manifest at ``loc``; a typed error if there is none or it is unusable."""
+    with storage.Store(loc, threads=1) as store:
+        data = store.read_file(MANIFEST_FILE)
+        files = store.list() if data is None else []
+    if data is None:
+        _raise_missing(loc, files)
+    manifest = decode_manifest(data, where=loc.child(MANIFEST_FILE), tables=table_source(loc))
+    if manifest.source is not None:
+        _check_link(loc, manifest.source)
+    return manifest
+
+
+def table_source(loc: storage.Location) -> TableSource:
+    """Reads ranges of the piece tables at ``loc`` (format 2): a leaf's rows are read once,
+    when its pieces are first used. Local files are read in place (a store would start an IO
+    thread per leaf, which a restore of a thousand leaves pays a thousand times); an object
+    store's through a store of its own per read."""
+
+    def read(name: str, start: int, length: int) -> bytes:
+        if loc.is_local:
+            root = os.path.abspath(loc.local_path)
+            return storage.read_ranges(root, name, start, [length])[0].tobytes()
+        with storage.Store(loc, threads=1) as store:
+            return store.read(name, start, [length]).result()[0].tobytes()
+
+    return TableSource(read, loc.child)
+
+
+def store_tables(store: Any) -> TableSource:
+    """Reads ranges of the piece tables through an open store (a relay's)."""
+    return TableSource(
+        lambda name, start, length: store.read(name, start, [length]).result()[0].tobytes(), store.location.child
+    )
+
+
+def _raise_missing(loc: storage.Location, files: list[str]) -> NoReturn:
+    """Why there is no manifest, told from one listing of ``loc``: nothing there, an
+    interrupted save, or a directory of checkpoints (a CheckpointManager's) named instead of
+    one of them, which is not an interrupted save and must not be reported as one."""
+    found = listing.checkpoints(files, listing.staged_in(loc, files))
+    if found:
+        raise CheckpointNotFoundError(_directory_of_checkpoints(loc, found), file=loc.url)
+    if not files and storage.is_empty(loc) and not storage.has_staging_leftover(loc):
+        raise CheckpointNotFoundError(f"No checkpoint at {loc.url}", file=loc.url)
+    raise UncommittedCheckpointError(
+        f"{loc.url} holds an uncommitted checkpoint (no {MANIFEST_FILE}): its save was "
+        "interrupted or failed, so it is not restorable. Restore an earlier checkpoint.",
+        file=loc.url,
+    )
+
+
+def _directory_of_checkpoints(loc: storage.Location, found: dict[str, int | None]) -> str:
+    names = list(found)
+    shown = ", ".join(names if len(names) <= 6 else [*names[:3], "...", *names[-2:]])
+    counted = "" if len(names) <= 6 else f" ({len(names)} checkpoints)"
+    steps = {step: name for name, step in found.items() if step is not None}
+    latest = steps[max(steps)] if steps else names[-1]
+    manager = f' or tc.CheckpointManager("{loc.url}").restore({max(steps)})' if steps else ""
+    return (
+        f"{loc.url} is a directory of checkpoints, not a checkpoint: it holds {shown}{counted}. "
+        f'Name one of them, e.g. tc.restore("{loc.child(latest)}"){manager}.'
+    )
+
+
+def _check_link(loc: storage.Location, source: dict[str, Any]) -> None:
+    """A linked checkpoint is valid only while the checkpoint holding its data is unchanged."""
+    src = storage.location(os.path.normpath(os.path.join(loc.local_path, source["path"])))
+    with storage.Store(src, threads=1) as store:
+        data = store.read_file(MANIFEST_FILE)
+    if data is None:
+        raise CheckpointNotFoundError(
+            f"{loc.url} is a linked checkpoint whose data lives in {src.url}, which no longer exists. "
+            "Export it again without --link, or restore the source checkpoint.",
+            file=src.url,
+        )
+    if crc32c(data) != source["manifest_crc32c"]:
+        raise CorruptCheckpointError(
+            f"{loc.url} is a linked checkpoint, but its source {src.url} has changed since the link "
+            "was made. Export it again.",
+            file=src.url,
+        )

@@ -1,0 +1,313 @@
+"""What a directory of checkpoints holds, and removing the leftovers of interrupted saves.
+
+The rules are CheckpointManager's (manager.py), so ``tpu-ckpt ls``/``gc`` and a manager
+agree on what is committed and what may be deleted. What a directory holds decides, not its
+name: a checkpoint is a subdirectory with a manifest (a user's ``model.tmp-1`` too), unless
+its staging marker (``storage.mark_staging``) says it is the staging area of another name,
+a local save that died before its rename. A leftover is a subdirectory without such a
+manifest that is ours: it holds a staging marker, or it bears a name the library writes
+(``step_<n>``, CheckpointManager's rule, or ``<name>.tmp-<hex>``, which older saves left
+unmarked). A leftover whose marker is younger than its grace period may be a save still
+running: it is "busy", and neither ``gc`` nor a manager's cleanup removes it. Anything else
+(a user's own files and directories) is neither listed nor removed.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Collection, Iterable
+
+from tpu_ckpt import storage
+from tpu_ckpt.errors import CheckpointError, CheckpointNotFoundError
+from tpu_ckpt.format import MANIFEST_FILE, decode_manifest
+
+logger = logging.getLogger(__name__)
+
+INTEGER = re.compile(r"\d+")
+STAGING = re.compile(r".+\.tmp-[0-9a-f]+")  # storage.Location.staging of any name
+# Only what a CheckpointManager writes is ever removed as its leftover, never a user's directory.
+OWN_LEFTOVER = re.compile(r"step_\d+(\.tmp-[0-9a-f]+)?")
+
+
+@dataclasses.dataclass(frozen=True)
+class Listing:
+    """What the directory holds: committed steps, and uncommitted leftovers of our saves."""
+
+    committed: dict[int, str]  # step -> directory name
+    leftovers: list[str]
+    busy: list[str] = dataclasses.field(default_factory=list)  # leftovers that may be saves running
+
+    def to_json(self) -> str:
+        """What a CheckpointManager's leader tells the other processes (small: names only)."""
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Listing:
+        listing = json.loads(text)
+        committed = {int(step): name for step, name in listing["committed"].items()}
+        return cls(committed, listing["leftovers"], listing["busy"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One checkpoint, or one leftover, directly under the listed directory."""
+
+    name: str
+    step: int | None  # the step a CheckpointManager sees it as, if any
+    committed: bool
+    files: int  # files stored under it
+    nbytes: int | None  # committed: data files + manifest, from the manifest; a leftover: its files
+    # on a local disk; None if unreadable, or a leftover on an object store
+    mtime: float | None  # commit time (manifest mtime) or last change; local directories only
+    error: str | None = None  # why a manifest that exists could not be read
+    metrics: dict[str, float | int] | None = None  # as saved with the checkpoint (its manifest)
+    held_until: float | None = None  # a leftover: until when it may be a save still running
+
+
+def scan(directory: str | os.PathLike[str]) -> list[Entry]:
+    """The checkpoints and leftovers directly under ``directory``, by step then name.
+
+    Raises CheckpointNotFoundError for a local directory that does not exist, and
+    CheckpointError when ``directory`` is itself a checkpoint.
+    """
+    loc, files = _listed(directory)
+    staged = staged_in(loc, files)
+    under: dict[str, list[str]] = collections.defaultdict(list)
+    for path in files:
+        top, inside, rest = path.partition("/")
+        if inside:
+            under[top].append(rest)
+    found = checkpoints(files, staged)
+    entries = [_committed(loc, name, step, len(under[name])) for name, step in found.items()]
+    entries += [_leftover(loc, name, under[name]) for name in under if name not in found and _ours(name, under[name])]
+    return sorted(entries, key=lambda e: (e.step is None, e.step or 0, e.name))
+
+
+def _ours(name: str, files: list[str]) -> bool:
+    """Whether an uncommitted subdirectory is a leftover of ours (see module docstring)."""
+    return storage.STAGING_MARKER in files or bool(OWN_LEFTOVER.fullmatch(name) or STAGING.fullmatch(name))
+
+
+def checkpoints(files: list[str], staged: Collection[str] = ()) -> dict[str, int | None]:
+    """The checkpoints directly under a directory, given every file under it and which of its
+    subdirectories are staging areas (:func:`_staged`): name -> the step a CheckpointManager
+    sees it as (None if it sees none), by step then name."""
+    steps = {name: step for step, name in parse_listing(files, staged).committed.items()}
+    named = {top for top, _, rest in (path.partition("/") for path in files) if rest == MANIFEST_FILE} - set(staged)
+    return {name: steps.get(name) for name in sorted(named, key=lambda n: (n not in steps, steps.get(n, 0), n))}
+
+
+def checkpoints_in(directory: str | os.PathLike[str]) -> dict[str, int | None]:
+    """:func:`checkpoints` of ``directory``, from one listing (and the staging markers of
+    subdirectories holding one beside a manifest), no manifest read."""
+    loc, files = _listed(directory)
+    return checkpoints(files, staged_in(loc, files))
+
+
+def staged_in(loc: storage.Location, files: list[str]) -> set[str]:
+    """The subdirectories, in a listing of ``loc``, holding a manifest that commits nothing."""
+    tops = collections.defaultdict(set)
+    for top, _, rest in (path.partition("/") for path in files):
+        tops[top].add(rest)
+    return _staged(loc, [top for top, names in tops.items() if {MANIFEST_FILE, storage.STAGING_MARKER} <= names])
+
+
+def _staged(loc: storage.Location, marked: Iterable[str]) -> set[str]:
+    """Those of ``marked`` (subdirectories holding a manifest and a staging marker) that are
+    the staging area of another name: a local save that wrote its manifest and died before
+    its rename. On an object store the staging area is the checkpoint, committed by the
+    manifest even before its marker is deleted."""
+    staged = set()
+    for name in marked:
+        marker = storage.read_marker(storage.Location(loc.child(name)))
+        if marker is not None and marker.final is not None and marker.final != name:
+            staged.add(name)
+    return staged
+
+
+def nested(directory: str | os.PathLike[str]) -> dict[str, int]:
+    """The subdirectories of ``directory`` that hold checkpoints themselves, with how many:
+    where to look when ``directory`` holds none (one listing, no manifest read)."""
+    found: dict[str, set[str]] = collections.defaultdict(set)
+    for path in _listed(directory)[1]:
+        parts = path.split("/")
+        if len(parts) == 3 and parts[2] == MANIFEST_FILE and not any(STAGING.fullmatch(p) for p in parts[:2]):
+            found[parts[0]].add(parts[1])
+    return {name: len(found[name]) for name in sorted(found)}
+
+
+def _listed(directory: str | os.PathLike[str]) -> tuple[storage.Location, list[str]]:
+    """The directory and every file under it; typed errors when it is none, or a checkpoint."""
+    loc = storage.location(directory)
+    if loc.is_local and not os.path.isdir(loc.local_path):
+        raise CheckpointNotFoundError(f"{loc.url} is not a directory", file=loc.url)
+    with storage.Store(loc, threads=1) as store:
+        files = store.list()
+    if MANIFEST_FILE in files:
+        raise CheckpointError(
+            f"{loc.url} is a checkpoint, not a directory of checkpoints; try `tpu-ckpt inspect {loc.url}`",
+            file=loc.url,
+        )
+    return loc, files
+
+
+def remove_leftovers(directory: str | os.PathLike[str], names: list[str]) -> list[str]:
+    """Deletes the given leftovers of ``directory`` (as found by :func:`scan`, and not busy)
+    that still are (:func:`remove_leftover`); returns those deleted."""
+    loc = storage.location(directory)
+    return [name for name in names if remove_leftover(loc, name, "an uncommitted leftover")]
+
+
+def remove_leftover(loc: storage.Location, name: str, why: str, *, even_busy: bool = False) -> bool:
+    """Deletes the leftover ``name`` of ``loc`` unless, since it was listed, it became a save
+    in progress (unless ``even_busy``) or was committed; returns whether it did.
+
+    The marker is read before the manifest is looked for, the reverse of the order in which
+    a commit writes the manifest and then deletes the marker: a save committing meanwhile is
+    seen by one or the other (a listing, however recent, may predate the commit)."""
+    where = storage.Location(loc.child(name))
+    marker = storage.read_marker(where)
+    if marker is not None and not even_busy and time.time() < marker.held_until:
+        logger.info("tpu_ckpt: keeping %s: a save that may still be running", where.url)
+        return False
+    if _has_manifest(where) and (marker is None or marker.final in (None, name)):
+        logger.info("tpu_ckpt: keeping %s: committed since it was listed", where.url)
+        return False
+    remove_step(loc, name, why)
+    return True
+
+
+def _has_manifest(where: storage.Location) -> bool:
+    """Whether ``where`` holds a manifest now: a stat, or a listing of its prefix (an object
+    store's read would fetch the whole manifest)."""
+    if where.is_local:
+        return os.path.isfile(os.path.join(where.local_path, MANIFEST_FILE))
+    with storage.Store(where, threads=1) as store:
+        return MANIFEST_FILE in store.list()
+
+
+def _committed(loc: storage.Location, name: str, step: int | None, files: int) -> Entry:
+    """A checkpoint's entry; its size is what it stores itself (a link's data lives elsewhere)."""
+    where = loc.child(name)
+    mtime = _mtime(loc, name, MANIFEST_FILE)
+    with storage.Store(storage.Location(where), threads=1) as store:
+        data = store.read_file(MANIFEST_FILE) or b""
+    try:
+        manifest = decode_manifest(data, where=storage.Location(where).child(MANIFEST_FILE))
+    except CheckpointError as e:
+        return Entry(name, step, True, files, None, mtime, str(e))
+    own = sum(size for file, size in manifest.files.items() if not file.startswith(".."))
+    return Entry(name, step, True, files, own + len(data), mtime, metrics=manifest.metrics)
+
+
+def _leftover(loc: storage.Location, name: str, files: list[str]) -> Entry:
+    """A leftover's entry; its size is what its files take on a local disk (object store
+    listings carry no sizes, and reading every object to learn one would cost too much)."""
+    nbytes = sum(_local_size(loc, name, file) for file in files) if loc.is_local else None
+    held = _held_until(loc, name) if storage.STAGING_MARKER in files else None
+    return Entry(name, None, False, len(files), nbytes, _mtime(loc, name), held_until=held)
+
+
+def _held_until(loc: storage.Location, name: str) -> float | None:
+    marker = storage.read_marker(storage.Location(loc.child(name)))
+    return None if marker is None else marker.held_until
+
+
+def busy(entry: Entry, now: float | None = None) -> bool:
+    """Whether a leftover may be a save still running (its staging marker's grace period)."""
+    return entry.held_until is not None and (time.time() if now is None else now) < entry.held_until
+
+
+def _local_size(loc: storage.Location, *parts: str) -> int:
+    try:
+        return os.lstat(os.path.join(loc.local_path, *parts)).st_size
+    except FileNotFoundError:  # removed since the listing
+        return 0
+
+
+def _mtime(loc: storage.Location, *parts: str) -> float | None:
+    """A local file's mtime (the storage layer has no such notion for object stores)."""
+    if not loc.is_local:
+        return None
+    try:
+        return os.stat(os.path.join(loc.local_path, *parts)).st_mtime
+    except FileNotFoundError:
+        return None
+
+
+def list_run(loc: storage.Location) -> Listing:
+    """What a CheckpointManager's directory holds, without listing inside the checkpoints.
+
+    On a local disk: the directory's entries, and one stat per possible step (its manifest),
+    so a listing costs the number of steps, not the number of files they hold. Object stores
+    have no directories, and tensorstore lists every key under a prefix: there it is one
+    listing of every file (the manager's leader's alone, see manager.py).
+    """
+    if not loc.is_local:
+        with storage.Store(loc, threads=1) as store:
+            files = store.list()
+        return _with_busy(loc, parse_listing(files, staged_in(loc, files)))
+    root = loc.local_path
+    if not os.path.isdir(root):
+        return Listing({}, [])
+    with os.scandir(root) as entries:  # files directly in the directory are not checkpoints
+        names = {e.name for e in entries if e.is_dir(follow_symlinks=False)}
+    wanted = {n for n in names if OWN_LEFTOVER.fullmatch(n) or (len(INTEGER.findall(n)) == 1 and not STAGING.fullmatch(n))}
+    with_manifest = {n for n in wanted if os.path.isfile(os.path.join(root, n, MANIFEST_FILE))}
+    marked = {n for n in with_manifest if STAGING.fullmatch(n) and os.path.isfile(os.path.join(root, n, storage.STAGING_MARKER))}
+    return _with_busy(loc, _sort(names, with_manifest, _staged(loc, marked)))
+
+
+def _with_busy(loc: storage.Location, listing: Listing) -> Listing:
+    """``listing`` with its busy leftovers: one marker read per leftover (there are few)."""
+    now = time.time()
+    held = {name: _held_until(loc, name) for name in listing.leftovers}
+    return dataclasses.replace(listing, busy=[n for n, until in held.items() if until is not None and now < until])
+
+
+def parse_listing(files: list[str], staged: Collection[str] = ()) -> Listing:
+    """Sorts the files under the directory into committed steps and leftovers (see :func:`_sort`)."""
+    names: set[str] = set()
+    with_manifest: set[str] = set()
+    for path in files:
+        top, inside, rest = path.partition("/")
+        if inside:  # files directly in the directory are not checkpoints
+            names.add(top)
+            if rest == MANIFEST_FILE:
+                with_manifest.add(top)
+    return _sort(names, with_manifest, staged)
+
+
+def _sort(names: set[str], with_manifest: set[str], staged: Collection[str]) -> Listing:
+    """The subdirectories ``names``, those in ``with_manifest`` holding one and those of them
+    in ``staged`` staging areas nonetheless (:func:`_staged`), as steps and leftovers.
+
+    A committed step is a directory with a manifest and exactly one integer in its name, but
+    never a ``<name>.tmp-<hex>`` one, a name a CheckpointManager never gives a step. A
+    leftover is a name a manager writes (``step_<n>``, ``step_<n>.tmp-<hex>``) without a
+    manifest that commits it; a user's ``step_3.tmp-1`` holding one is neither.
+    """
+    committed: dict[int, str] = {}
+    for name in sorted(set(with_manifest) - set(staged)):
+        numbers = INTEGER.findall(name)
+        if len(numbers) == 1 and not STAGING.fullmatch(name):
+            committed.setdefault(int(numbers[0]), name)
+    leftovers = sorted(n for n in names if OWN_LEFTOVER.fullmatch(n) and (n not in with_manifest or n in staged))
+    return Listing(committed, leftovers)
+
+
+def remove_step(loc: storage.Location, name: str, why: str) -> None:
+    """Deletes one step directory under ``loc``. The manifest goes first, so an interrupted
+    delete leaves an uncommitted leftover and never a committed checkpoint with files missing."""
+    logger.info("tpu_ckpt: removing %s: %s", loc.child(name), why)
+    with storage.Store(storage.Location(loc.child(name)), threads=1) as store:
+        with contextlib.suppress(FileNotFoundError):
+            store.delete(MANIFEST_FILE)
+        store.delete_all()

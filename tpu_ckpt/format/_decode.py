@@ -1,0 +1,341 @@
+"""Decoding a manifest from bytes we do not trust.
+
+A manifest decides what a restore allocates, which files it opens and which bytes it hands
+back as an array, so nothing in it is used before it is checked: first its crc32c (format
+1.2 and later), then every field's type and range, then the layout as a whole (file indexes,
+byte ranges inside their file and disjoint from each other, lengths equal to element count
+times item size, pieces tiling their leaf, keys distinct and consistent with their paths).
+Sizes are checked against each other before anything proportional to one is allocated. A
+damaged manifest is a :class:`CorruptCheckpointError` naming the file and the field.
+
+Format 2 moves the pieces of gridded leaves into binary piece tables: such a leaf's rows are
+read and checked when its pieces are first used (``piece_table.py``), so pieces that are
+never used are never read; their byte ranges are checked against those of the other loaded
+leaves by a restore, and against all by ``verify`` (``check_byte_ranges``).
+
+Per-process index files, written during a save, use the same form and the same checks,
+except that a process's pieces need not tile a leaf (``complete=False``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from tpu_ckpt.errors import CorruptCheckpointError, FormatVersionError
+from tpu_ckpt.format import _keys as keys
+from tpu_ckpt.format import _piece_table as piece_table
+from tpu_ckpt.format import _slices as slices
+from tpu_ckpt.format._decode_layout import (
+    check_byte_ranges as check_byte_ranges,  # restore and verify import it from here
+)
+from tpu_ckpt.format._decode_layout import check_layout
+from tpu_ckpt.format._manifest import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MAX_INT,
+    MAX_METRICS,
+    MIN_INT,
+    LeafEntry,
+    Manifest,
+    PieceEntry,
+    dtype_itemsize,
+    unseal,
+)
+
+MAX_RANK = 64
+_PATH_KINDS = frozenset({"dict", "attr", "seq"})
+_VALUE_TYPES = (bool, int, float, str, type(None))
+_FIRST_SEALED = (1, 2)
+
+
+def decode_manifest(
+    data: bytes, *, where: str, complete: bool = True, tables: piece_table.TableSource | None = None, tiled: bool = True
+) -> Manifest:
+    """The manifest in ``data`` (the bytes of ``where``), checked throughout (see module docstring).
+    ``tiled=False``: every leaf as in a manifest, but holding only some of its pieces (a local-tier part).
+
+    Format 2: a gridded leaf's pieces are read from ``tables`` when first used, and checked
+    then (``piece_table.py``); without ``tables`` only its shape, dtype and grid are known."""
+    body, sealed = unseal(data, where=where)
+    doc = _parse_json(body, where)
+    version = _version(doc, where)
+    if not sealed and version >= _FIRST_SEALED:
+        raise CorruptCheckpointError(
+            f"{where}: format {'.'.join(map(str, version))} manifests end with a manifest_crc32c field, "
+            "and this one does not: it is damaged or was edited by hand.",
+            file=where,
+        )
+    manifest = _Decoder(where, complete, tables).manifest(doc, ".".join(map(str, version)))
+    check_layout(manifest, where, complete and tiled, paths=complete)
+    return manifest
+
+
+def _parse_json(body: bytes, where: str) -> dict[str, Any]:
+    need = _decoded_bytes(body)
+    if need > _available_memory():
+        raise _too_big(where, need)
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError) as e:  # RecursionError: nesting too deep to be ours
+        raise CorruptCheckpointError(f"{where}: manifest is not valid JSON ({str(e)[:200]})", file=where) from None
+    except MemoryError:  # a memory limit (ulimit -v) below what the host has free
+        raise _too_big(where, need) from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(f"{where}: not a tpu_ckpt manifest", file=where)
+    return doc
+
+
+def _decoded_bytes(body: bytes) -> int:
+    """What json.loads holds for ``body``, at least (measured, CPython 3.11): a list and its
+    place in its parent 64 bytes, a small object 200, each further value (a comma) a place
+    and, unless a small int, its object, 44, and a string ~56 (two quotes). So what a
+    manifest will take is known before it is parsed: 200 MB of ``[],`` take over 4 GB, of
+    ``{"a":1},`` 5 GB, of ``"ab",`` 2.6 GB, whatever its brackets."""
+    return 64 * body.count(b"[") + 200 * body.count(b"{") + 44 * body.count(b",") + 28 * body.count(b'"')
+
+
+def _available_memory() -> int:
+    """The host's free memory (MemAvailable), or no bound where it cannot be read."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(b"MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return MAX_INT
+
+
+def _too_big(where: str, need: int) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{where}: decoding this manifest would take about {need / 1e9:.1f} GB of memory or more, more than "
+        "this process can have: it is not a manifest tpu_ckpt wrote, or it is one for a far larger host. "
+        "Restore another checkpoint, or restore it where more memory is free.",
+        file=where,
+    )
+
+
+def _version(doc: dict[str, Any], where: str) -> tuple[int, int]:
+    text = doc.get("format_version")
+    parts = text.split(".") if isinstance(text, str) else []
+    if len(parts) != 2 or not all(p.isascii() and p.isdigit() and len(p) <= 4 for p in parts):  # '²'.isdigit()
+        raise CorruptCheckpointError(f"{where}: bad format_version {_short(text)}", file=where)
+    major, minor = int(parts[0]), int(parts[1])
+    if major > int(FORMAT_VERSION.split(".")[0]):
+        raise FormatVersionError(
+            f"{where} has format version {text}, newer than this tpu_ckpt reads "
+            f"({FORMAT_VERSION}); upgrade tpu_ckpt to restore it.",
+            file=where,
+        )
+    return major, minor
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class _Decoder:
+    """Builds the manifest's objects from its JSON, refusing any field of the wrong type or range."""
+
+    def __init__(self, where: str, complete: bool, source: piece_table.TableSource | None = None):
+        self.where = where
+        self.table_source = source
+        self.tables: list[tuple[str, int]] = []
+        self.sizes: tuple[list[str], list[int]] = ([], [])
+        self.complete = complete  # an index file's leaves carry their key, not their path
+
+    def fail(self, field: str, problem: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{self.where}: field {field} {problem}; the checkpoint is damaged, restore another one.",
+            file=self.where,
+        )
+
+    def int(self, value: Any, field: str, hi: int = MAX_INT) -> int:
+        if type(value) is not int or not 0 <= value <= hi:
+            raise self.fail(field, f"must be an integer in [0, {hi}], got {_short(value)}")
+        return value
+
+    def str(self, value: Any, field: str) -> str:
+        if type(value) is not str:
+            raise self.fail(field, f"must be a string, got {_short(value)}")
+        return value
+
+    def list(self, value: Any, field: str, length: int | None = None) -> list[Any]:
+        if type(value) is not list or (length is not None and len(value) != length):
+            wanted = "a list" if length is None else f"a list of {length}"
+            raise self.fail(field, f"must be {wanted}, got {_short(value)}")
+        return value
+
+    def manifest(self, doc: dict[str, Any], version: str) -> Manifest:
+        files = self.files(doc.get("files"))
+        names = list(files)
+        self.sizes = (names, list(files.values()))
+        if "tables" in doc and int(version.split(".")[0]) < 2:
+            raise self.fail("tables", f"appears in a format {version} manifest; piece tables came with format 2")
+        tables = self.files(doc.get("tables", []), "tables")
+        for name, size in tables.items():
+            if size % piece_table.ROW_BYTES:
+                raise self.fail("tables", f"gives {name} {size} bytes, not a whole number of {piece_table.ROW_BYTES}-byte rows")
+        self.tables = list(tables.items())
+        raw_leaves = self.list(doc.get("leaves"), "leaves")
+        leaves = tuple(self.leaf(d, f"leaves[{i}]", names, len(raw_leaves)) for i, d in enumerate(raw_leaves))
+        return Manifest(
+            leaves, files, self.int(doc.get("process_count"), "process_count", 1 << 31),
+            self.str(doc.get("sharding_callback"), "sharding_callback"), version, self.source(doc.get("source")),
+            self.metrics(doc.get("metrics")), tables,
+        )
+
+    def files(self, value: Any, field: str = "files") -> dict[str, int]:
+        files: dict[str, int] = {}
+        for i, item in enumerate(self.list(value, field)):
+            name, size = self.list(item, f"{field}[{i}]", 2)
+            name = self.str(name, f"{field}[{i}] (name)")
+            if name in files:
+                raise self.fail(f"{field}[{i}]", f"repeats the file name {name!r}")
+            files[name] = self.int(size, f"{field}[{i}] (size)")
+        return files
+
+    def source(self, value: Any) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        if type(value) is not dict:
+            raise self.fail("source", f"must be an object, got {_short(value)}")
+        path = self.str(value.get("path"), "source.path")
+        parts = path.split("/")
+        if len(parts) != 2 or parts[0] != ".." or parts[1] in ("", ".", "..") or not parts[1].isprintable():
+            raise self.fail("source.path", f"must name a sibling checkpoint as '../<name>', got {path!r}")
+        return {"path": path, "manifest_crc32c": self.int(value.get("manifest_crc32c"), "source.manifest_crc32c", 0xFFFFFFFF)}
+
+    def metrics(self, value: Any) -> dict[str, float | int] | None:
+        """Numbers by name; ``ls`` shows them and retention ranks steps by them."""
+        if value is None:
+            return None
+        if type(value) is not dict or len(value) > MAX_METRICS:
+            raise self.fail("metrics", f"must be an object of at most {MAX_METRICS} numbers, got {_short(value)}")
+        for name, number in value.items():
+            if type(number) is not float and not (type(number) is int and MIN_INT <= number <= MAX_INT):
+                raise self.fail(f"metrics[{_short(name)}]", f"must be a number (not a bool), got {_short(number)}")
+        return value
+
+    def leaf(self, doc: Any, field: str, files: Sequence[str], leaf_count: int) -> LeafEntry:
+        if type(doc) is not dict:
+            raise self.fail(field, f"must be an object, got {_short(doc)}")
+        key = self.str(doc.get("key"), f"{field}.key")
+        field = f"{field} (key {_short(key)})"
+        path = [self.path_entry(e, f"{field}.path[{j}]", leaf_count) for j, e in enumerate(self.list(doc.get("path"), f"{field}.path"))]
+        if (path or self.complete) and keys.join(path) != key:
+            raise self.fail(f"{field}.key", f"{key!r} does not match its path {path}")
+        kind = doc.get("kind")
+        if kind == "value":
+            value = doc.get("value")
+            if not isinstance(value, _VALUE_TYPES):
+                raise self.fail(f"{field}.value", f"must be a bool, number, string or null, got {_short(value)}")
+            return LeafEntry(key, path, "value", value=value)
+        if kind != "array":
+            raise self.fail(f"{field}.kind", f"must be 'array' or 'value', got {_short(kind)}")
+        if "table" in doc and self.complete:
+            return self.array_leaf(doc, field, key, path, None, files)
+        raw = self.list(doc.get("pieces"), f"{field}.pieces")
+        if not self.complete:  # an index file: pieces of leaves whose shape the leader knows
+            pieces = tuple(self.piece(p, f"{field}.pieces[{j}]", None, 0, files) for j, p in enumerate(raw))
+            return LeafEntry(key, path, "array", pieces=pieces)
+        return self.array_leaf(doc, field, key, path, raw, files)
+
+    def array_leaf(
+        self, doc: dict[str, Any], field: str, key: str, path: list[Any], raw: list[Any] | None, files: Sequence[str]
+    ) -> LeafEntry:
+        shape = tuple(self.int(n, f"{field}.shape") for n in self.list(doc.get("shape"), f"{field}.shape"))
+        if len(shape) > MAX_RANK or math.prod(shape) > MAX_INT:
+            raise self.fail(f"{field}.shape", f"is not a shape an array can have: {_short(list(shape))}")
+        dtype = self.str(doc.get("dtype"), f"{field}.dtype")
+        itemsize = dtype_itemsize(dtype)
+        if type(doc.get("is_slot")) is not bool:
+            raise self.fail(f"{field}.is_slot", f"must be true or false, got {_short(doc.get('is_slot'))}")
+        sharding = self.sharding(doc.get("sharding"), f"{field}.sharding")
+        if raw is None:  # format 2: the rows of a piece table, read when first used
+            if "pieces" in doc:
+                raise self.fail(field, "has both pieces and a table")
+            pieces: Sequence[PieceEntry] = piece_table.lazy_pieces(
+                self, doc, field, key, shape, itemsize, self.sizes, self.tables, self.table_source
+            )
+        else:
+            pieces = tuple(self.piece(p, f"{field}.pieces[{j}]", shape, itemsize, files) for j, p in enumerate(raw))
+        return LeafEntry(key, path, "array", shape, dtype, doc["is_slot"], sharding, pieces)
+
+    def sharding(self, value: Any, field: str) -> dict[str, Any] | None:
+        """How a leaf was saved sharded, as ``pieces.describe_sharding`` writes it: a
+        NamedSharding's mesh (axis sizes by name) and spec, or a kind and device count. A
+        restore never needs it, but ``inspect`` and ``describe`` show every part of it."""
+        if value is None:
+            return None
+        if type(value) is not dict or type(value.get("type")) is not str:
+            raise self.fail(field, f"must be null or an object with a string type, got {_short(value)}")
+        if value["type"] != "NamedSharding":
+            self.int(value.get("num_devices"), f"{field}.num_devices", 1 << 31)
+            return value
+        mesh, spec = value.get("mesh"), self.list(value.get("spec"), f"{field}.spec")
+        if type(mesh) is not dict or not all(type(n) is int and 0 < n <= 1 << 31 for n in mesh.values()):
+            raise self.fail(f"{field}.mesh", f"must map axis names to sizes, got {_short(mesh)}")
+        for entry in spec:
+            if not (entry is None or type(entry) is str or (type(entry) is list and all(type(a) is str for a in entry))):
+                raise self.fail(f"{field}.spec", f"must list null, axis names or lists of them, got {_short(spec)}")
+        return value
+
+    def path_entry(self, entry: Any, field: str, leaf_count: int) -> tuple[str, Any]:
+        kind, name = self.list(entry, field, 2)
+        if kind not in _PATH_KINDS:
+            raise self.fail(field, f"has an unknown kind {_short(kind)}")
+        if kind == "seq":  # an index bounded by the leaves, so rebuilding lists stays small
+            return kind, self.int(name, field, max(leaf_count - 1, 0))
+        if kind == "dict" and type(name) in (int, bool):  # a save keeps a dict's int and bool keys
+            return kind, name
+        if "/" in self.str(name, field):  # save refuses such names: "/" joins a key's entries
+            raise self.fail(field, f"has a name containing '/': {_short(name)}")
+        return kind, name
+
+    def piece(
+        self, item: Any, field: str, shape: tuple[int, ...] | None, itemsize: int, files: Sequence[str]
+    ) -> PieceEntry:
+        """One piece, checked inline: a manifest has millions. Only a bad piece takes the slow
+        path, which names exactly what is wrong with it. ``shape`` None: an index file's piece,
+        whose leaf only the leader knows."""
+        try:
+            raw, file, offset, length, crc = item
+            spec = tuple((a, b) for a, b in raw)
+            bounds = shape if shape is not None else (MAX_INT,) * len(spec)
+            ok = (
+                type(item) is list and type(raw) is list and len(spec) == len(bounds)
+                and all(type(a) is int and type(b) is int and 0 <= a <= b <= n for (a, b), n in zip(spec, bounds))
+                and type(file) is int and type(offset) is int and type(length) is int and type(crc) is int
+                and 0 <= file < len(files) and 0 <= offset <= MAX_INT and 0 <= crc <= 0xFFFFFFFF
+                and 0 <= length <= MAX_INT and (length > 0 or crc == 0)
+                and (shape is None or length == math.prod(b - a for a, b in spec) * itemsize)
+            )
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            return self.explain_piece(item, field, shape, itemsize, files)
+        return PieceEntry(spec, files[file], offset, length, crc)
+
+    def explain_piece(
+        self, item: Any, field: str, shape: tuple[int, ...] | None, itemsize: int, files: Sequence[str]
+    ) -> PieceEntry:
+        """A piece checked field by field; ``shape`` None: its leaf is not known here."""
+        spec, file, offset, length, crc = self.list(item, field, 5)
+        pairs = self.list(spec, f"{field} (slice)", None if shape is None else len(shape))
+        spec = tuple(
+            (self.int(a, f"{field} (slice)"), self.int(b, f"{field} (slice)"))
+            for a, b in (self.list(pair, f"{field} (slice)", 2) for pair in pairs)
+        )
+        bounds = shape if shape is not None else (MAX_INT,) * len(spec)
+        if not all(a <= b <= n for (a, b), n in zip(spec, bounds)):
+            raise self.fail(field, f"has slice {list(spec)} outside the leaf's shape {list(bounds)}")
+        file = self.int(file, f"{field} (file index)", len(files) - 1)
+        length = self.int(length, f"{field} (length)")
+        if shape is not None and length != slices.volume(spec) * itemsize:
+            raise self.fail(field, f"has length {length}, but its slice {list(spec)} holds {slices.volume(spec) * itemsize} bytes")
+        crc = self.int(crc, f"{field} (crc32c)", 0xFFFFFFFF)
+        if length == 0 and crc != 0:
+            raise self.fail(field, "is empty but has a non-zero crc32c")
+        return PieceEntry(spec, files[file], self.int(offset, f"{field} (offset)"), length, crc)

@@ -1,0 +1,53 @@
+"""A CheckpointManager's arguments checked as its users write them: steps that must be
+integers, and Orbax's keywords (``args=``) answered with the call to write instead."""
+
+from __future__ import annotations
+
+import numbers
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+
+def check_step(step: Any, usage: str) -> int:
+    """``step`` as an int, or a TypeError saying how ``usage`` is called (a pytree passed
+    where a step goes would otherwise fill the message with its repr)."""
+    if isinstance(step, bool):
+        raise TypeError(f"step must be an integer, got {step!r}: call {usage}")
+    try:
+        value = operator.index(step)  # int, numpy and jax integer scalars
+    except TypeError:
+        text = repr(step)
+        shown = text if len(text) <= 60 else f"{text[:40]}..."  # a TrainState's repr runs to kilobytes
+        raise TypeError(f"step must be an integer, got {shown} of type {type(step).__name__}: call {usage}") from None
+    if value < 0:
+        raise ValueError(f"step must be >= 0, got {value}")
+    return value
+
+
+def names_a_step(arg: Any) -> bool:
+    """Whether ``restore``'s first argument is meant as a step (possibly a wrong one, which
+    is then refused) rather than as a target pytree."""
+    if isinstance(arg, (str, bytes, numbers.Number)):
+        return True
+    try:
+        operator.index(arg)
+    except TypeError:
+        return False
+    return True
+
+
+NO_TREE = object()  # CheckpointManager.save's tree when none is given (Orbax passes it as args=)
+
+
+def refuse_orbax_keywords(call: str, keywords: Mapping[str, Any], missing: bool = False) -> None:
+    """Keywords a manager method does not take, as Orbax's ``args=ocp.args.StandardSave(state)``,
+    or (``missing``) no tree at all: a TypeError naming the call to write here instead
+    (``call``, e.g. ``save(step, state)``)."""
+    if not keywords:
+        if missing:
+            raise TypeError(f"CheckpointManager.{call.split('(')[0]}() needs the tree to save: manager.{call}.")
+        return
+    hint = f" Orbax's args=ocp.args.Standard...(x) is a plain argument here: manager.{call}." if "args" in keywords else ""
+    names = ", ".join(sorted(keywords))
+    raise TypeError(f"CheckpointManager.{call.split('(')[0]}() got unexpected keyword arguments: {names}.{hint}")

@@ -1,0 +1,356 @@
+"""CheckpointManager: numbered checkpoints of a training loop in one directory.
+
+A loop calls ``save(step, tree)`` every step. The manager writes a checkpoint when its
+save rules say so (cadence.py: TensorFlow's interval, Orbax's multiples, or continuous
+saving). It keeps the newest ``max_to_keep`` checkpoints, one every
+``keep_checkpoint_every_n_hours``, and the ``keep_best`` best by a metric (retention.py), and
+it tells the loop when the job is being preempted.
+
+The directory is the source of truth: one ``step_<n>`` per committed checkpoint, committed
+once its manifest exists (see storage.py), and no state file, so a new manager (after a
+restart, on another host) sees exactly the committed steps, and a crash never leaves a state
+file and the checkpoints disagreeing. Metrics live in each step's manifest for the same reason.
+
+Retention and the removal of uncommitted leftovers run as a write callback of each save,
+after its commit, on the process that commits (the leader), which is also the only one that
+lists the directory: once per manager call, for the whole job (see ``_list``).
+
+With ``local_directory`` a second, local tier saves often to each host's own disk and the
+persistent steps are uploaded from it in the background (``tiers.py``); a restore takes the
+newest step either tier holds whole.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import time
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any
+
+from tpu_ckpt import cluster, storage, tiers
+from tpu_ckpt.catalog import Listing, read_manifest, remove_leftover, remove_step
+from tpu_ckpt.errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
+from tpu_ckpt.format import MANIFEST_FILE, metric_values
+from tpu_ckpt.manager import _retention as retention
+from tpu_ckpt.manager._arguments import NO_TREE, check_step, names_a_step, refuse_orbax_keywords
+from tpu_ckpt.manager._collective_listing import list_on_leader
+from tpu_ckpt.manager._preemption import PreemptionWatch
+from tpu_ckpt.options import CheckpointOptions, manager_options
+from tpu_ckpt.restoring import restore
+from tpu_ckpt.saving import SaveResult, save
+from tpu_ckpt.tiers import Cadence
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointManager:
+    """Saves numbered checkpoints into one directory, prunes old ones, and detects preemption.
+
+    Args:
+      directory: where the ``step_<n>`` checkpoints live. A local path, or a
+        ``memory://``, ``gs://`` or ``s3://`` URL.
+      max_to_keep: how many of the newest checkpoints to keep. ``None`` keeps all of them.
+      keep_checkpoint_every_n_hours: also keep, forever, each checkpoint that leaves the
+        newest ``max_to_keep`` at least this many hours after the last one kept this way
+        (TF's rule), by manifest mtimes: local directories only (copy with ``cp -p``). The
+        clock starts at creation on an empty directory (as in TF), else at the oldest step.
+      save_interval_steps: ``save`` writes only when ``step`` is at least this many steps
+        past the last step this manager saved or restored (TF's ``checkpoint_interval``).
+        A manager's first save is always due, as in TF.
+      save_on_multiples: instead, write the steps that are multiples of
+        ``save_interval_steps`` (Orbax's rule: 0, 10, 20, ...), past the last step saved
+        or restored. A job interrupted at a multiple then loses no step.
+      save_interval_seconds: continuous saving (Orbax's ``ContinuousCheckpointingPolicy``):
+        also require that this manager's last save has finished (no longer writing in the
+        background) and at least this many seconds have passed since it started, or since
+        the last ``restore``; 0: whenever no save is in flight. The io process decides for all.
+      keep_best: also keep this many steps, those whose ``best_fn`` score is best.
+      best_fn: a step's score, from the metrics given to its ``save``; see retention.py.
+      best_mode: ``"max"`` (the highest score is best) or ``"min"``.
+      options: the :class:`CheckpointOptions` of every save, and the default for ``restore``.
+      local_directory: a path on each host's own disk (local SSD, RAM disk), the local tier, where each process saves
+        its own pieces; persistent steps are uploaded to ``directory`` from those files in the background (tiers.py).
+      local_interval_steps: the local tier saves every this many steps (and every persistent one).
+      local_max_to_keep: how many of its newest local steps each host keeps.
+      local_replicas: how many other hosts get a copy of each process's local pieces.
+
+    Raises:
+      ValueError: a retention, interval or local-tier argument is out of range.
+      TypeError: ``options`` is not a :class:`CheckpointOptions` (Orbax's options are keywords here).
+
+    Every process of a multi-process job creates the manager and makes the same calls (SPMD:
+    ``save``, ``restore``, ``latest_step``, ``all_steps``), as one process lists for all.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        max_to_keep: int | None = 5,
+        keep_checkpoint_every_n_hours: float | None = None,
+        save_interval_steps: int = 1,
+        save_on_multiples: bool = False,
+        save_interval_seconds: float | None = None,
+        keep_best: int | None = None,
+        best_fn: retention.BestFn | None = None,
+        best_mode: str = "max",
+        options: CheckpointOptions | None = None,
+        local_directory: str | os.PathLike[str] | None = None,
+        local_interval_steps: int = 1,
+        local_max_to_keep: int | None = 2,
+        local_replicas: int = 1,
+    ):
+        self._location = storage.location(directory)
+        self.directory = self._location.url
+        self._retention = retention.Retention.checked(
+            self._location, max_to_keep, keep_checkpoint_every_n_hours, keep_best, best_fn, best_mode
+        )
+        self.max_to_keep = max_to_keep
+        self.keep_checkpoint_every_n_hours = self._retention.every_n_hours
+        self._cadence = Cadence(save_interval_steps, save_on_multiples, save_interval_seconds)
+        self.save_interval_steps = save_interval_steps
+        self._options = manager_options(options)
+        self._pending: SaveResult | None = None
+        self._scores: dict[str, float | None] = {}  # step directory -> its best_fn score
+        # TF's last_preserved_timestamp, which TF reads from its state file (see Args).
+        self._preserved_since = time.time() - 1 if not self._list().committed else -math.inf
+        self._preemption = PreemptionWatch()
+        self._tier = None if local_directory is None else tiers.LocalTier(
+            local_directory, local_interval_steps, local_max_to_keep, local_replicas, self._options
+        )
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def save(self, step: int, tree: Any = NO_TREE, *, metrics: Mapping[str, Any] | None = None, force: bool = False, **orbax: Any) -> bool:
+        """Saves ``tree`` as step ``step`` if :meth:`should_save` says so, or if ``force`` is set.
+
+        ``metrics`` (name -> number, e.g. ``{"loss": loss}``) are stored in the step's
+        manifest: ``tpu-ckpt ls`` shows them, and ``keep_best`` ranks steps by them.
+        Returns whether a save was started. With asynchronous options the save is started
+        but not yet committed; it is committed once :meth:`wait_until_finished` returns.
+        A save first waits for the one before it and raises that one's failure, if any.
+        After a restart, resume with :meth:`restore`. That also sets the step from which
+        the interval counts. With ``local_directory`` a step is saved locally when either
+        tier is due, and uploaded to ``directory`` in the background when the persistent
+        tier is (see tiers.py); ``force`` saves to both.
+
+        Raises:
+          CheckpointExistsError: step ``step`` is already committed (nothing is ever overwritten).
+          TypeError: no ``tree``, or Orbax's keywords (``**orbax``, e.g. ``args=``) instead of it.
+        """
+        refuse_orbax_keywords("save(step, state)", orbax, missing=tree is NO_TREE)
+        step = check_step(step, "save(step, tree)")
+        persistent = force or self.should_save(step)
+        if not persistent and (self._tier is None or not self._tier.cadence.steps_due(step)):
+            return False
+        metrics = None if metrics is None else metric_values(metrics)
+        score = None
+        if metrics is not None and self._retention.best_fn is not None:
+            score = retention.score(self._retention.best_fn, metrics, step)  # a broken best_fn fails here
+        self._wait_for_save()
+        if self._tier is None:
+            path, options = self._persistent(step, score)
+            self._pending = save(path, tree, options=options, metrics=metrics)
+        else:
+            upload = None
+            if persistent:
+                self._tier.wait_for_upload()  # one upload at a time
+                upload = tiers.Upload(*self._persistent(step, score), step)
+            self._pending = self._tier.save(step, tree, self._options, metrics, upload)
+        if persistent:
+            self._cadence.counts_from(step)
+        return True
+
+    def _persistent(self, step: int, score: float | None) -> tuple[str, CheckpointOptions]:
+        """Where the persistent step goes and its save's options (retention after the commit); raises if committed."""
+        listing = self._list()
+        if step in listing.committed:
+            raise CheckpointExistsError(
+                f"Step {step} is already committed in {self.directory} as {listing.committed[step]!r}; "
+                "tpu_ckpt never overwrites a checkpoint. Save a different step, or delete that one first.",
+                file=self._location.child(listing.committed[step]),
+            )
+        name = f"step_{step}"
+        if name in listing.leftovers and cluster.process_index() == self._leader():
+            # An interrupted save of this step, written in place (object stores): in the way.
+            remove_leftover(self._location, name, "an uncommitted leftover of an earlier save of this step", even_busy=True)
+        retain = functools.partial(self._after_commit, step, name, score, listing)
+        return self._location.child(name), self._options.replace(write_callbacks=(*self._options.write_callbacks, retain))
+
+    def should_save(self, step: int) -> bool:
+        """Whether :meth:`save` would write ``step`` now (without ``force``): see cadence.py.
+
+        With ``save_interval_seconds`` in a multi-process job this is collective (the io
+        process decides for all, as the others' clocks and background writes differ), so
+        every process must call it, or ``save``, at the same steps.
+        """
+        step = check_step(step, "should_save(step)")
+        if not self._cadence.steps_due(step):
+            return False
+        if self._cadence.every_seconds is None:
+            return True
+        in_flight = self._pending is not None and not self._pending.done()
+        if cluster.process_count() == 1:
+            return self._cadence.time_due(in_flight)
+        with cluster.Coordinator(f"should_save({step}) in {self.directory}", self._options.coordination_timeout) as coord:
+            if coord.me != self._leader():
+                return coord.receive("due", self._leader()) == "yes"
+            due = self._cadence.time_due(in_flight)
+            coord.publish("due", "yes" if due else "no")
+            return due
+
+    def restore(self, step: Any = None, target: Any = None, *, options: CheckpointOptions | None = None, **orbax: Any) -> Any:
+        """Restores step ``step`` (``None``: the latest committed one) into ``target``, with
+        ``options`` (default: the manager's); see :func:`tpu_ckpt.restore`. ``restore(target)``,
+        Orbax's habit, is ``restore(None, target)``: a first argument that is no integer is the target.
+
+        With ``local_directory``: from the local tier when every process's part of the step is
+        on some live host (its own disk or a replica) and ``directory`` has no newer step; else
+        from ``directory``. First waits for a save in flight, and raises its failure like
+        :meth:`wait_until_finished`. The restored step then counts as the last saved step for
+        the save rules, as after TF's ``restore_or_initialize``.
+
+        Raises:
+          CheckpointNotFoundError: no committed checkpoint, or none for ``step``.
+          TypeError: Orbax's keywords (``**orbax``, e.g. ``args=``), or a non-integer step and a target.
+        """
+        refuse_orbax_keywords("restore(step, abstract_state)", orbax)
+        if step is not None and not names_a_step(step):
+            if target is not None:
+                raise TypeError(
+                    f"restore() got a {type(step).__name__} as its step, and a target: call "
+                    "restore(target) for the latest step, or restore(step, target) with an integer step."
+                )
+            step, target = None, step
+        self.wait_until_finished()
+        committed = self._list().committed
+        options = options if options is not None else self._options
+        step = None if step is None else check_step(step, "restore(step, target)")
+        if self._tier is not None:
+            chosen, tree = self._tier.restore(committed, step, target, options)
+            if tree is not None:  # from the local tier
+                self._cadence.counts_from(chosen)
+                return tree
+            step = chosen if chosen is not None else step
+        if step is None:
+            if not committed:
+                raise CheckpointNotFoundError(f"No committed checkpoint in {self.directory}", file=self.directory)
+            step = max(committed)
+        elif step not in committed:
+            raise CheckpointNotFoundError(
+                f"No committed checkpoint for step {step} in {self.directory}; "
+                f"the committed steps are {sorted(committed)}",
+                file=self.directory,
+            )
+        tree = restore(self._location.child(committed[step]), target, options=options)
+        self._cadence.counts_from(step)
+        if self._tier is not None:
+            self._tier.cadence.counts_from(step)
+        return tree
+
+    def latest_step(self) -> int | None:
+        """The highest committed step, or ``None``. A save still in flight does not count.
+        With ``local_directory``: the step :meth:`restore` would restore, from either tier."""
+        committed = self._list().committed
+        if self._tier is None:
+            return max(committed, default=None)
+        return self._tier.choose(committed, None, self._options.coordination_timeout).step
+
+    def all_steps(self) -> list[int]:
+        """Every committed step (of ``directory``, the persistent tier), in ascending order."""
+        return sorted(self._list().committed)
+
+    def wait_until_finished(self) -> None:
+        """Waits until the save in flight (and an upload to ``directory``) is committed; raises its failure (once)."""
+        self._wait_for_save()
+        if self._tier is not None:
+            self._tier.wait_for_upload()
+
+    def _wait_for_save(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
+
+    def close(self) -> None:
+        """Waits for the save in flight, and stops watching for SIGTERM (see :meth:`reached_preemption`)."""
+        try:
+            self.wait_until_finished()
+        finally:
+            self._preemption.close()
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether the job is being preempted and ``step`` is where every process saves and exits.
+
+        Under JAX's distributed runtime this is JAX's preemption sync point
+        (``multihost_utils.reached_preemption_sync_point``). The processes agree on the
+        step, and every process must call this at every step. In a single-process run it is
+        True once the process has received SIGTERM; the first call (on the main thread)
+        installs a handler recording it, which :meth:`close` removes. A typical loop::
+
+            if manager.reached_preemption(step):
+                manager.save(step, state, force=True)
+                manager.wait_until_finished()
+                break
+        """
+        return self._preemption.reached(check_step(step, "reached_preemption(step)"))
+
+    def _after_commit(self, step: int, name: str, score: float | None, before: Listing) -> None:
+        """Removes leftovers and the checkpoints that retention lets go (on the leader only).
+
+        ``before`` is the listing ``save`` took: since then only this save changed the
+        directory (it committed ``name``; nobody but the leader removes), so it needs no
+        second listing."""
+        if cluster.process_index() != self._leader():
+            return
+        self._scores[name] = score
+        for leftover in before.leftovers:
+            if leftover != name and leftover not in before.busy:  # busy: maybe another job's save
+                remove_leftover(self._location, leftover, "an uncommitted leftover")
+        committed = {**before.committed, step: name}
+        expired = self._retention.expired(
+            list(committed), step, preserved_since=self._preserved_since,
+            commit_time=lambda s: self._commit_time(committed[s]),
+            score=lambda s: self._score(committed[s], s),
+        )
+        rules = (f"max_to_keep={self.max_to_keep}, keep_checkpoint_every_n_hours={self.keep_checkpoint_every_n_hours}, "
+                 f"keep_best={self._retention.keep_best}")
+        for old in expired:
+            self._remove(committed[old], f"retention ({rules})")
+
+    def _score(self, name: str, step: int) -> float | None:
+        """A step's ``best_fn`` score, from its manifest (read once). A step whose manifest
+        or score cannot be had is kept by the other rules only, and a warning says why."""
+        if name not in self._scores:
+            self._scores[name] = None
+            try:
+                metrics = read_manifest(storage.Location(self._location.child(name))).metrics
+                if metrics is not None:
+                    self._scores[name] = retention.score(self._retention.best_fn, metrics, step)
+            except (CheckpointError, TypeError) as error:
+                logger.warning("tpu_ckpt: step %d is not ranked by best_fn, so keep_best cannot keep it: %s", step, error)
+        return self._scores[name]
+
+    def _commit_time(self, name: str) -> float:
+        """When a step was committed: the mtime of its manifest, which is written last."""
+        return os.stat(os.path.join(self._location.local_path, name, MANIFEST_FILE)).st_mtime
+
+    def _list(self) -> Listing:
+        """What the directory holds, as the leader sees it (collective: ``list_on_leader``)."""
+        return list_on_leader(self._location, self._leader(), self._options.coordination_timeout)
+
+    def _leader(self) -> int:
+        """The process that removes old steps and leftovers: the one that writes storage."""
+        return self._options.io_device if self._options.io_device is not None else 0
+
+    def _remove(self, name: str, why: str) -> None:
+        self._scores.pop(name, None)
+        remove_step(self._location, name, why)
+

@@ -1,0 +1,264 @@
+"""restore() and metadata(): find the manifest and the storage, plan, carry the plan out.
+
+``restore_plan.py`` works out, with no IO, which global slices each target leaf needs on
+this process and which pieces hold them, in read batches of about the ``read_batch_bytes`` setting (so
+host memory stays at the target's bytes plus two batches); ``restore_exec.py`` reads,
+assembles and places them. Resharding to another mesh, device count or to numpy is the same
+code path. Here: where the bytes come from — storage, the io_device process, or (with
+``load_and_broadcast``) the other processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from typing import Any, TypeVar, overload
+
+import numpy as np
+
+from tpu_ckpt import cluster, relay, storage
+from tpu_ckpt.catalog import read_manifest, store_tables
+from tpu_ckpt.errors import CheckpointError, TargetMismatchError, UncommittedCheckpointError
+from tpu_ckpt.format import (
+    MANIFEST_FILE,
+    LeafEntry,
+    Manifest,
+    check_byte_ranges,
+    decode_manifest,
+    dtype_from_name,
+    unflatten_nested,
+)
+from tpu_ckpt.options import CheckpointOptions, io_process
+from tpu_ckpt.restoring import _exec as restore_exec
+from tpu_ckpt.restoring import _shared_reads as shared_reads
+from tpu_ckpt.restoring._plan import ArrayRead, RestorePlan, all_mismatches, plan_restore
+from tpu_ckpt.runtime import gc_paused
+from tpu_ckpt.settings import settings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayMetadata:
+    """What :func:`metadata` reports for an array leaf, without reading any data.
+
+    Attributes:
+      shape: the global shape.
+      dtype: the numpy dtype as saved.
+      nbytes: the global array's size in bytes.
+      is_slot: whether the leaf is optimizer slot state (``skip_slot_variables`` skips it).
+      saved_sharding: the sharding it was saved with, as the manifest records it, or ``None``.
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    nbytes: int
+    is_slot: bool
+    saved_sharding: dict[str, Any] | None
+
+
+def metadata(path: str | os.PathLike[str]) -> Any:
+    """The checkpoint's tree, read from the manifest alone (no data file is opened).
+
+    Args:
+      path: the checkpoint directory or URL.
+
+    Returns:
+      Nested dicts/lists of :class:`ArrayMetadata` for the arrays, and the saved Python values.
+
+    Raises:
+      CheckpointNotFoundError: nothing is committed at ``path``.
+      UncommittedCheckpointError: only a partial, never committed save is there.
+      FormatVersionError: a newer format version wrote it.
+      CorruptCheckpointError: the manifest is unreadable.
+    """
+    manifest = read_manifest(storage.location(path))
+    return unflatten_nested(
+        (leaf.path, _leaf_metadata(leaf) if leaf.kind == "array" else leaf.value) for leaf in manifest.leaves
+    )
+
+
+def _leaf_metadata(leaf: LeafEntry) -> ArrayMetadata:
+    return ArrayMetadata(leaf.shape, dtype_from_name(leaf.dtype), leaf.nbytes, leaf.is_slot, leaf.sharding)
+
+
+T = TypeVar("T")
+
+
+@overload
+def restore(
+    path: str | os.PathLike[str], target: None = None, *, options: CheckpointOptions | None = None, subtree: str | None = None
+) -> Any: ...
+@overload
+def restore(
+    path: str | os.PathLike[str], target: T, *, options: CheckpointOptions | None = None, subtree: str | None = None
+) -> T: ...
+def restore(
+    path: str | os.PathLike[str],
+    target: Any = None,
+    *,
+    options: CheckpointOptions | None = None,
+    subtree: str | None = None,
+) -> Any:
+    """Restores a checkpoint, or the part of it that ``target`` (and ``subtree``) name.
+
+    Args:
+      path: the checkpoint directory or URL.
+      target: ``None`` (everything, as nested dicts/lists of numpy arrays and saved Python
+        values) or a pytree whose leaves are ``jax.Array``, ``jax.ShapeDtypeStruct``
+        (with any sharding), numpy arrays or Python scalars; each restored leaf takes the
+        target leaf's shape check, dtype (float->float casts only) and sharding.
+      options: :class:`CheckpointOptions`. With ``skip_slot_variables`` the optimizer slot
+        variables (decided at save time, see ``slots.py``) are not read at all: target slot
+        leaves come back unchanged, and without a target they are left out of the result.
+      subtree: a key path such as ``"params"``: restore only that part (``target`` then
+        describes that part).
+
+    Returns:
+      The restored tree: ``target``'s structure with its leaves filled in, or nested
+      dicts/lists of numpy arrays and saved Python values without a target.
+
+    Raises:
+      CheckpointNotFoundError: nothing is committed at ``path``.
+      UncommittedCheckpointError: only a partial, never committed save is there.
+      FormatVersionError: a newer format version wrote it.
+      CorruptCheckpointError: a data file is missing, truncated or fails its checksum.
+      TargetMismatchError: ``target`` or ``subtree`` does not match the checkpoint's tree,
+        shapes or dtypes (every mismatch is listed).
+    """
+    options = options or CheckpointOptions()
+    started = time.perf_counter()
+    loc = storage.location(path)
+    with _open(loc, options) as (store, manifest, coord):
+        tree, count, nbytes = restore_from(store, manifest, target, options, subtree, coord)
+    logger.info(
+        "tpu_ckpt: restored %d leaves (%.1f MB read) from %s in %.2fs",
+        count, nbytes / 1e6, loc.url, time.perf_counter() - started,
+    )
+    return tree
+
+
+@contextlib.contextmanager
+def _open(
+    loc: storage.Location, options: CheckpointOptions
+) -> Iterator[tuple[Any, Manifest, cluster.Coordinator | None]]:
+    """The checkpoint's store and manifest, and the coordinator of a restore whose processes
+    work together (``io_device``, ``load_and_broadcast``). It is made before anything can
+    fail, so a failure on one process reaches the others at once. With ``io_device`` only
+    that process opens storage; it serves the others (``relay.py``) until all have finished."""
+    count = cluster.process_count()
+    io = io_process(options, count)
+    if count == 1 or (io is None and not options.load_and_broadcast):
+        manifest = read_manifest(loc)
+        with storage.Store(loc) as store:
+            yield store, manifest, None
+        return
+    coord = cluster.Coordinator(f"restore {loc.url}", options.coordination_timeout)
+    try:
+        if io is None:
+            manifest = cluster.read_manifest_everywhere(coord, loc)
+            with storage.Store(loc) as store:
+                yield store, manifest, coord
+        elif coord.me == io:
+            with _serve(loc, coord) as (store, manifest):
+                yield store, manifest, coord
+                coord.collect("restored", "", at=io)  # serves until everyone has restored
+        else:
+            with _relayed(loc, coord, io) as (store, manifest):
+                yield store, manifest, coord
+            coord.collect("restored", "", at=io)
+    except BaseException as error:
+        coord.report_failure(error)
+        if isinstance(error, relay.RelayConnectionError):  # the peer's own report says more
+            coord.raise_if_another_failed("restore", grace=2.0)
+        raise
+    finally:
+        coord.close()
+
+
+@contextlib.contextmanager
+def _serve(loc: storage.Location, coord: cluster.Coordinator) -> Iterator[tuple[storage.Backend, Manifest]]:
+    """The io_device process: reads the manifest (telling the others if that fails, so they
+    raise the same error), then serves the checkpoint while restoring its own part."""
+    try:
+        manifest = read_manifest(loc)
+    except CheckpointError as error:
+        coord.publish("serve", "error " + json.dumps(relay.error_to_json(error)))
+        raise
+    with storage.Store(loc) as store:
+        server = relay.RelayServer(
+            store, cluster.relay_host(), coord.timeout, peers=coord.count - 1,
+            serves={MANIFEST_FILE: None, **manifest.files, **manifest.tables},
+        )
+        try:
+            coord.publish("serve", "ok " + server.contact())
+            yield store, manifest
+        finally:
+            server.close()
+
+
+@contextlib.contextmanager
+def _relayed(
+    loc: storage.Location, coord: cluster.Coordinator, io: int
+) -> Iterator[tuple[relay.RelayStore, Manifest]]:
+    """Every other process: reads the checkpoint through the io_device process."""
+    status, _, detail = coord.receive("serve", io).partition(" ")
+    if status == "error":
+        raise relay.error_from_json(json.loads(detail))
+    with relay.RelayStore(loc, detail, coord.timeout, io) as store:
+        data = store.read_file(MANIFEST_FILE)
+        if data is None:
+            raise UncommittedCheckpointError(f"{loc.url} lost its {MANIFEST_FILE} during the restore", file=loc.url)
+        yield store, decode_manifest(data, where=loc.child(MANIFEST_FILE), tables=store_tables(store))
+
+
+def restore_from(
+    store: storage.CheckpointStore, manifest: Manifest, target: Any, options: CheckpointOptions,
+    subtree: str | None, coord: cluster.Coordinator | None,
+) -> tuple[Any, int, int]:
+    """The restored tree, its number of leaves and the bytes read."""
+    skip, url = options.skip_slot_variables, store.location.url
+    try:
+        plan = plan_restore(manifest, target, subtree, skip, batch_bytes=_share(options, settings().read_batch_bytes), url=url)
+    except TargetMismatchError as first:  # every mismatch, as tc.check_restore lists them
+        raise all_mismatches(first, manifest, target, subtree, skip, url) from None
+    if manifest.tables:  # format 2: the leaves read so far share no byte (1.x: checked on decode)
+        check_byte_ranges(manifest, store.location.child(MANIFEST_FILE), loaded_only=True)
+    with gc_paused(), _piece_source(store, plan, options, coord) as source:
+        results, nbytes = restore_exec.execute(plan, source)
+    return plan.tree(results), len(results), nbytes
+
+
+def _share(options: CheckpointOptions, unbounded: int | None) -> int | None:
+    """A quarter of ``host_memory_limit``: a read batch (two in flight, and one being
+    assembled) and the pieces load_and_broadcast keeps for peers each get one."""
+    limit = options.host_memory_limit
+    if limit is None:
+        return unbounded
+    return limit // 4 if unbounded is None else min(unbounded, limit // 4)
+
+
+@contextlib.contextmanager
+def _piece_source(
+    store: storage.CheckpointStore, plan: RestorePlan, options: CheckpointOptions,
+    coord: cluster.Coordinator | None,
+) -> Iterator[shared_reads.StoreReads]:
+    """Storage, or with ``load_and_broadcast`` storage and the other processes."""
+    if coord is None or not options.load_and_broadcast:
+        yield shared_reads.StoreReads(store)
+        return
+    arrays = [entry for entry in plan.leaves if isinstance(entry, ArrayRead)]
+    the_plan = shared_reads.plan([(a.leaf, a.sharding) for a in arrays], coord.count)
+    pieces = {(p.file, p.offset): (a.leaf.key, p) for a in arrays for p in a.leaf.pieces}
+    source = shared_reads.SharedReads(store, coord, the_plan, pieces, keep_bytes=_share(options, None))
+    try:
+        yield source
+    except BaseException:
+        source.close()
+        raise
+    source.finish()

@@ -1,0 +1,88 @@
+"""A save's staging area: where every process writes until the leader commits.
+
+The leader checks the destination, names the staging area and, for ``io_device``, serves
+it to the others over the relay (accepting only their own files); the others learn its name
+or where to connect. A local staging directory is proved shared before anyone writes (see
+``shared_storage.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+from tpu_ckpt import cluster, relay, storage
+from tpu_ckpt.errors import CheckpointExistsError
+from tpu_ckpt.saving._plan import written_by
+
+
+@dataclasses.dataclass(frozen=True)
+class Staging:
+    """Where this process writes: the staging area, its store, and, on the io_device leader,
+    the relay serving the staging area to the others."""
+
+    location: storage.Location
+    store: storage.CheckpointStore
+    server: relay.RelayServer | None = None
+
+    def close(self) -> None:
+        """Stops serving the others (first: no late write may land after this), closes the store."""
+        if self.server is not None:
+            self.server.close()
+        self.store.close()
+
+
+def prepare(
+    final: storage.Location, coord: cluster.Coordinator, leader: int, timeout: float, relayed: bool
+) -> Staging:
+    """The leader checks the destination and names the staging area (serving it to the
+    others when they write through it); the others learn its name, or where to connect.
+    Before anyone writes, the processes prove they all see a local staging directory
+    (see ``shared_storage.py``): the leader decides when, so every process takes part."""
+    if coord.me != leader:
+        return _join(final, coord, leader, timeout)
+    if not storage.is_empty(final):
+        raise CheckpointExistsError(
+            f"{final.url} already exists and is not empty; tpu_ckpt never overwrites a checkpoint. "
+            "Save to a new path, or delete the old one first.",
+            file=final.url,
+        )
+    token = storage.new_token()
+    location = final.staging(token)
+    staging = Staging(location, storage.open_staging(location, final, token))
+    prove = not relayed and cluster.unproved(final, coord.count)
+    try:
+        contact = ""
+        if relayed and coord.count > 1:
+            accepts = functools.partial(_sent_by_another, leader=leader, count=coord.count)
+            server = relay.RelayServer(staging.store, cluster.relay_host(), timeout, peers=coord.count - 1, accepts=accepts)
+            staging = dataclasses.replace(staging, server=server)
+            contact = server.contact()
+        coord.publish("start", json.dumps({"token": token, "contact": contact, "prove_shared": prove}))
+        if prove:
+            cluster.prove_staging(coord, final, location, leader)
+    except BaseException:
+        staging.close()
+        storage.remove(location)  # nobody else knows its name: nobody else would remove it
+        raise
+    return staging
+
+
+def _join(final: storage.Location, coord: cluster.Coordinator, leader: int, timeout: float) -> Staging:
+    """A process other than the leader: the staging area the leader named, written directly
+    or through the leader's relay."""
+    start = json.loads(coord.receive("start", leader))
+    location = final.staging(start["token"])
+    if start["prove_shared"]:
+        cluster.prove_staging(coord, final, location, leader)
+    if start["contact"]:
+        return Staging(location, relay.RelayStore(location, start["contact"], timeout, leader))
+    return Staging(location, storage.Store(location))
+
+
+def _sent_by_another(name: str, leader: int, count: int) -> bool:
+    """What the io_device leader's relay accepts: the data files and index of another
+    process of this job, nothing else."""
+    process = written_by(name)
+    return process is not None and process != leader and process < count

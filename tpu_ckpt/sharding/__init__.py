@@ -1,0 +1,26 @@
+"""How a leaf becomes pieces: the sharding callback and its policies, validation of what a
+callback returns, bounded data files, and which leaves are optimizer slots."""
+
+from tpu_ckpt.sharding._bounded_files import bounded
+from tpu_ckpt.sharding._pieces import (
+    LocalPieces,
+    Shard,
+    ShardableTensor,
+    ShardingCallback,
+    WriteBalance,
+    describe_sharding,
+    index_to_slice,
+    on_one_cpu,
+    planned,
+)
+from tpu_ckpt.sharding._policies import (
+    ARRANGING_POLICIES,
+    BUILT_IN_POLICIES,
+    MaxShardSizePolicy,
+    ShardByDevicePolicy,
+    ShardByTaskPolicy,
+)
+from tpu_ckpt.sharding._slots import SlotPredicate, slot_keys
+from tpu_ckpt.sharding._validation import validate_shards
+
+__all__ = ["ARRANGING_POLICIES", "BUILT_IN_POLICIES", "LocalPieces", "MaxShardSizePolicy", "Shard", "ShardByDevicePolicy", "ShardByTaskPolicy", "ShardableTensor", "ShardingCallback", "SlotPredicate", "WriteBalance", "bounded", "describe_sharding", "index_to_slice", "on_one_cpu", "planned", "slot_keys", "validate_shards"]

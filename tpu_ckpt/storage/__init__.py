@@ -1,0 +1,33 @@
+"""Where bytes live: a ``Location`` (a directory or an object-store prefix), the store protocols
+(read-only, writable, backend), local files, object stores through tensorstore, the IO pool
+and the only local ``open`` (confined to the checkpoint)."""
+
+from tpu_ckpt.storage._io_pool import IOPool, PooledStore
+from tpu_ckpt.storage._local import LocalStore, fsync_dir, make_directory
+from tpu_ckpt.storage._location import Location, location, new_token
+from tpu_ckpt.storage._objects import ObjectStore
+from tpu_ckpt.storage._protocols import Backend, CheckpointStore
+from tpu_ckpt.storage._safe_reads import (
+    MAX_WHOLE_FILE_BYTES,
+    aligned_empty,
+    byte_view,
+    confine,
+    open_confined,
+    read_json,
+    read_ranges,
+    read_whole,
+)
+from tpu_ckpt.storage._stores import (
+    STAGING_MARKER,
+    Store,
+    check_written,
+    has_staging_leftover,
+    is_empty,
+    open_staging,
+    publish,
+    read_marker,
+    remove,
+    remove_files,
+)
+
+__all__ = ["Backend", "CheckpointStore", "IOPool", "LocalStore", "Location", "MAX_WHOLE_FILE_BYTES", "ObjectStore", "PooledStore", "STAGING_MARKER", "Store", "aligned_empty", "byte_view", "check_written", "confine", "fsync_dir", "has_staging_leftover", "is_empty", "location", "make_directory", "new_token", "open_confined", "open_staging", "publish", "read_json", "read_marker", "read_ranges", "read_whole", "remove", "remove_files"]

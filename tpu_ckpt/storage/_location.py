@@ -1,0 +1,86 @@
+"""Where a checkpoint lives: a local directory or an object-store prefix, named by a URL
+(a path, ``gs://``, ``s3://`` or ``memory://``), and the tensorstore kvstore that reaches it."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from typing import Any
+from urllib.parse import urlparse
+
+from tpu_ckpt.settings import settings
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+    """A directory or object-store prefix, as given by the user (``url``)."""
+
+    url: str
+
+    @property
+    def scheme(self) -> str:
+        parsed = urlparse(self.url)
+        return parsed.scheme if "://" in self.url else "file"
+
+    @property
+    def is_local(self) -> bool:
+        return self.scheme == "file"
+
+    @property
+    def local_path(self) -> str:
+        return self.url[len("file://") :] if self.url.startswith("file://") else self.url
+
+    @property
+    def write_copies(self) -> int:
+        """How many times writing a data file holds its bytes in host memory at most: a
+        local file is written from the buffers themselves; an object is joined into one
+        ``bytes`` and tensorstore copies that twice more (``object_store.py``)."""
+        return 1 if self.is_local else 3
+
+    @property
+    def name(self) -> str:
+        """The last component of the path: a checkpoint's name in its directory."""
+        return self.url.rstrip("/").rsplit("/", 1)[-1]
+
+    def child(self, name: str) -> str:
+        return f"{self.url.rstrip('/')}/{name}"
+
+    def staging(self, token: str) -> Location:
+        """Where a save writes before committing (see module docstring)."""
+        if self.is_local:
+            path = self.local_path.rstrip("/")
+            return Location(f"{path}.tmp-{token}")
+        return self
+
+    def kvstore_spec(self) -> dict[str, Any]:
+        scheme = self.scheme
+        if scheme == "file":
+            return {"driver": "file", "path": os.path.abspath(self.local_path) + "/"}
+        parsed = urlparse(self.url)
+        path = (parsed.netloc + parsed.path).strip("/") if scheme == "memory" else parsed.path.strip("/")
+        if scheme == "memory":
+            return {"driver": "memory", "path": path + "/"}
+        if scheme == "gs":
+            return {"driver": "gcs", "bucket": parsed.netloc, "path": path + "/"}
+        if scheme == "s3":
+            spec: dict[str, Any] = {"driver": "s3", "bucket": parsed.netloc, "path": path + "/"}
+            if settings().aws_endpoint_url:
+                spec["endpoint"] = settings().aws_endpoint_url
+            return spec
+        raise ValueError(f"Unsupported checkpoint location {self.url!r}: use a local path, gs://, s3:// or memory://")
+
+
+def new_token() -> str:
+    """A fresh staging token: the ``<hex>`` of ``<name>.tmp-<hex>``, which ``tpu-ckpt gc`` and
+    the manager recognise as a leftover."""
+    return uuid.uuid4().hex[:12]
+
+
+def location(path: str | os.PathLike[str]) -> Location:
+    text = os.fspath(path)
+    if not text:
+        raise ValueError("Checkpoint path is empty")
+    loc = Location(text)
+    loc.kvstore_spec()  # validates the scheme
+    return loc

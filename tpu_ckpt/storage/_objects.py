@@ -1,0 +1,284 @@
+"""The storage backend of a checkpoint in an object store (``gs://``, ``s3://``) or in
+``memory://``, through tensorstore kvstores; the only module that imports tensorstore.
+
+All kvstores share one process-wide tensorstore context: AWS credentials and the retry
+policy are then set up once per process, not once per store (each store brings its own
+request limit, below). Where settings come from:
+
+- ``gs://``: the ``gcs`` driver. ``TENSORSTORE_GCS_HTTP_URL`` (an emulator) is read by
+  tensorstore when it opens a bucket that no store has open; Google credentials once per
+  process (``GOOGLE_APPLICATION_CREDENTIALS``, gcloud's default credentials, GCE metadata).
+- ``s3://``: the ``s3`` driver. ``AWS_ENDPOINT_URL`` (read once, by ``settings.py``) is
+  passed as ``endpoint`` (tensorstore ignores that variable); credentials come from
+  tensorstore's default AWS chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, profile
+  files, ECS, EC2 metadata); the region from the bucket itself (a HEAD request), never from
+  ``AWS_REGION``.
+
+Transient failures (HTTP 408, 429, 5xx, dropped connections) are retried by tensorstore
+with exponential backoff under the policy in ``RETRIES``, which we set explicitly rather than
+rely on tensorstore's default of 32 retries (a quarter of an hour against an endpoint that is
+down): 8 retries, delays doubling from 1 s to at most 32 s plus up to 1 s of jitter, about two
+minutes in all. Then the operation fails with a ``CheckpointError`` naming the object:
+tensorstore raises ValueError, or NotImplementedError, for whatever went wrong.
+
+Writes: a data file arrives as buffers, which the kvstore API takes only joined into one
+``bytes`` value, and which tensorstore copies (twice: its binding makes a ``std::string``,
+then a Cord of it) into a request of its own before ``write`` returns. The write is issued
+at once and the join dropped, so a write in flight holds one copy of its object, three
+while it is being issued; ``plan_save`` keeps objects to ``object_bytes``
+(``bounded_files.py``), which a retried request re-sends at most.
+
+Reads: a ranged read is cut into requests of at most ``REQUEST_BYTES``, and a store keeps
+``object_reads_in_flight`` (a setting, default 32) requests in flight: it has that many IO
+threads (or ``io_threads``, if more), each issuing one read's requests together, and a
+request limit as high of its own in tensorstore, whose default limit (32) is shared by every
+store of the process. A range comes back as a numpy view into the ``bytes`` tensorstore
+returned, copied only when it spans several requests (``_chunks``). Sizes a manifest claims
+are checked against the object's real size first (``PROBE_FROM_BYTES``, ``read_file``).
+
+Listing a prefix is filtered here as well as by the server: the ``gcs`` driver asks for a key
+range (``startOffset``/``endOffset``) and trusts the reply, so a GCS-compatible server that
+ignores those parameters (gcp-storage-emulator does) would make a prefix's listing, and its
+``delete_range``, cover the whole bucket. A store therefore opens the bucket's root, keeps its
+prefix itself, and deletes object by object (which is what ``delete_range`` does anyway).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tpu_ckpt.errors import CheckpointError, CorruptCheckpointError
+from tpu_ckpt.storage import _safe_reads as safe_reads
+from tpu_ckpt.storage._io_pool import IOPool, PooledStore
+
+if TYPE_CHECKING:  # storage opens this backend: importing it here would be a cycle
+    from tpu_ckpt.storage._location import Location
+
+logger = logging.getLogger(__name__)
+
+RETRIES = {"max_retries": 8, "initial_delay": "1s", "max_delay": "32s"}
+
+
+@functools.cache
+def _context() -> Any:
+    """The one tensorstore context; memory:// stores live in it too, shared by every open of
+    the same path. Built, and tensorstore imported, on the first open of an object store: the
+    commands that read local checkpoints never pay for it."""
+    import tensorstore as ts
+
+    return ts.Context({"gcs_request_retries": RETRIES, "s3_request_retries": RETRIES})
+
+
+class ObjectStore(PooledStore):
+    """The objects under one checkpoint's prefix (``storage.Backend``)."""
+
+    def __init__(self, loc: Location, *, threads: int, reads_in_flight: int):
+        import tensorstore as ts  # here: reading local checkpoints never imports it (``_context``)
+
+        self.location = loc
+        self._pool = IOPool(max(threads, reads_in_flight))  # a thread waits on each read or write
+        spec = loc.kvstore_spec()
+        self._prefix = spec.pop("path").lstrip("/")
+        if spec["driver"] in ("gcs", "s3"):  # memory:// has no requests
+            spec[f"{spec['driver']}_request_concurrency"] = {"limit": max(threads, reads_in_flight)}
+        try:
+            self._kv = ts.KvStore.open(spec, context=_context()).result()  # the bucket's root (module docstring)
+        except ValueError as e:
+            raise CheckpointError(f"Could not open {loc.url}: {e}", file=loc.url) from e
+
+    def write(self, name: str, buffers: Sequence[Any]) -> concurrent.futures.Future:
+        """Issues the write here, so that only tensorstore's copy of the object outlives this
+        call (module docstring); an IO thread waits for it."""
+        written = self._kv.write(self._prefix + name, b"".join(buffers))  # the kvstore API takes bytes only
+        return self._pool.submit(self._wait, written, "Writing", name)
+
+    def read(
+        self, name: str, start: int, lengths: Sequence[int], then: Callable[[list[np.ndarray]], Any] | None = None
+    ) -> concurrent.futures.Future:
+        return self._pool.submit(self._read_ranges, name, start, lengths, then=then)
+
+    def read_file(self, name: str, max_bytes: int = safe_reads.MAX_WHOLE_FILE_BYTES) -> bytes | None:
+        """Refuses an object larger than ``max_bytes`` from one byte past that bound, which
+        only such an object has, before reading it whole."""
+        key, where = self._key(name), self.location.child(name)
+        if self._has_byte(key, max_bytes, where):
+            raise CorruptCheckpointError(f"{where} is more than the {max_bytes} bytes it may be", file=where)
+        result = self._wait(self._kv.read(key), "Reading", name)
+        if result.state == "missing":
+            return None
+        value = result.value  # a new copy at every access
+        if len(value) > max_bytes:  # replaced since
+            raise CorruptCheckpointError(f"{where} is {len(value)} bytes, more than {max_bytes}", file=where)
+        return value
+
+    def _has_byte(self, key: str, at: int, where: str) -> bool:
+        """Whether the object holds byte ``at``: one request of one byte, which tells a size
+        claimed by a manifest from the object's real size. A range past the end is answered
+        416 (``OUT_OF_RANGE``), or by some GCS-compatible servers with a reply whose
+        Content-Range ends before it starts, which tensorstore refuses as unexpected."""
+        try:
+            result = self._kv.read(key, byte_range=slice(at, at + 1)).result()
+        except ValueError as e:
+            if "OUT_OF_RANGE" in str(e) or "Unexpected Content-Range" in str(e):
+                return False
+            raise CheckpointError(f"Reading {where} failed: {e}", file=where) from e
+        return result.state != "missing" and len(result.value) == 1
+
+    def list(self) -> list[str]:
+        """The names under the prefix, but for those an HTTP layer would resolve elsewhere
+        (:func:`unsafe_key`): they are logged as refused, and never read nor deleted."""
+        keys = self._wait(self._kv.list(_prefix_range(self._prefix)), "Listing", "")
+        prefix = self._prefix.encode()
+        names = sorted(k[len(prefix) :].decode(errors="replace") for k in keys if k.startswith(prefix))
+        refused = [name for name in names if unsafe_key(self._prefix + name)]
+        if refused:
+            logger.warning(
+                "tpu_ckpt: refused %d objects under %s whose names hold '.', '..' or empty segments (%s): "
+                "a request for one may reach another object, or another bucket, so tpu_ckpt never reads or "
+                "deletes them; remove them with your object store's own tools",
+                len(refused), self.location.url, ", ".join(map(repr, refused[:5])),
+            )
+        return [name for name in names if not unsafe_key(self._prefix + name)]
+
+    def delete(self, name: str) -> None:
+        self._wait(self._kv.write(self._key(name), None), "Deleting", name)
+
+    def delete_all(self) -> None:
+        """Deletes the listed objects by their exact keys, never a key range: a range's
+        request may cover more than the prefix (module docstring)."""
+        deletes = [(name, self._kv.write(self._key(name), None)) for name in self.list()]
+        for name, done in deletes:
+            self._wait(done, "Deleting", name)
+
+    def is_empty(self) -> bool:
+        return not self.list()
+
+    def unwritten(self, sizes: Mapping[str, int]) -> list[tuple[str, int | None, int]]:
+        """One listing, which carries no sizes: a kvstore write stores the whole object or
+        nothing, so only absence can happen."""
+        present = set(self.list())
+        return [(name, None, size) for name, size in sizes.items() if name not in present]
+
+    def _wait(self, future: Any, doing: str, name: str) -> Any:
+        """The result of a kvstore operation; its failure as a CheckpointError naming the object."""
+        try:
+            return future.result()
+        except (ValueError, NotImplementedError) as e:
+            where = self.location.child(name) if name else self.location.url
+            raise CheckpointError(f"{doing} {where} failed: {e}", file=where) from e
+
+    def _key(self, name: str) -> str:
+        """Refuses names that lead out of the prefix, or onto another key under it: an HTTP
+        layer may resolve ``..``, ``.`` and ``//`` in a URL (:func:`unsafe_key`)."""
+        if safe_reads.escapes(name) or unsafe_key(self._prefix + name):
+            raise safe_reads.outside_error(self.location.url, name)
+        return self._prefix + name
+
+    def _read_ranges(self, name: str, start: int, lengths: Sequence[int]) -> list[np.ndarray]:
+        """All requests of one read are issued at once (tensorstore queues those beyond the
+        store's request limit), then awaited."""
+        key, where = self._key(name), self.location.child(name)
+        stop = start + sum(lengths)
+        if stop - start > PROBE_FROM_BYTES and not self._has_byte(key, stop - 1, where):
+            raise CorruptCheckpointError(f"{where} is missing, or truncated: it ends before byte {stop}", file=where)
+        ranges = request_ranges(start, lengths)
+        issued = [self._kv.read(key, byte_range=slice(a, b)) for a, b in ranges]
+        return _chunks(start, lengths, ranges, [_received(f, b - a, where) for f, (a, b) in zip(issued, ranges)])
+
+
+REQUEST_BYTES = 8 << 20
+"""The most one ranged request reads. A read batch (``read_batch_bytes``, 256 MiB) is then at
+least 32 requests, the ``object_reads_in_flight`` a store runs at once; a request of 8 MiB
+spends most of its time transferring (GCS: tens of ms to the first byte, then ~100 MB/s or
+more per stream)."""
+
+
+PROBE_FROM_BYTES = 4 * REQUEST_BYTES
+"""A read longer than this first checks that its object is that long (``_has_byte``): a size
+claimed by a damaged or hostile manifest would otherwise be cut into requests, and memory,
+in proportion to it. Shorter reads are refused from their requests' replies."""
+
+
+def request_ranges(start: int, lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """The byte ranges of at most ``REQUEST_BYTES`` that a read of consecutive ``lengths``
+    from ``start`` is cut into, back to back: lengths are kept whole in one request while
+    they fit, and one longer than that is cut (so only it spans requests)."""
+    out, first, at = [], start, start
+    for n in lengths:
+        if at > first and at + n - first > REQUEST_BYTES:
+            out.append((first, at))
+            first = at
+        at += n
+        while at - first > REQUEST_BYTES:
+            out.append((first, first + REQUEST_BYTES))
+            first += REQUEST_BYTES
+    if at > first or not out:
+        out.append((first, at))
+    return out
+
+
+def _received(future: Any, size: int, where: str) -> np.ndarray:
+    """One request's bytes, as a read-only view of the ``bytes`` tensorstore made; its failure,
+    or a short or missing object, as a CheckpointError naming the object."""
+    try:
+        result = future.result()
+    except ValueError as e:
+        if "OUT_OF_RANGE" not in str(e):
+            raise CheckpointError(f"Reading {where} failed: {e}", file=where) from e
+        # The object is shorter than the manifest says.
+        raise CorruptCheckpointError(f"{where} is truncated ({e})", file=where) from None
+    if result.state == "missing":
+        raise CorruptCheckpointError(f"data file {where} is missing", file=where)
+    value = result.value  # a new bytes object, copied out of tensorstore's Cord, at every access
+    if len(value) != size:
+        raise CorruptCheckpointError(f"{where} is truncated", file=where)
+    return np.frombuffer(value, np.uint8)
+
+
+def _chunks(start: int, lengths: Sequence[int], ranges: Sequence[tuple[int, int]], data: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """One array per length, from the requests' bytes: a view where the length lies in one
+    request, else a fresh aligned array it is copied into.
+
+    The one copy of a range that is unavoidable is tensorstore's, out of the Cord it received
+    into the ``bytes`` its Python API returns; views add none. They are read-only (``bytes``
+    are immutable, so the file's later fate cannot change them either) and 16-byte aligned
+    (CPython's allocators), not 64: JAX's CPU backend copies them where it would adopt an
+    aligned array, and what the restore hands to the user is copied (``restore_exec``).
+    """
+    out, at, r = [], start, 0
+    for n in lengths:
+        while at >= ranges[r][1] and r + 1 < len(ranges):
+            r += 1
+        if at + n <= ranges[r][1]:
+            out.append(data[r][at - ranges[r][0] : at - ranges[r][0] + n])
+        else:
+            chunk = safe_reads.aligned_empty(n)
+            for (first, last), received in zip(ranges[r:], data[r:]):
+                a, b = max(first, at), min(last, at + n)
+                chunk[a - at : b - at] = received[a - first : b - first]
+                if b == at + n:
+                    break
+            out.append(chunk)
+        at += n
+    return out
+
+
+def unsafe_key(key: str) -> bool:
+    """Whether a key has a ``.``, ``..`` or empty segment (a leading ``/`` too): joined into a
+    URL, which a client or server may normalise, it names another object, or another bucket."""
+    return any(part in ("", ".", "..") for part in key.split("/"))
+
+
+def _prefix_range(prefix: str) -> Any:
+    """The keys starting with ``prefix``, which is empty or ends with '/'."""
+    import tensorstore as ts
+
+    if not prefix:
+        return ts.KvStore.KeyRange()
+    return ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))

@@ -1,0 +1,219 @@
+"""Where a checkpoint lives, the interface its files are read and written through, and the
+commit that makes a save visible.
+
+A checkpoint lives in one directory (or object-store prefix). Writers put everything into a
+staging location and commit it atomically: on a local disk the staging directory is a
+sibling ``<name>.tmp-<token>`` renamed onto the final name; on ``memory://``, ``gs://`` and
+``s3://``, where there is no rename, files are written in place and the manifest, written
+last, is the commit marker. Either way a reader sees a checkpoint only once its manifest
+exists at the final location.
+
+Save and restore run one code path for every location: they take a :class:`CheckpointStore`,
+which :func:`Store` opens on the backend that suits the location (``local_store.py`` for
+files, ``object_store.py`` for tensorstore kvstores), and which ``relay.RelayStore``
+implements on the processes that reach an ``io_device``'s storage through its relay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterable, Mapping
+
+from tpu_ckpt.errors import CheckpointError
+from tpu_ckpt.settings import settings
+from tpu_ckpt.storage import _local as local_store
+from tpu_ckpt.storage import _objects as object_store
+from tpu_ckpt.storage._location import Location
+from tpu_ckpt.storage._protocols import Backend
+
+logger = logging.getLogger(__name__)
+
+STAGING_MARKER = "staging.json"  # the first file of a save's staging area (:func:`mark_staging`)
+STAGING_GRACE_S = 3600.0
+"""How long after it started a save's staging area counts as a save in progress, which
+``tpu-ckpt gc`` and a CheckpointManager's leftover cleanup leave alone."""
+
+
+def Store(loc: Location, *, threads: int | None = None) -> Backend:
+    """The backend for ``loc``, with ``threads`` IO threads (default: the ``io_threads``
+    setting) started on first use.
+
+    Named like a class: callers open a store with it, and which class depends on ``loc``."""
+    threads = settings().io_threads if threads is None else threads
+    if loc.is_local:
+        return local_store.LocalStore(loc, threads=threads)
+    return object_store.ObjectStore(loc, threads=threads, reads_in_flight=settings().object_reads_in_flight)
+
+
+def is_empty(loc: Location) -> bool:
+    with Store(loc, threads=1) as store:
+        return store.is_empty()
+
+
+def has_staging_leftover(loc: Location) -> bool:
+    """Whether an interrupted save left its local staging directory next to ``loc``."""
+    if not loc.is_local:
+        return False
+    parent, name = os.path.split(os.path.abspath(loc.local_path.rstrip("/")))
+    return os.path.isdir(parent) and any(n.startswith(name + ".tmp-") for n in os.listdir(parent))
+
+
+def open_staging(loc: Location, final: Location | None = None, token: str = "") -> Backend:
+    """A store for a new staging area, whose local directory (and any missing parent) is
+    created here and only here (see ``local_store.make_directory``); marked as the staging
+    area of a save of ``final``, if given (:func:`mark_staging`)."""
+    if loc.is_local and final is not None:
+        _make_marked(loc, final, token)
+    elif loc.is_local:
+        local_store.make_directory(os.path.abspath(loc.local_path))
+    elif final is not None:
+        with Store(loc, threads=1) as marking:
+            mark_staging(marking, final, token)  # an object appears whole: never seen half-written
+    return Store(loc)
+
+
+def _make_marked(loc: Location, final: Location, token: str) -> None:
+    """A local staging directory that appears under its name with its marker already in it
+    (made as ``.<name>`` and renamed), so a cleanup never sees it unmarked, nor its marker
+    half-written."""
+    path = os.path.abspath(loc.local_path.rstrip("/"))
+    hidden = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}")
+    local_store.make_directory(hidden)
+    try:
+        with Store(Location(hidden), threads=1) as store:
+            mark_staging(store, final, token)
+        os.rename(hidden, path)
+    except BaseException as error:
+        shutil.rmtree(hidden, ignore_errors=True)
+        if isinstance(error, OSError):
+            raise local_store.failed("Creating the staging directory", path, error) from error
+        raise
+
+
+def mark_staging(store: Backend, final: Location, token: str) -> None:
+    """Writes the staging marker, before any other file of the save: which checkpoint the
+    staging area becomes, when the save started, and for how long cleanups must leave it
+    alone. Whether a directory is a leftover is decided by this marker and the manifest,
+    never by its name alone: a user's checkpoint may be named ``model.tmp-1``."""
+    marker = {"final": final.name, "token": token, "started": time.time(), "grace_s": STAGING_GRACE_S}
+    store.write(STAGING_MARKER, [json.dumps(marker).encode()]).result()
+
+
+@dataclasses.dataclass(frozen=True)
+class Marker:
+    """A staging marker as read back (see :func:`mark_staging`)."""
+
+    final: str | None  # None: unreadable
+    started: float
+    grace_s: float
+
+    @property
+    def held_until(self) -> float:  # until when the staging area may be a save still running
+        return self.started + self.grace_s
+
+
+def read_marker(loc: Location) -> Marker | None:
+    """The staging marker at ``loc``; None when there is none. An unreadable one (written by
+    hand, damaged) names no checkpoint, so it makes no manifest beside it uncommitted, and
+    holds its directory back for the grace period from its last change (local files), or
+    not at all (objects, which no save leaves half-written)."""
+    with Store(loc, threads=1) as store:
+        try:
+            data = store.read_file(STAGING_MARKER, 1 << 16)
+        except CheckpointError:
+            data = b"{}"
+    if data is None:
+        return None
+    try:
+        marker = json.loads(data)
+        return Marker(str(marker["final"]), float(marker["started"]), float(marker["grace_s"]))
+    except (ValueError, TypeError, KeyError):
+        return Marker(None, _changed(loc, STAGING_MARKER), STAGING_GRACE_S)
+
+
+def _changed(loc: Location, name: str) -> float:
+    """When local file ``name`` of ``loc`` last changed; 0 for an object or a file gone."""
+    try:
+        return os.stat(os.path.join(loc.local_path, name)).st_mtime if loc.is_local else 0.0
+    except OSError:
+        return 0.0
+
+
+def remove(loc: Location) -> None:
+    """Deletes everything at ``loc`` (a failed save's staging area)."""
+    with Store(loc) as store:
+        store.delete_all()
+
+
+def remove_files(store: Backend, names: Iterable[str]) -> None:
+    """Deletes the files ``names`` that exist (a failed save's own files; the leader may
+    already have removed the staging area around them)."""
+    for name in names:
+        try:
+            store.delete(name)
+        except FileNotFoundError:
+            pass
+
+
+def check_written(store: Backend, sizes: Mapping[str, int]) -> None:
+    """Raises unless every file of ``sizes`` is in ``store``, each with that many bytes.
+
+    What a save checks just before it commits: a staging area emptied or removed while the
+    save ran (``tpu-ckpt gc`` at the wrong moment, another job cleaning the same directory)
+    must not be committed as a checkpoint without its data.
+    """
+    wrong = store.unwritten(sizes)
+    if not wrong:
+        return
+    name, found, size = wrong[0]
+    where = store.location.child(name)
+    what = "is missing" if found is None else f"holds {found} bytes, not the {size} written"
+    more = f" (and {len(wrong) - 1} more files)" if len(wrong) > 1 else ""
+    raise CheckpointError(
+        f"{where} {what}{more}: the staging area {store.location.url} changed while the save ran "
+        "(`tpu-ckpt gc`, or another job cleaning the same directory?). Nothing was committed; "
+        "keep such cleanups away from running saves and save again.",
+        file=where,
+    )
+
+
+def publish(staging: Location, final: Location) -> None:
+    """Makes a fully written staging location visible as ``final``.
+
+    Local: fsync the staging directory (its entries), rename it onto the final name (atomic
+    on POSIX), then fsync the parent so the rename survives a power loss. Elsewhere the
+    manifest, written last into the final prefix, already was the commit.
+    """
+    if not final.is_local:
+        _unmark(final)
+        return
+    src, dst = staging.local_path.rstrip("/"), final.local_path.rstrip("/")
+    local_store.fsync_dir(src)
+    try:
+        os.rename(src, dst)
+    except OSError as e:
+        raise CheckpointError(f"Could not commit checkpoint {dst}: rename from {src} failed: {e}", file=dst) from e
+    try:
+        local_store.fsync_dir(os.path.dirname(os.path.abspath(dst)) or ".")
+    except CheckpointError:
+        shutil.rmtree(dst, ignore_errors=True)  # a save that raises leaves no checkpoint behind
+        raise
+    _unmark(final)
+
+
+def _unmark(final: Location) -> None:
+    """Deletes the staging marker of a committed checkpoint (after its manifest, so a save
+    always holds one or the other). The save stands if this fails: a marker beside the
+    manifest of a checkpoint under its own name changes nothing (``listing._staged``)."""
+    try:
+        with Store(final, threads=1) as store:
+            store.delete(STAGING_MARKER)
+    except FileNotFoundError:
+        pass
+    except (CheckpointError, OSError) as error:
+        logger.warning("tpu_ckpt: could not delete the staging marker of %s: %s", final.url, error)

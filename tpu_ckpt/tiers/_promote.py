@@ -1,0 +1,166 @@
+"""The persistent tier: a committed local step uploaded to ``directory`` in the background.
+
+The upload is an ordinary save whose data files already exist: each process copies its own
+data files from its local step (no second device-to-host copy, no second snapshot), and the
+leader merges the indexes and commits exactly as ``tc.save`` does (``save.SaveJob``, whose
+``write_own`` is the one step that differs). The result is an ordinary checkpoint:
+``tc.restore``, the CLI and the export script read it like any other.
+
+Its coordinator is made when the manager decides on the upload, on the caller's thread: like
+every checkpoint call, coordinated operations are numbered in the order each process makes
+them, and background threads finish in no fixed order.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from tpu_ckpt import cluster, saving, storage
+from tpu_ckpt.errors import CorruptCheckpointError
+from tpu_ckpt.format import Manifest, PieceEntry, crc32c, decode_manifest
+from tpu_ckpt.options import CheckpointOptions
+from tpu_ckpt.saving import SaveJob, SavePlan, Staging, index_file, prepare, write_budget
+from tpu_ckpt.tiers import _local_tier as local_tier
+
+logger = logging.getLogger(__name__)
+
+
+class Upload:
+    """The upload of one local step to ``final`` (a ``step_<n>`` under the manager's directory)."""
+
+    def __init__(self, final: str, options: CheckpointOptions, step: int):
+        self.final = storage.location(final)
+        self.step = step
+        self.options = options
+        self.coord = cluster.Coordinator(f"save {self.final.url}", options.coordination_timeout)
+
+    def abandon(self, error: BaseException) -> None:
+        """The local save it was to upload failed here: the others stop waiting at once."""
+        with self.coord:
+            self.coord.report_failure(error, abandoned=True)
+
+    def run(self, root: str) -> None:
+        """Uploads this process's part of the committed local step under ``root``, and commits."""
+        coord = self.coord
+        try:
+            source = local_tier.step_dir(root, self.step)
+            plan = _decoded(source, local_tier.PLAN_FILE, tiled=False)
+            index = _decoded(source, index_file(coord.me), complete=False)
+            staging = prepare(self.final, coord, 0, self.options.coordination_timeout, relayed=False)
+        except BaseException as error:
+            with coord:
+                coord.report_failure(error)
+            raise
+        _FromLocalFiles(plan, index, source, self.final, coord, self.options, staging).run()
+
+
+def _decoded(source: str, name: str, **how: bool) -> Manifest:
+    data, where = storage.read_whole(source, name), os.path.join(source, name)
+    if data is None:
+        raise CorruptCheckpointError(f"{where} is missing", file=where)
+    return decode_manifest(data, where=where, **how)
+
+
+class _FromLocalFiles(SaveJob):
+    """An ordinary save's job whose data files are copied from the local step."""
+
+    def __init__(
+        self, plan: Manifest, index: Manifest, source: str, final: storage.Location,
+        coord: cluster.Coordinator, options: CheckpointOptions, staging: Staging,
+    ):
+        pieces = sum(len(leaf.pieces) for leaf in index.leaves)
+        super().__init__(SavePlan(coord.me, plan, (), pieces), final, coord, 0, options, staging)
+        self._index = index
+        self._source = source
+        self._own_files = (*index.files, index_file(coord.me))
+
+    def write_own(self, store: storage.CheckpointStore) -> Manifest:
+        """Copies this process's data files, ``writes_in_flight`` at a time (and within
+        ``host_memory_limit``); returns this process's index. Each file is read into memory,
+        never mapped (a local file truncated meanwhile would kill the process with SIGBUS),
+        and checked as it is read (:func:`_checked`): a damaged local file fails the upload
+        rather than being committed to the persistent tier."""
+        writes = saving.Writes(store, write_budget(self.final, self.options))
+        pieces = _pieces_by_file(self._index)
+        try:
+            for name, size in self._index.files.items():
+                writes.make_room(size)
+                writes.copy(name, [_checked(self._source, name, size, pieces.get(name, ()))])
+        except BaseException:
+            writes.settle()  # nothing may land after the staging area is removed
+            raise
+        writes.drain()
+        return self._index
+
+
+def _pieces_by_file(index: Manifest) -> dict[str, list[tuple[str, PieceEntry]]]:
+    by_file: dict[str, list[tuple[str, PieceEntry]]] = {}
+    for leaf in index.leaves:
+        for piece in leaf.pieces:
+            by_file.setdefault(piece.file, []).append((leaf.key, piece))
+    return by_file
+
+
+def _checked(source: str, name: str, size: int, pieces: Sequence[tuple[str, PieceEntry]]) -> np.ndarray:
+    """The ``size`` bytes of local file ``name``, each of its pieces checked against its
+    crc32c: a file damaged or cut short on the local disk since its save raises
+    :class:`CorruptCheckpointError` naming it."""
+    where = os.path.join(source, name)
+    try:
+        data = storage.read_ranges(source, name, 0, [size])[0]
+    except CorruptCheckpointError as error:
+        raise CorruptCheckpointError(f"{error}. {_ABANDONED}", file=where) from error
+    for key, piece in pieces:
+        if crc32c(data[piece.offset : piece.offset + piece.length]) != piece.crc32c:
+            raise CorruptCheckpointError(
+                f"Leaf {key!r}: the piece at bytes {piece.offset}-{piece.offset + piece.length} of the local file "
+                f"{where} does not match its crc32c: the local step was damaged since it was saved. {_ABANDONED}",
+                key=key,
+                file=where,
+            )
+    return data
+
+
+_ABANDONED = (
+    "Its upload is abandoned and nothing was committed to the persistent tier; the local step stays "
+    "(a restore of it falls back to the persistent tier if it is damaged). Check that disk."
+)
+
+
+class Uploader:
+    """Runs one upload at a time on its own thread, so the next local saves go on meanwhile.
+    A failure is raised by the next :meth:`wait` (the manager's next upload,
+    ``wait_until_finished`` or ``close``), never swallowed."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.step: int | None = None  # the step being uploaded: local retention keeps it
+
+    def start(self, upload: Upload, root: str) -> None:
+        def run() -> None:
+            try:
+                upload.run(root)
+            except BaseException as error:  # noqa: BLE001 - raised by the next wait()
+                logger.warning("tpu_ckpt: uploading the local step %d to %s failed: %s", upload.step, upload.final.url, error)
+                self._error = error
+            finally:
+                self.step = None
+
+        self.step = upload.step
+        self._thread = threading.Thread(target=run, name=f"tpu_ckpt upload {upload.final.url}")
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Waits for the upload in flight; raises its failure (once)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error

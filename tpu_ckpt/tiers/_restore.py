@@ -1,0 +1,252 @@
+"""Restoring a multi-tier CheckpointManager: the newest step that some tier holds whole.
+
+Each host knows only its own disk, so the processes agree through the coordination service:
+each reports the local steps it holds and whose parts (``local_tier.held_steps``); process 0
+picks the newest local step whose parts, on the hosts alive now, cover every process of the
+job that saved it (a replaced host with an empty disk simply reports nothing), compares it
+with the newest step of the persistent directory, and tells everyone, with the process that
+serves each part. Process 0 merges the plan and the parts' indexes into a manifest and
+sends it to the others (``_agreed_manifest``). A local restore then reads through
+:class:`_Parts`, a store that sends each data file's reads to its holder: this host's disk,
+or another host over the relay. The ordinary restore plan and executor do the rest, so a
+different mesh or process count works as from any checkpoint, and every piece is checked
+against its crc32c wherever it came from.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import json
+import os
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from tpu_ckpt import cluster, relay, storage
+from tpu_ckpt.catalog import store_tables
+from tpu_ckpt.errors import CorruptCheckpointError
+from tpu_ckpt.format import MANIFEST_FILE, Manifest, decode_manifest, encode_manifest
+from tpu_ckpt.options import CheckpointOptions
+from tpu_ckpt.restoring import restore_from
+from tpu_ckpt.saving import index_file, merge_indexes, uncovered, written_by
+from tpu_ckpt.tiers import _local_tier as local_tier
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What the processes restore: ``step`` (None: nothing in any tier), from the local tier
+    or from the persistent directory; for a local step, who serves each process's part."""
+
+    step: int | None
+    local: bool = False
+    holders: dict[int, int] = dataclasses.field(default_factory=dict)  # owner -> serving process
+
+    def to_json(self) -> str:
+        return json.dumps([self.step, self.local, sorted(self.holders.items())])
+
+    @classmethod
+    def from_json(cls, text: str) -> Choice:
+        step, local, holders = json.loads(text)
+        return cls(step, local, {int(owner): int(holder) for owner, holder in holders})
+
+
+def choose(coord: cluster.Coordinator, root: str, persistent: Iterable[int], step: int | None) -> Choice:
+    """The processes' common choice (collective): ``step``, or the newest when None."""
+    held = [[s.step, s.token, s.count, list(s.owners)] for s in local_tier.held_steps(root)]
+    reports = coord.collect("held", json.dumps(held), at=0)
+    if coord.me != 0:
+        return Choice.from_json(coord.receive("choice", 0))
+    try:
+        choice = decide(reports, set(persistent), step)
+    except BaseException as error:
+        coord.report_failure(error)
+        raise
+    coord.publish("choice", choice.to_json())
+    return choice
+
+
+def decide(reports: dict[int, str], persistent: set[int], step: int | None) -> Choice:
+    """Process 0's choice from every process's report: the newest whole local step unless the
+    persistent tier has a newer one (a pure function, tested alone). Of two whole saves of
+    one step, the newer: the larger token (``local_tier._LocalSave._agreed_token``)."""
+    parts: dict[tuple[int, str, int], dict[int, list[int]]] = collections.defaultdict(dict)
+    for process, text in sorted(reports.items()):
+        for saved, token, count, owners in json.loads(text):
+            for owner in owners:
+                parts[(saved, token, count)].setdefault(owner, []).append(process)
+    whole = [key for key, held in parts.items() if _covers(held, key[2]) and step in (None, key[0])]
+    local = max(whole, default=None)
+    newest = max(persistent, default=None) if step is None else (step if step in persistent else None)
+    if local is not None and (newest is None or local[0] >= newest):
+        return Choice(local[0], True, _assign(parts[local]))
+    return Choice(newest)
+
+
+def _covers(held: dict[int, list[int]], count: int) -> bool:
+    """Whether ``held`` has a part of every process of ``count`` (a count from a damaged
+    tier.json may be huge: never a set of that many)."""
+    return 0 < count <= len(held) and all(owner in held for owner in range(count))
+
+
+def _assign(held: dict[int, list[int]]) -> dict[int, int]:
+    """A server for each part: its owner when alive, else the least loaded holder."""
+    load: collections.Counter[int] = collections.Counter()
+    holders = {}
+    for owner, processes in sorted(held.items()):
+        holders[owner] = owner if owner in processes else min(processes, key=lambda p: (load[p], p))
+        load[holders[owner]] += 1
+    return holders
+
+
+def restore_local(
+    coord: cluster.Coordinator, root: str, choice: Choice, target: Any, options: CheckpointOptions
+) -> tuple[Any, int]:
+    """Restores the chosen local step (collective); returns the tree and the bytes read."""
+    own = storage.Store(storage.Location(local_tier.step_dir(root, choice.step)))
+    store = _Parts(own, choice.holders, coord)
+    with contextlib.ExitStack() as serving:  # servers stop first, then the stores close
+        serving.callback(store.close)
+        try:
+            _serve(coord, own, [o for o, h in choice.holders.items() if h == coord.me], serving)
+            manifest = _agreed_manifest(coord, store, len(choice.holders), serving)
+            tree, _, nbytes = restore_from(store, manifest, target, options, None, None)
+            coord.barrier("restored")  # serves until everyone has what it needs
+        except BaseException as error:
+            coord.report_failure(error)
+            if isinstance(error, relay.RelayConnectionError):  # the peer's own report says more
+                coord.raise_if_another_failed("restore", grace=2.0)
+            raise
+    return tree, nbytes
+
+
+def _serve(coord: cluster.Coordinator, own: storage.Backend, parts: list[int], serving: contextlib.ExitStack) -> None:
+    """Serves the files of the parts assigned to this process, and nothing else."""
+    if not parts or coord.count == 1:
+        return
+    root = own.location.local_path
+    names = [n for n in os.listdir(root) if written_by(n) in parts or n == local_tier.PLAN_FILE]
+    serves = {n: os.lstat(os.path.join(root, n)).st_size for n in names}  # a link's own size: its reads are refused
+    server = relay.RelayServer(own, cluster.relay_host(), coord.timeout, peers=coord.count - 1, serves=serves)
+    serving.callback(server.close)
+    coord.publish(f"serve{coord.me}", server.contact())
+
+
+def _agreed_manifest(coord: cluster.Coordinator, store: _Parts, count: int, serving: contextlib.ExitStack) -> Manifest:
+    """Process 0 merges the plan and every part's index, and serves the result in format 2;
+    the others fetch its manifest (one entry per leaf) and, lazily, the piece-table rows of
+    the leaves they restore, and check them as any manifest's. So the job reads the N
+    indexes once, not N times, no process fetches every piece's entry, and a process
+    connects only to process 0 and the servers of the pieces it needs."""
+    if coord.me != 0:
+        leader = relay.RelayStore(store.location, coord.receive("manifest", 0), coord.timeout, 0, connections=1)
+        serving.callback(leader.close)  # the tables are read while the restore plans
+        data = leader.read_file(MANIFEST_FILE)
+        where = f"process 0's merged manifest of {store.location.url}"
+        if data is None:
+            raise CorruptCheckpointError(f"{where} is missing", file=store.location.url)
+        return decode_manifest(data, where=where, tables=store_tables(leader))
+    manifest = _manifest(store, count)
+    if coord.count > 1:
+        body, tables = encode_manifest(manifest)
+        merged = _InMemory(store.location, {MANIFEST_FILE: body, **tables})
+        server = relay.RelayServer(
+            merged, cluster.relay_host(), coord.timeout, peers=coord.count - 1,
+            serves={MANIFEST_FILE: None, **{name: len(data) for name, data in tables.items()}},
+        )
+        serving.callback(server.close)
+        coord.publish("manifest", server.contact())
+    return manifest
+
+
+def _manifest(store: _Parts, count: int) -> Manifest:
+    """The plan and every part's index, merged and checked like a committed manifest (pieces
+    inside their files, none sharing a byte, every leaf tiled)."""
+    names = [local_tier.PLAN_FILE, *(index_file(owner) for owner in range(count))]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(store.read_file, names))
+    for name, text in zip(names, texts):
+        if text is None:
+            raise CorruptCheckpointError(f"{store.location.child(name)} is missing", file=store.location.child(name))
+    plan = decode_manifest(texts[0], where=store.location.child(names[0]), tiled=False)
+    indexes = [decode_manifest(text, where=store.location.child(name), complete=False) for name, text in zip(names[1:], texts[1:])]
+    manifest = merge_indexes(plan, indexes, check=False)
+    problem = uncovered(manifest)
+    if problem is not None:  # each file is intact (its crc32c checked), so they are of different saves
+        raise CorruptCheckpointError(
+            f"The local step {store.location.url}: leaf {problem[0]!r}: {problem[1]}: its {names[0]} and its "
+            "parts' indexes are not of one save. Remove that step_<n> on the hosts holding it to fall back.",
+            key=problem[0], file=store.location.url,
+        )
+    # Decoded again whole, as a committed manifest is: every piece checked against its leaf's
+    # shape and dtype, which the plan and each index (intact, but maybe of other saves) only name.
+    return decode_manifest(manifest.to_json(), where=f"the merged manifest of the local step {store.location.url}")
+
+
+class _InMemory:
+    """Files held in memory (the merged manifest and its piece tables), for a relay server
+    to serve: whole, or by byte range."""
+
+    def __init__(self, location: storage.Location, files: dict[str, bytes]):
+        self.location = location
+        self._files = files
+
+    def read_file(self, name: str) -> bytes | None:
+        return self._files.get(name)
+
+    def read(self, name: str, start: int, lengths: list[int]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        data, chunks = self._files[name], []
+        for n in lengths:
+            chunks.append(np.frombuffer(data, np.uint8, n, start).copy())
+            start += n
+        future.set_result(chunks)
+        return future
+
+
+class _Parts:
+    """The files of one local step across the job: each read goes to the process that
+    serves its part (``Choice.holders``), this one's disk or a peer's relay."""
+
+    def __init__(self, own: storage.Backend, holders: dict[int, int], coord: cluster.Coordinator):
+        self.location = own.location
+        self._own = own
+        self._holders = holders
+        self._coord = coord
+        self._peers: dict[int, relay.RelayStore] = {}
+        self._lock = threading.Lock()
+
+    def read(
+        self, name: str, start: int, lengths: list[int], then: Callable[[list[np.ndarray]], Any] | None = None
+    ) -> concurrent.futures.Future:
+        return self._store_of(name).read(name, start, lengths, then)
+
+    def read_file(self, name: str) -> bytes | None:
+        return self._store_of(name).read_file(name)
+
+    def close(self) -> None:
+        for peer in self._peers.values():
+            peer.close()
+        self._own.close()
+
+    def _store_of(self, name: str) -> Any:
+        """The store holding ``name``: its part's server; the plan from this process when it
+        serves a part of this save, else from the server of process 0's part."""
+        if name == local_tier.PLAN_FILE:
+            holder = self._coord.me if self._coord.me in self._holders.values() else self._holders[0]
+        else:
+            holder = self._holders.get(written_by(name))
+        if holder is None:
+            raise CorruptCheckpointError(f"{self.location.child(name)} belongs to no part of this local step", file=name)
+        if holder == self._coord.me:
+            return self._own
+        with self._lock:
+            if holder not in self._peers:
+                contact = self._coord.receive(f"serve{holder}", holder)
+                self._peers[holder] = relay.RelayStore(self.location, contact, self._coord.timeout, holder, connections=2)
+            return self._peers[holder]
+
