@@ -24,9 +24,10 @@ test: $(STAMP)
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --quiet
 
-# The inner loop: pure and single-process tests, no emulators, notebooks or process groups.
+# The inner loop (<= 60 s on a quiet 2-core machine): in-process tests only, no emulators, notebooks,
+# process groups, subprocesses, Orbax or Flax (tests/conftest.py marks those heavy).
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not multiprocess and not emulator and not notebook"
+	$(PY) -m pytest -q -m "not slow and not multiprocess and not emulator and not notebook and not heavy"
 
 bench: $(STAMP)
 	$(PY) scripts/benchmark.py

@@ -17,7 +17,7 @@ in a fresh interpreter (nothing of the setup in its heap):
   check the tiling, write the piece tables and the manifest, rename), under ``gc_paused`` as a
   save runs it: wall and CPU time (getrusage), peak RSS growth (VmHWM over VmRSS before it).
 - ``stages``: the same work stage by stage on the same files: decode (read + ``decode_manifest``
-  of every index), merge + tiling (``merge_indexes``), encode (``Manifest.encode``: the
+  of every index), merge + tiling (``merge_indexes``), encode (``encode_manifest``: the
   format 2 manifest and its tables); µs per piece each.
 
 The indexes are copied aside before the commit (which deletes them) and put back for the
@@ -188,7 +188,7 @@ def _check(args: argparse.Namespace, final: str) -> int:
 def _stages(args: argparse.Namespace, where: str) -> dict:
     """The commit's CPU stages one by one, on the same indexes."""
     from tpu_ckpt import saving, storage
-    from tpu_ckpt.format import decode_manifest, grids_shared
+    from tpu_ckpt.format import decode_manifest, encode_manifest, grids_shared
     from tpu_ckpt.runtime import gc_paused
     from tpu_ckpt.saving import index_file
 
@@ -202,7 +202,7 @@ def _stages(args: argparse.Namespace, where: str) -> dict:
     with store, gc_paused(), grids_shared():
         indexes, decoded = workers.measured(decode)
         merged, merge = workers.measured(lambda: saving.merge_indexes(planned, [own, *indexes]))
-        _, encode = workers.measured(merged.encode)
+        _, encode = workers.measured(lambda: encode_manifest(merged))
     return {"decode": decoded, "merge_and_tiling": merge, "encode": encode}
 
 

@@ -33,3 +33,23 @@ def knobs():
     previous = configure(None)
     yield lambda **fields: configure(dataclasses.replace(settings(), **fields))
     configure(previous)
+
+
+_HEAVY_IMPORTS = ("subprocess", "orbax", "flax", "optax")
+_HEAVY_DIRECTORIES = ("docs", "interop")
+
+
+def _is_heavy(path) -> bool:
+    """Whether a test module starts processes or imports Orbax, Flax or optax (seconds each):
+    the ``heavy`` marker, which ``make test-fast`` leaves out."""
+    if path.parent.name in _HEAVY_DIRECTORIES:
+        return True
+    text = path.read_text()
+    return any(f"import {name}" in text or f"from {name}" in text for name in _HEAVY_IMPORTS)
+
+
+def pytest_collection_modifyitems(items):
+    heavy: dict = {}
+    for item in items:
+        if heavy.setdefault(item.path, _is_heavy(item.path)):
+            item.add_marker(pytest.mark.heavy)

@@ -9,7 +9,7 @@ Where a block runs, chosen by an HTML comment on the line before it:
   (none)                       one subprocess for all of them (8 simulated CPU devices,
                                JAX_PLATFORMS=cpu), so the JAX import is paid once;
   <!-- run: 2 processes -->    every process of a real 2-process jax.distributed job
-                               (tests/multiprocess.py, 4 CPU devices each), where
+                               (tests/process_group.py, 4 CPU devices each), where
                                jax.distributed.initialize() has been called already, so the
                                block's own call is dropped;
   <!-- run: s3 -->             against moto (tests/object_stores.py), in the bucket the
@@ -41,7 +41,7 @@ import tokenize
 
 import pytest
 
-from tests import multiprocess
+from tests import process_group
 
 pytestmark = [pytest.mark.notebook, pytest.mark.slow]
 
@@ -226,7 +226,7 @@ def test_readme_multi_host_blocks_run_in_two_processes(tmp_path):
     assert checked >= 3
     script = tmp_path / "README.md.py"
     script.write_text(source)
-    results = multiprocess.run("exec_file", 2, str(shared), str(script), timeout=180)
+    results = process_group.run("exec_file", 2, str(shared), str(script), timeout=180)
     for r in results:
         assert r.returncode == 0 and r.result is not None and r.result["ok"], r.output
 

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-from tests import multiprocess
+from tests import process_group
 
 
 def tree(step: int) -> dict:
@@ -378,7 +378,7 @@ def test_processes_agree_on_the_preemption_step_through_jax(tmp_path):
     process gets SIGTERM, and both stop and save at the same step."""
     script = tmp_path / "worker.py"
     script.write_text(PREEMPTION_WORKER)
-    outputs = [r.output for r in multiprocess.run_script(str(script), 2, str(tmp_path / "ckpts"), timeout=120)]
+    outputs = [r.output for r in process_group.run_script(str(script), 2, str(tmp_path / "ckpts"), timeout=120)]
     found = [re.search(r"PREEMPTED (\d+)", out) for out in outputs]
     assert all(found), outputs
     steps = {int(m.group(1)) for m in found}

@@ -15,7 +15,7 @@ import pytest
 from flax.training import train_state
 
 import tpu_ckpt as tc
-from tests import multiprocess
+from tests import process_group
 from tests.flax_mlp import X, Y, new_state, train_step
 from tpu_ckpt import cli
 from tpu_ckpt.errors import CorruptCheckpointError
@@ -160,7 +160,7 @@ jax.distributed.shutdown()
 def test_processes_agree_on_continuous_saves_though_their_saves_finish_at_different_times(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(CONTINUOUS_WORKER)
-    outputs = [r.output for r in multiprocess.run_script(str(script), 2, str(tmp_path / "ckpts"), timeout=120)]
+    outputs = [r.output for r in process_group.run_script(str(script), 2, str(tmp_path / "ckpts"), timeout=120)]
     found = [re.search(r"SAVED (\[.*\])", out) for out in outputs]
     assert all(found), outputs
     saved = [json.loads(m.group(1)) for m in found]

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 
 import tpu_ckpt as tc
-from tests import helpers, mp_scenarios, multiprocess
+from tests import helpers, mp_scenarios, process_group
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
 def test_two_processes_save_and_restore_across_meshes(tmp_path):
-    results = multiprocess.run("save_and_restore_across_meshes", 2, str(tmp_path))
+    results = process_group.run("save_and_restore_across_meshes", 2, str(tmp_path))
     for r in results:
         assert r.returncode == 0, r.output
         res = r.result
@@ -38,7 +38,7 @@ def test_two_processes_save_and_restore_across_meshes(tmp_path):
 
 
 def test_a_failure_on_one_process_reaches_the_other_and_nothing_is_committed(tmp_path):
-    results = multiprocess.run("one_process_fails", 2, str(tmp_path))
+    results = process_group.run("one_process_fails", 2, str(tmp_path))
     assert results[1].result["error"] == "RuntimeError"
     zero = results[0].result
     assert zero["error"] == "RemoteProcessError"
@@ -48,7 +48,7 @@ def test_a_failure_on_one_process_reaches_the_other_and_nothing_is_committed(tmp
 
 
 def test_a_straggler_is_named_when_the_timeout_passes(tmp_path):
-    results = multiprocess.run("straggler", 2, str(tmp_path))
+    results = process_group.run("straggler", 2, str(tmp_path))
     zero = results[0].result
     assert zero["error"] == "CoordinationTimeoutError", zero
     assert zero["missing"] == [1]
@@ -59,7 +59,7 @@ def test_a_straggler_is_named_when_the_timeout_passes(tmp_path):
 
 
 def test_async_save_across_processes_with_buffers_deleted(tmp_path):
-    results = multiprocess.run("async_save_with_buffers_deleted", 2, str(tmp_path))
+    results = process_group.run("async_save_with_buffers_deleted", 2, str(tmp_path))
     for r in results:
         assert r.returncode == 0, r.output
         assert r.result["mismatches"] == []
@@ -74,7 +74,7 @@ def _ok(results):
 
 def test_io_device_one_process_does_all_the_storage_io(tmp_path):
     io = 1  # not process 0: the io process also merges the indexes and commits
-    results = _ok(multiprocess.run("io_device_save_and_restore", 2, str(tmp_path), str(io)))
+    results = _ok(process_group.run("io_device_save_and_restore", 2, str(tmp_path), str(io)))
     for res in results:
         assert res["mismatches"] == []
         assert res["missing_error"] == "CheckpointNotFoundError", res
@@ -97,7 +97,7 @@ def test_io_device_one_process_does_all_the_storage_io(tmp_path):
 
 
 def test_a_local_path_that_is_not_shared_fails_the_save_before_any_data_is_written(tmp_path):
-    results = _ok(multiprocess.run("save_to_unshared_local_disks", 2, str(tmp_path)))
+    results = _ok(process_group.run("save_to_unshared_local_disks", 2, str(tmp_path)))
     for res in results:
         assert res["save_error"] == "CheckpointError", res
         message = res["save_message"]
@@ -112,7 +112,7 @@ def test_a_local_path_that_is_not_shared_fails_the_save_before_any_data_is_writt
 
 
 def test_four_processes_save_async_and_restore_with_balanced_writes(tmp_path):
-    results = _ok(multiprocess.run("save_restore_many_processes", 4, str(tmp_path)))
+    results = _ok(process_group.run("save_restore_many_processes", 4, str(tmp_path)))
     assert [r["mismatches"] for r in results] == [[]] * len(results)
     assert all(r["needs_other_process_pieces"] for r in results), results
     written = [r["bytes_written"] for r in results]
@@ -125,7 +125,7 @@ def test_four_processes_save_async_and_restore_with_balanced_writes(tmp_path):
 
 
 def test_a_killed_process_fails_the_save_and_nothing_is_committed(tmp_path):
-    results = multiprocess.run("peer_killed_before_commit", 2, str(tmp_path))
+    results = process_group.run("peer_killed_before_commit", 2, str(tmp_path))
     assert results[1].returncode == -9
     survivor = results[0].result
     # The survivor hears it from us (process 1 named, within the 10 s timeout) unless JAX's own
@@ -137,7 +137,7 @@ def test_a_killed_process_fails_the_save_and_nothing_is_committed(tmp_path):
 
 
 def test_a_killed_process_fails_an_io_device_save(tmp_path):
-    results = multiprocess.run("peer_killed_before_commit", 2, str(tmp_path), "0")
+    results = process_group.run("peer_killed_before_commit", 2, str(tmp_path), "0")
     assert results[1].returncode == -9
     survivor = results[0].result
     if survivor is not None:
@@ -146,7 +146,7 @@ def test_a_killed_process_fails_an_io_device_save(tmp_path):
 
 
 def test_four_processes_name_every_straggler(tmp_path):
-    results = multiprocess.run("straggler", 4, str(tmp_path), "2", "3")
+    results = process_group.run("straggler", 4, str(tmp_path), "2", "3")
     zero = results[0].result
     assert zero["error"] == "CoordinationTimeoutError", zero
     assert zero["missing"] == [2, 3]
@@ -155,7 +155,7 @@ def test_four_processes_name_every_straggler(tmp_path):
 
 
 def test_a_manager_with_io_device_lists_through_the_io_process(tmp_path):
-    results = _ok(multiprocess.run("io_device_manager", 2, str(tmp_path), "0"))
+    results = _ok(process_group.run("io_device_manager", 2, str(tmp_path), "0"))
     assert [r["steps"] for r in results] == [[2, 3], [2, 3]]
     assert [r["mismatches"] for r in results] == [[]] * len(results)
     assert results[0]["local"] == ["run", "step_2", "step_3"]  # retention ran on the io process
@@ -163,7 +163,7 @@ def test_a_manager_with_io_device_lists_through_the_io_process(tmp_path):
 
 
 def test_load_and_broadcast_reads_each_shared_piece_once(tmp_path):
-    results = _ok(multiprocess.run("load_and_broadcast_restore", 4, str(tmp_path)))
+    results = _ok(process_group.run("load_and_broadcast_restore", 4, str(tmp_path)))
     assert [(r["plain_mismatches"], r["shared_mismatches"]) for r in results] == [([], [])] * len(results)
     unique = sum(helpers.files(tmp_path / "ckpt").values())  # every data byte of the checkpoint
     plain = sum(r["plain_read"] for r in results)
@@ -184,7 +184,7 @@ def test_every_operation_deletes_its_coordination_keys(tmp_path):
     """Saves (sync, async, io_device, one failing), restores (load_and_broadcast, io_device)
     and a manager loop (collective should_save and listing) leave no key behind in the
     coordination service, which lives as long as the job."""
-    for res in _ok(multiprocess.run("coordination_keys_are_deleted", 2, str(tmp_path))):
+    for res in _ok(process_group.run("coordination_keys_are_deleted", 2, str(tmp_path))):
         assert res["failed"] in ("RuntimeError", "RemoteProcessError"), res
         assert res["keys"] == [], res
 
@@ -196,7 +196,7 @@ def test_a_manager_lists_its_directory_on_the_leader_only_once_per_call(tmp_path
     leftover and the expired steps; the other processes neither list nor remove anything."""
     os.makedirs(tmp_path / "run" / "step_0")  # a leftover: no manifest
     (tmp_path / "run" / "step_0" / "d00000-00000.safetensors").write_bytes(b"partial")
-    leader, other = _ok(multiprocess.run("manager_lists_on_the_leader_only", 2, str(tmp_path)))
+    leader, other = _ok(process_group.run("manager_lists_on_the_leader_only", 2, str(tmp_path)))
     assert [leader["mismatches"], other["mismatches"]] == [[], []]
     assert leader["steps"] == other["steps"] == [3, 4]
     listed = ["os.scandir", "."]
@@ -221,7 +221,7 @@ def _pod_like(tmp_path, processes: int, devices_per_process: int) -> list[dict]:
     """Runs mp_scenarios.pod_like with the last process as the straggler, and checks what
     every shape must give."""
     late = processes - 1
-    results = _ok(multiprocess.run(
+    results = _ok(process_group.run(
         "pod_like", processes, str(tmp_path), str(late), devices_per_process=devices_per_process, timeout=_POD_LIKE_S
     ))
     assert [r["mismatches"] for r in results] == [[]] * processes
@@ -247,7 +247,7 @@ def test_a_straggler_writing_while_the_leader_removes_the_staging_area_leaves_no
     its name and writes into it meanwhile (the removal is slowed by 5000 files). A file it
     made after the removal listed the directory kept the directory from going: a
     ``late.tmp-<hex>`` left behind, which made the pod-like tests fail on loaded machines."""
-    results = _ok(multiprocess.run(
+    results = _ok(process_group.run(
         "straggler_while_the_staging_area_is_removed", 2, str(tmp_path), "5000", devices_per_process=1, timeout=500
     ))
     assert [(r["late_error"], r["late_missing"]) for r in results] == [("CoordinationTimeoutError", [1])] * 2, results
@@ -268,7 +268,7 @@ def test_waits_block_in_the_coordination_service_instead_of_polling(tmp_path):
     """Processes 0-2 wait ~4 s for process 3 at a save's commit and at an io_device restore.
     Polling made ~40 key-value reads a second each; blocking makes a handful of calls per
     stage however long the wait (the count is of what this code calls, on the real client)."""
-    results = _ok(multiprocess.run("coordination_calls_while_waiting", 4, str(tmp_path), "4"))
+    results = _ok(process_group.run("coordination_calls_while_waiting", 4, str(tmp_path), "4"))
     for process, res in enumerate(results):
         assert res["mismatches"] == [], res
         calls = res["calls"]

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tests import multiprocess
+from tests import process_group
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -46,7 +46,7 @@ def cross_process_reads(directory: str) -> dict:
 
 
 def test_each_process_is_reported_from_the_global_shardings(tmp_path):
-    results = multiprocess.run("test_restore_check_mp.cross_process_reads", 2, str(tmp_path))
+    results = process_group.run("multiprocess.test_restore_check_mp.cross_process_reads", 2, str(tmp_path))
     for r in results:
         assert r.returncode == 0 and r.result is not None, r.output
     first, second = (r.result for r in results)

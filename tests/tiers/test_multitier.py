@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests import multiprocess
+from tests import process_group
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -17,7 +17,7 @@ def _ok(results):
 
 
 def test_local_tier_survives_lost_hosts_and_falls_back_to_the_persistent_tier(tmp_path):
-    results = _ok(multiprocess.run("tiers.tier_scenarios.survivors_and_lost_hosts", 4, str(tmp_path)))
+    results = _ok(process_group.run("tiers.tier_scenarios.survivors_and_lost_hosts", 4, str(tmp_path)))
     for me, res in enumerate(results):
         # (e) while step 5 was being uploaded, the local saves of 6 and 7 went on.
         assert {"step_5", "step_6"} <= set(res["while_uploading"]["local"]), res
@@ -45,11 +45,11 @@ def test_local_tier_survives_lost_hosts_and_falls_back_to_the_persistent_tier(tm
 
 
 def test_a_host_killed_during_a_local_save_leaves_the_previous_step(tmp_path):
-    killed = multiprocess.run("tiers.tier_scenarios.killed_during_a_local_save", 4, str(tmp_path), "kill")
+    killed = process_group.run("tiers.tier_scenarios.killed_during_a_local_save", 4, str(tmp_path), "kill")
     assert killed[1].returncode == -9, killed[1].output[-3000:]
     for i in (0, 2, 3):  # each hears of it from us, unless JAX's own heartbeat ends it first
         assert killed[i].result is None or killed[i].result["error"], killed[i].output[-3000:]
-    resumed = _ok(multiprocess.run("tiers.tier_scenarios.killed_during_a_local_save", 4, str(tmp_path), "resume"))
+    resumed = _ok(process_group.run("tiers.tier_scenarios.killed_during_a_local_save", 4, str(tmp_path), "resume"))
     for res in resumed:
         assert res["latest"] == 2 and res["step"] == 2 and res["mismatches"] == [], res
         assert res["persistent_opened"] == [], res
@@ -59,30 +59,30 @@ def test_a_host_killed_during_a_local_save_leaves_the_previous_step(tmp_path):
 
 
 def test_a_local_directory_shared_by_the_processes_is_refused(tmp_path):
-    for res in _ok(multiprocess.run("tiers.tier_scenarios.shared_local_directory", 2, str(tmp_path))):
+    for res in _ok(process_group.run("tiers.tier_scenarios.shared_local_directory", 2, str(tmp_path))):
         assert res["error"] == "CheckpointError" and "is shared with other processes" in res["message"], res
     assert sorted(os.listdir(tmp_path / "local")) == []  # nothing committed, nothing left
 
 
 def test_a_local_step_restores_onto_another_process_count(tmp_path):
-    saved = _ok(multiprocess.run("tiers.tier_scenarios.another_process_count", 4, str(tmp_path), "save"))
+    saved = _ok(process_group.run("tiers.tier_scenarios.another_process_count", 4, str(tmp_path), "save"))
     assert [f for f in saved[0]["local"]["step_2"] if f.startswith("index-")] == [
         "index-00000.json", "index-00002.json", "index-00003.json"]
-    for res in _ok(multiprocess.run("tiers.tier_scenarios.another_process_count", 2, str(tmp_path), "restore")):
+    for res in _ok(process_group.run("tiers.tier_scenarios.another_process_count", 2, str(tmp_path), "restore")):
         assert res["step"] == 2 and res["mismatches"] == [] and res["persistent_opened"] == [], res
 
 
 def test_a_damaged_part_fails_the_restore_on_every_process(tmp_path):
-    merging, other = _ok(multiprocess.run("tiers.tier_scenarios.damaged_index", 2, str(tmp_path)))
+    merging, other = _ok(process_group.run("tiers.tier_scenarios.damaged_index", 2, str(tmp_path)))
     assert merging["error"] == "CorruptCheckpointError" and "index-00001.json" in merging["message"], merging
     assert other["error"] == "RemoteProcessError" and "index-00001.json" in other["message"], other
 
 
 def test_async_local_saves_keep_host_memory_limit_on_every_process(tmp_path):
-    for res in _ok(multiprocess.run("tiers.tier_scenarios.async_local_saves_under_a_memory_limit", 2, str(tmp_path))):
+    for res in _ok(process_group.run("tiers.tier_scenarios.async_local_saves_under_a_memory_limit", 2, str(tmp_path))):
         assert res == {"local": [], "persistent": []}, res
 
 
 def test_a_damaged_local_data_file_falls_back_to_the_persistent_step(tmp_path):
-    for res in _ok(multiprocess.run("tiers.tier_scenarios.damaged_data_falls_back", 2, str(tmp_path))):
+    for res in _ok(process_group.run("tiers.tier_scenarios.damaged_data_falls_back", 2, str(tmp_path))):
         assert res == {"step": 1, "mismatches": []}, res

@@ -99,10 +99,38 @@ def test_the_newest_step_whole_on_the_live_hosts_is_chosen():
     assert decide(replaced, set(), None) == Choice(7, True, {0: 0, 1: 0})
 
 
+def _holders_of_every_process(replicas: int, slices: tuple) -> dict[int, list[int]]:
+    """The rule, stated for every owner at once (O(N^2 log N)): the next processes by index,
+    those of another slice first."""
+    count = len(slices)
+    holders = {}
+    for owner in range(count):
+        others = sorted(((owner + k) % count for k in range(1, count)), key=lambda p: (
+            slices[p] is not None and slices[p] == slices[owner], (p - owner) % count))
+        holders[owner] = others[: min(replicas, count - 1)]
+    return holders
+
+
 def test_replicas_go_to_the_next_processes():
-    assert tiers.replica_holders(4, 1) == {0: [1], 1: [2], 2: [3], 3: [0]}
-    assert tiers.replica_holders(3, 5) == {0: [1, 2], 1: [2, 0], 2: [0, 1]}
-    assert tiers.replica_holders(1, 1) == {0: []}
+    assert tiers.replica_roles(0, 1, (None,) * 4) == ((1,), frozenset({3}))
+    assert tiers.replica_roles(1, 5, (None,) * 3) == ((2, 0), frozenset({0, 2}))
+    assert tiers.replica_roles(0, 1, (None,)) == ((), frozenset())
+    assert tiers.replica_roles(0, 1, (0, 0, 1, 1)) == ((2,), frozenset({2, 3}))  # another slice first
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_each_process_works_out_its_own_replicas_as_the_whole_rule_says(seed):
+    """Every process computes only whom it sends to and whose parts it keeps; both agree with
+    the rule worked out for every process, for slices of any size and unknown slices."""
+    rng = np.random.default_rng(seed)
+    count = int(rng.integers(2, 24))
+    slices = tuple(None if rng.random() < 0.2 else int(s) for s in rng.integers(0, 4, count))
+    replicas = int(rng.integers(1, 4))
+    holders = _holders_of_every_process(replicas, slices)
+    for me in range(count):
+        sends, keeps = tiers.replica_roles(me, replicas, slices)
+        assert list(sends) == holders[me], (me, slices)
+        assert keeps == {owner for owner, held_by in holders.items() if me in held_by}, (me, slices)
 
 
 @pytest.mark.parametrize("arg, message", [

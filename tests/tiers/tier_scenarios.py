@@ -1,4 +1,4 @@
-"""Multi-tier CheckpointManager scenarios, run by every process (see tests/multiprocess.py).
+"""Multi-tier CheckpointManager scenarios, run by every process (see tests/process_group.py).
 
 Each process works in its own directory, standing in for its host's local SSD (the local tier
 path "local" is relative, so no process sees another's); the persistent tier is one directory

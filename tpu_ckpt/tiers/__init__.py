@@ -2,9 +2,10 @@
 persistent storage in the background, and the choice of which tier a restore reads."""
 
 from tpu_ckpt.tiers._cadence import Cadence
-from tpu_ckpt.tiers._local_tier import held_steps, replica_holders
+from tpu_ckpt.tiers._local_tier import held_steps
 from tpu_ckpt.tiers._promote import Upload
+from tpu_ckpt.tiers._replicas import replica_roles
 from tpu_ckpt.tiers._restore import Choice, decide
 from tpu_ckpt.tiers._tiers import LocalTier
 
-__all__ = ["Cadence", "Choice", "LocalTier", "Upload", "decide", "held_steps", "replica_holders"]
+__all__ = ["Cadence", "Choice", "LocalTier", "Upload", "decide", "held_steps", "replica_roles"]

@@ -4,7 +4,7 @@ Object storage is too slow and costly for a checkpoint every few minutes, and a 
 pod loses the work since its last checkpoint. So each process writes its own pieces (the
 data files and the index an ordinary save writes, by ``data_writes.write_all``) to its own
 ``local_directory``, which no other host sees, and sends copies of those files over the relay
-to ``local_replicas`` other processes (``replica_holders``), so that losing a host loses no
+to ``local_replicas`` other processes (``replica_roles``), so that losing a host loses no
 piece. What each host's disk holds:
 
     <local_directory>/step_<s>/               a committed local step, renamed into place
@@ -47,6 +47,7 @@ from tpu_ckpt.errors import CheckpointError
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.runtime import gc_paused
 from tpu_ckpt.saving import WRITER, SavePlan, SaveResult, index_file, plan_save, written_by
+from tpu_ckpt.tiers._replicas import replica_roles
 
 logger = logging.getLogger(__name__)
 
@@ -95,17 +96,10 @@ def held_steps(root: str) -> list[LocalStep]:
     return sorted(found, key=lambda s: s.step)
 
 
-def replica_holders(count: int, replicas: int) -> dict[int, list[int]]:
-    """Who keeps a copy of each process's part: the next processes by index (a pod runs one
-    process per host, so each is another host), those in another slice first where jax
-    tells slices apart (a slice can fail whole). Every process computes the same answer."""
+def job_slices(count: int) -> tuple[int | None, ...]:
+    """Each process's slice, where JAX tells slices apart (``replica_roles``' input)."""
     slice_of = {d.process_index: getattr(d, "slice_index", None) for d in jax.devices()}
-    holders = {}
-    for owner in range(count):
-        others = [(owner + k) % count for k in range(1, count)]
-        others.sort(key=lambda p: slice_of.get(p) is not None and slice_of.get(p) == slice_of.get(owner))
-        holders[owner] = others[: min(replicas, count - 1)]
-    return holders
+    return tuple(slice_of.get(p) for p in range(count))
 
 
 def save_local(
@@ -161,9 +155,7 @@ class _LocalSave:
         self._token = ""
         self._store: storage.Backend | None = None
         self._writes: saving.Writes | None = None
-        holders = replica_holders(coord.count, replicas)
-        self.sends_to = holders[coord.me]
-        self.keeps = frozenset(owner for owner, hs in holders.items() if coord.me in hs)
+        self.sends_to, self.keeps = replica_roles(coord.me, replicas, job_slices(coord.count))
 
     def snapshot(self) -> None:
         """Host copies of this process's pieces, within ``host_memory_limit``
