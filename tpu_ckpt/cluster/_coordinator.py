@@ -26,7 +26,7 @@ import json
 import logging
 import socket
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 
@@ -41,6 +41,8 @@ _ARRIVED = "arrived"  # <op>/arrived/<stage>: the counter of processes that reac
 _VALUES = "values"  # <op>/values/<stage>/<process>: what each process brought to a stage
 _RELEASED = "released"  # <op>/released/<stage>: "v<value>" once it is over, "x" if a failure ended it
 _WAITING = "waiting"  # <op>/waiting/<stage>: present once some process blocks there
+_PROGRESS = "progress"  # <op>/progress/<process>: what a process others wait on is doing, and a count
+_PROGRESS_EVERY_S = 1.0  # at most one progress call a second
 _op_counter = itertools.count()
 
 
@@ -85,7 +87,24 @@ def relay_host() -> str:
         return probe.getsockname()[0]
 
 
-def _client() -> Any:
+class _KeyValues(Protocol):
+    """The parts of JAX's distributed runtime client (the coordination service's key-value
+    store) a coordinator uses."""
+
+    def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None: ...
+
+    def key_value_increment(self, key: str, increment: int) -> int: ...
+
+    def key_value_delete(self, key: str) -> None: ...
+
+    def key_value_try_get(self, key: str) -> str: ...
+
+    def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str: ...
+
+    def key_value_dir_get(self, key: str) -> list[tuple[str, str]]: ...
+
+
+def _client() -> _KeyValues | None:
     from jax._src.distributed import global_state
 
     return global_state.client
@@ -111,6 +130,9 @@ class Coordinator:
                 "call jax.distributed.initialize() first."
             )
         self._closed = False
+        self._progress_count = 0
+        self._last_note = ""  # what the process this one waited on last said it was doing
+        self._progress_at = -_PROGRESS_EVERY_S
 
     def __enter__(self) -> Coordinator:
         return self
@@ -163,6 +185,17 @@ class Coordinator:
             raise RuntimeError("receive() needs more than one process")
         return self._block(stage, sender)
 
+    def progress(self, note: str) -> None:
+        """Tells the processes waiting on this one what it is doing (``note``: the step and how
+        far it got), so that a long step is not taken for a dead process: a waiter whose
+        timeout passes reads the note and waits on while it changes (:meth:`_blocking_get`).
+        The leader's commit calls it between batches; at most one call a second is made."""
+        now = time.monotonic()
+        if self._client is None or now - self._progress_at < _PROGRESS_EVERY_S:
+            return
+        self._progress_at, self._progress_count = now, self._progress_count + 1
+        self._kv.key_value_set(self._key(_PROGRESS, self.me), f"{self._progress_count} {note}", allow_overwrite=True)
+
     def report_failure(self, error: BaseException, abandoned: bool = False) -> None:
         """Tells the other processes this one failed, and wakes those that wait, so they
         stop waiting for it at once. ``abandoned``: it gave the operation up before any
@@ -185,7 +218,11 @@ class Coordinator:
         """Whether ``process`` reported that it gave the operation up before committing it."""
         if self._client is None:
             return False
-        report = self._try_get(self._key(_ERROR, process))
+        try:
+            report = self._try_get(self._key(_ERROR, process))
+        except Exception as error:  # noqa: BLE001 - on a failure's path, with the coordinator perhaps gone
+            logger.warning("tpu_ckpt: %s: could not read process %d's failure report: %s", self.what, process, error)
+            return False  # not known to be abandoned: delete nothing
         return report is not None and bool(json.loads(report).get("abandoned"))
 
     def raise_if_another_failed(self, stage: str, grace: float = 0.0) -> None:
@@ -213,15 +250,23 @@ class Coordinator:
             remote_type=report.get("type"),
         )
 
+    @property
+    def _kv(self) -> _KeyValues:
+        """The client, on the paths that only several processes reach (the public methods
+        return early when there is none)."""
+        if self._client is None:
+            raise RuntimeError(f"{self.what}: a single process has no coordination service to use")
+        return self._client
+
     def _arrive(self, stage: str, value: str) -> None:
-        self._client.key_value_set(self._key(_VALUES, stage, self.me), value)
-        if self._client.key_value_increment(self._key(_ARRIVED, stage), 1) == self.count:
+        self._kv.key_value_set(self._key(_VALUES, stage, self.me), value)
+        if self._kv.key_value_increment(self._key(_ARRIVED, stage), 1) == self.count:
             self._release(stage, "v")
 
     def _release(self, stage: str, mark: str) -> None:
         """Ends the wait at ``stage``, once: a value sent after a failure ended it is dropped."""
         try:
-            self._client.key_value_set(self._key(_RELEASED, stage), mark)
+            self._kv.key_value_set(self._key(_RELEASED, stage), mark)
         except Exception as error:  # noqa: BLE001 - the service's error type is not public
             if "ALREADY_EXISTS" not in str(error):
                 raise
@@ -230,7 +275,7 @@ class Coordinator:
         """Waits for the release of ``stage`` (``sender``'s value, or everyone's arrival when
         None) and returns its value; raises if a failure ended it or the timeout passed."""
         released_key = self._key(_RELEASED, stage)
-        self._client.key_value_set(self._key(_WAITING, stage), "", allow_overwrite=True)
+        self._kv.key_value_set(self._key(_WAITING, stage), "", allow_overwrite=True)
         if self._failures():  # checked after registering: see report_failure
             released = self._try_get(released_key)
         else:
@@ -242,12 +287,22 @@ class Coordinator:
         return released[1:]
 
     def _blocking_get(self, key: str, stage: str, sender: int | None) -> str:
-        started = time.monotonic()
-        try:
-            return self._client.blocking_key_value_get(key, max(1, int(self.timeout * 1000)))
-        except Exception as error:  # noqa: BLE001 - the service's error type is not public
-            if "DEADLINE_EXCEEDED" not in str(error) and time.monotonic() - started < self.timeout:
-                raise
+        """Waits up to the timeout, again and again while ``sender`` reports progress (so a
+        sender working on gives up at most two timeouts after its last progress)."""
+        note = None
+        while True:
+            started = time.monotonic()
+            try:
+                return self._kv.blocking_key_value_get(key, max(1, int(self.timeout * 1000)))
+            except Exception as error:  # noqa: BLE001 - the service's error type is not public
+                if "DEADLINE_EXCEEDED" not in str(error) and time.monotonic() - started < self.timeout:
+                    raise
+            latest = None if sender is None else self._try_get(self._key(_PROGRESS, sender))
+            if latest is None or latest == note:
+                break
+            note = latest
+            logger.info("tpu_ckpt: %s: process %s is still working (%s); waiting on", self.what, sender, latest.split(" ", 1)[1])
+        self._last_note = "" if note is None else f"; it was last {note.split(' ', 1)[1]}"
         if sender is not None:
             # Waiting on a sender that may itself wait on a straggler: its report names
             # the straggler, where this process could only name the sender.
@@ -261,25 +316,25 @@ class Coordinator:
     def _timeout_error(self, stage: str, missing: list[int], finder: str) -> CoordinationTimeoutError:
         return CoordinationTimeoutError(
             f"{self.what}: processes {missing} did not reach stage '{stage}' within "
-            f"coordination_timeout={self.timeout:g}s ({finder}this is process {self.me} of {self.count}). "
+            f"coordination_timeout={self.timeout:g}s ({finder}this is process {self.me} of {self.count}{self._last_note}). "
             "Check those hosts' logs; raise coordination_timeout if they are merely slow.",
             stage=stage,
             missing=missing,
         )
 
     def _values(self, stage: str) -> dict[int, str]:
-        entries = self._client.key_value_dir_get(self._key(_VALUES, stage) + "/")
+        entries = self._kv.key_value_dir_get(self._key(_VALUES, stage) + "/")
         return {int(key.rsplit("/", 1)[1]): value for key, value in entries}
 
     def _failures(self) -> dict[int, str]:
-        entries = self._client.key_value_dir_get(self._key(_ERROR) + "/")
+        entries = self._kv.key_value_dir_get(self._key(_ERROR) + "/")
         failures = {int(key.rsplit("/", 1)[1]): value for key, value in entries}
         failures.pop(self.me, None)
         return failures
 
     def _try_get(self, key: str) -> str | None:
         try:
-            return self._client.key_value_try_get(key)
+            return self._kv.key_value_try_get(key)
         except Exception as error:  # noqa: BLE001 - the service's error type is not public
             if "NOT_FOUND" not in str(error):
                 raise

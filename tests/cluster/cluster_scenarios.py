@@ -1,0 +1,28 @@
+"""Scenarios of the coordinator alone, run by tests/mp_worker.py in each process."""
+
+from __future__ import annotations
+
+import time
+
+from tpu_ckpt import cluster
+from tpu_ckpt.errors import CoordinationTimeoutError
+
+
+def busy_leader(steps: str, stall: str) -> dict:
+    """Process 0 works ``steps`` seconds, reporting progress each second, then stalls
+    ``stall`` seconds without a word before it publishes; the others wait for it with a
+    2.5 s timeout."""
+    with cluster.Coordinator("busy leader", timeout=2.5) as coord:
+        started = time.monotonic()
+        if coord.me == 0:
+            for done in range(int(steps)):
+                time.sleep(1.0)
+                coord.progress(f"merging indexes ({done + 1} of {steps})")
+            time.sleep(float(stall))
+            coord.publish("committed")
+            return {"error": None}
+        try:
+            coord.receive("committed", 0)
+        except CoordinationTimeoutError as error:
+            return {"error": type(error).__name__, "message": str(error), "waited": time.monotonic() - started}
+        return {"error": None, "waited": time.monotonic() - started}
