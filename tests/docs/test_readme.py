@@ -1,9 +1,10 @@
-"""Every ```python block of README.md runs, and prints what its comments say it prints.
+"""Every ```python block of README.md and of the docs/*.md pages runs, and prints what its
+comments say it prints.
 
-Grouping: the blocks of one ``## `` section run in order in one namespace (a reader runs a
-section top to bottom); each section gets a fresh namespace and a fresh working directory,
-and ``/tmp/`` in its blocks (code and comments) becomes that directory. The line numbers of
-a traceback are README.md's.
+Grouping: the blocks of one ``## `` section of one page run in order in one namespace (a
+reader runs a section top to bottom); each section gets a fresh namespace and a fresh working
+directory, and ``/tmp/`` in its blocks (code and comments) becomes that directory. The file
+name and line numbers of a traceback are the page's (README.md, docs/memory.md, ...).
 
 Where a block runs, chosen by an HTML comment on the line before it:
   (none)                       one subprocess for all of them (8 simulated CPU devices,
@@ -13,7 +14,7 @@ Where a block runs, chosen by an HTML comment on the line before it:
                                jax.distributed.initialize() has been called already, so the
                                block's own call is dropped;
   <!-- run: s3 -->             against moto (tests/object_stores.py), in the bucket the
-                               README's shell lines create;
+                               object-store page's shell lines create;
   <!-- not run: <why> -->      skipped; NOT_RUN must list it, so nothing is skipped silently.
 
 What is checked besides "it raises nothing": a ``print(...)`` line followed by a comment is
@@ -21,15 +22,16 @@ checked against the comment. ``# -> text``: it prints exactly ``text`` (up to tw
 after which an explanation may follow; a ``# -> ...`` line of its own right after a print
 works too). Otherwise, when the comment starts with a Python literal (``# [2, 3]; steps 0
 and 1 deleted``, ``# (8, 4): ...``, ``# True``), the printed value must equal it. The
-``console`` examples of the command-line section are re-run on a directory built like the
-one the README describes, and their output compared (ages and timings aside; a ``...`` line
-stands for any lines).
+``console`` examples of the command-line page are re-run on a directory built like the
+one it describes, and their output compared (ages and timings aside; a ``...`` line stands
+for any lines).
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import glob
 import io
 import json
 import os
@@ -47,8 +49,10 @@ pytestmark = [pytest.mark.notebook, pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 README = os.path.join(ROOT, "README.md")
+# Every page whose blocks run, as paths relative to ROOT: the README, then docs/ in name order.
+PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
 MULTI_PROCESS, S3 = "run: 2 processes", "run: s3"
-# Sections of the blocks marked <!-- not run: ... -->, in README order.
+# Sections of the blocks marked <!-- not run: ... -->, in page order (all in the README).
 NOT_RUN: list[str] = ["Running on Cloud TPU", "Running on Cloud TPU"]
 ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
 
@@ -56,13 +60,28 @@ ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS":
 @dataclasses.dataclass(frozen=True)
 class Block:
     section: str  # the ``## `` heading it is under
-    line: int  # README line number of its first line of code
+    line: int  # the page's line number of its first line of code
     code: str
     marker: str  # the HTML comment on the line before it, without <!-- -->; "" if none
+    page: str = "README.md"  # relative to ROOT
+
+    @property
+    def group(self) -> str:
+        """The section's name in reports: the heading, after the page's name outside the README."""
+        return self.section if self.page == "README.md" else f"{self.page}: {self.section}"
 
 
 def readme_blocks(language: str) -> list[Block]:
-    with open(README) as f:
+    return page_blocks("README.md", language)
+
+
+def doc_blocks(language: str) -> list[Block]:
+    """The blocks of every page, README first."""
+    return [block for page in PAGES for block in page_blocks(page, language)]
+
+
+def page_blocks(page: str, language: str) -> list[Block]:
+    with open(os.path.join(ROOT, page)) as f:
         lines = f.read().splitlines()
     blocks, section, i = [], "", 0
     while i < len(lines):
@@ -75,13 +94,14 @@ def readme_blocks(language: str) -> list[Block]:
         if lines[i][3:].strip() == language:
             above = next((line.strip() for line in reversed(lines[:i]) if line.strip()), "")
             marker = re.fullmatch(r"<!--\s*(.*?)\s*-->", above)
-            blocks.append(Block(section, i + 2, "\n".join(lines[i + 1 : end]), marker.group(1) if marker else ""))
+            code = "\n".join(lines[i + 1 : end])
+            blocks.append(Block(section, i + 2, code, marker.group(1) if marker else "", page))
         i = end + 1
     return blocks
 
 
 # Defines the checked print; sits on the first lines of every assembled script, above the
-# first block (README line numbers are kept).
+# first block (the page's line numbers are kept).
 PRELUDE = """\
 def _readme_print(*values, _expect):
     print(*values, flush=True)
@@ -89,7 +109,7 @@ def _readme_print(*values, _expect):
     got = " ".join(map(str, values)) if kind == "text" else values[0] if len(values) == 1 else values
     same = got == want
     same = same if isinstance(same, bool) else bool(getattr(same, "all", lambda: same)())
-    assert same, f"README.md says this prints {want!r}, but it printed {got!r}"
+    assert same, f"the page says this prints {want!r}, but it printed {got!r}"
 """
 
 
@@ -140,11 +160,12 @@ def transform(code: str, workdir: str, *, multi_process: bool = False) -> tuple[
 
 
 def assemble(blocks: list[Block], workdir: str, *, multi_process: bool = False) -> tuple[str, int]:
-    """One script running ``blocks`` in order, each at its README line numbers."""
+    """One script running ``blocks`` (all of one page) in order, each at its page's line numbers."""
     out, checked = PRELUDE.split("\n"), 0
+    assert len({block.page for block in blocks}) <= 1, "one script runs the blocks of one page"
     for block in blocks:
         code, n = transform(block.code, workdir, multi_process=multi_process)
-        assert len(out) < block.line, f"README.md:{block.line}: too close to the block above"
+        assert len(out) < block.line, f"{block.page}:{block.line}: too close to the block above"
         out += [""] * (block.line - 1 - len(out)) + code.split("\n")
         checked += n
     return "\n".join(out) + "\n", checked
@@ -159,10 +180,10 @@ results = []
 for s in sections:
     os.makedirs(s["dir"], exist_ok=True)
     os.chdir(s["dir"])
-    linecache.cache["README.md"] = (len(s["source"]), None, s["source"].splitlines(True), "README.md")
+    linecache.cache[s["file"]] = (len(s["source"]), None, s["source"].splitlines(True), s["file"])
     print(f"=== {s['title']}", flush=True)
     try:
-        exec(compile(s["source"], "README.md", "exec"), {"__name__": "__main__"})
+        exec(compile(s["source"], s["file"], "exec"), {"__name__": "__main__"})
         from tpu_ckpt.saving import WRITER
         WRITER.settle()  # an async save left in flight must have succeeded too
         results.append([s["title"], None])
@@ -178,7 +199,7 @@ def run_sections(tmp_path, groups: dict[str, list[Block]], env: dict[str, str]) 
     for number, (title, blocks) in enumerate(groups.items()):
         workdir = str(tmp_path / f"section{number:02d}")
         source, n = assemble(blocks, workdir)
-        spec.append({"title": title, "dir": workdir, "source": source})
+        spec.append({"title": title, "dir": workdir, "source": source, "file": blocks[0].page})
         checked += n
     spec_file = tmp_path / "sections.json"
     spec_file.write_text(json.dumps(spec))
@@ -195,14 +216,23 @@ def run_sections(tmp_path, groups: dict[str, list[Block]], env: dict[str, str]) 
 
 
 def by_section(blocks: list[Block]) -> dict[str, list[Block]]:
+    """Blocks grouped by section, in order: a README section under its heading, another page's
+    as ``docs/page.md: heading``."""
     groups: dict[str, list[Block]] = {}
     for block in blocks:
-        groups.setdefault(block.section, []).append(block)
+        groups.setdefault(block.group, []).append(block)
     return groups
 
 
+def by_page(blocks: list[Block]) -> dict[str, list[Block]]:
+    pages: dict[str, list[Block]] = {}
+    for block in blocks:
+        pages.setdefault(block.page, []).append(block)
+    return pages
+
+
 def test_every_python_block_is_run_or_listed_as_not_run():
-    blocks = readme_blocks("python")
+    blocks = doc_blocks("python")
     unknown = [b for b in blocks if b.marker not in ("", MULTI_PROCESS, S3) and not b.marker.startswith("not run:")]
     assert not unknown, f"unknown markers: {[(b.line, b.marker) for b in unknown]}"
     assert [b.section for b in blocks if b.marker.startswith("not run:")] == NOT_RUN
@@ -213,18 +243,24 @@ def test_every_python_block_is_run_or_listed_as_not_run():
 
 
 def test_readme_python_blocks_run(tmp_path):
-    blocks = [b for b in readme_blocks("python") if not b.marker]
+    """The README's blocks and those of every docs page, in one subprocess (JAX imported once)."""
+    blocks = [b for b in doc_blocks("python") if not b.marker]
+    assert {b.page for b in blocks} > {"README.md"}
     checked = run_sections(tmp_path, by_section(blocks), {**os.environ, **ENV})
     assert checked >= 30
 
 
-def test_readme_multi_host_blocks_run_in_two_processes(tmp_path):
-    blocks = [b for b in readme_blocks("python") if b.marker == MULTI_PROCESS]
+MULTI_PROCESS_PAGES = sorted(by_page([b for b in doc_blocks("python") if b.marker == MULTI_PROCESS]))
+
+
+@pytest.mark.parametrize("page", MULTI_PROCESS_PAGES)
+def test_readme_multi_host_blocks_run_in_two_processes(tmp_path, page):
+    blocks = by_page([b for b in doc_blocks("python") if b.marker == MULTI_PROCESS])[page]
     shared = tmp_path / "shared"  # both processes' /tmp/: shared storage, as GCS would be
     shared.mkdir()
     source, checked = assemble(blocks, str(shared), multi_process=True)
     assert checked >= 3
-    script = tmp_path / "README.md.py"
+    script = tmp_path / f"{os.path.basename(page)}.py"
     script.write_text(source)
     results = process_group.run("exec_file", 2, str(shared), str(script), timeout=180)
     for r in results:
@@ -234,16 +270,16 @@ def test_readme_multi_host_blocks_run_in_two_processes(tmp_path):
 @pytest.mark.emulator
 def test_readme_object_store_blocks_run_against_moto(tmp_path, s3_server):
     try:
-        s3_server.create_bucket("ckpts")  # what the README's shell lines do
+        s3_server.create_bucket("ckpts")  # what the object-store page's shell lines do
     except Exception as e:  # noqa: BLE001 - only an existing bucket is fine
         if "BucketAlready" not in str(e):
             raise
-    blocks = [b for b in readme_blocks("python") if b.marker == S3]
+    blocks = [b for b in doc_blocks("python") if b.marker == S3]
     # os.environ holds the fixture's AWS_ENDPOINT_URL and credentials.
     assert run_sections(tmp_path, by_section(blocks), {**os.environ, **ENV}) >= 2
 
 
-# Builds the directory the command-line section shows: a CheckpointManager's steps 100 and
+# Builds the directory the command-line page shows: a CheckpointManager's steps 100 and
 # 200 of a small Adam state, and the staging directory of a save of step 300 killed before
 # its commit (its data files, no manifest). Then runs the commands and reports their output.
 CLI_EXAMPLE = r"""
@@ -291,7 +327,7 @@ def _matches(expected: list[str], actual: list[str]) -> bool:
 
 def test_readme_command_line_examples_print_what_they_show(tmp_path):
     examples: list[tuple[list[str], list[str]]] = []
-    for block in readme_blocks("console"):
+    for block in doc_blocks("console"):
         for line in block.code.split("\n"):
             if line.startswith("$ "):
                 examples.append((shlex.split(line[2:], comments=True), []))
@@ -314,4 +350,4 @@ def test_readme_command_line_examples_print_what_they_show(tmp_path):
         actual = [_normalize(x) for x in printed.replace(here, "/tmp/").splitlines()]
         while expected and not expected[-1]:
             expected.pop()
-        assert _matches(expected, actual), f"$ {' '.join(words)}\nREADME shows:\n" + "\n".join(shown) + "\nit prints:\n" + printed
+        assert _matches(expected, actual), f"$ {' '.join(words)}\nthe page shows:\n" + "\n".join(shown) + "\nit prints:\n" + printed
