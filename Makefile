@@ -3,8 +3,12 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The oldest supported versions (constraints-oldest.txt) get a virtualenv of their own.
+COMPAT := .venv-compat
+COMPAT_STAMP := $(COMPAT)/.installed
+FAST_TIER := not slow and not multiprocess and not emulator and not notebook and not heavy
 
-.PHONY: demo test test-fast bench pod-scale lint wheel docs clean
+.PHONY: demo test test-fast test-compat bench pod-scale lint wheel docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +21,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+	$(MAKE) test-compat
 	$(MAKE) docs
+	$(MAKE) lint
 
 # The API reference (docs/api.md: every public name's docstring) as HTML in site/, offline;
 # --strict turns every warning (a docstring naming a parameter the signature lacks) into a failure.
@@ -27,7 +33,18 @@ docs: $(STAMP)
 # The inner loop (<= 60 s on a quiet 2-core machine): in-process tests only, no emulators, notebooks,
 # process groups, subprocesses, Orbax or Flax (tests/conftest.py marks those heavy).
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not multiprocess and not emulator and not notebook and not heavy"
+	$(PY) -m pytest -q -m "$(FAST_TIER)"
+
+# The fast tier again, on the oldest versions pyproject.toml accepts (a couple of minutes to
+# build the first time, then about a minute): the supported range's lower end, tested.
+$(COMPAT_STAMP): pyproject.toml constraints-oldest.txt
+	$(PYTHON) -m venv $(COMPAT)
+	$(COMPAT)/bin/python -m pip install --quiet --upgrade pip
+	$(COMPAT)/bin/python -m pip install --quiet -e ".[test]" -c constraints-oldest.txt
+	touch $(COMPAT_STAMP)
+
+test-compat: $(COMPAT_STAMP)
+	$(COMPAT)/bin/python -m pytest -q -m "$(FAST_TIER)"
 
 bench: $(STAMP)
 	$(PY) scripts/benchmark.py
@@ -37,12 +54,14 @@ bench: $(STAMP)
 pod-scale: $(STAMP)
 	$(PY) scripts/pod_scale.py $(POD_SCALE_ARGS)
 
+# ruff, and mypy over the library (pyproject.toml's [tool.mypy]): both must report nothing.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check tpu_ckpt tests scripts
+	$(VENV)/bin/mypy tpu_ckpt
 
 # dist/tpu_ckpt-<version>-py3-none-any.whl, for machines without a clone (the notebooks' first cell).
 wheel: $(STAMP)
 	$(PY) -m pip wheel --quiet --no-deps --wheel-dir dist .
 
 clean:
-	rm -rf $(VENV) build dist site *.egg-info
+	rm -rf $(VENV) $(COMPAT) build dist site *.egg-info

@@ -9,16 +9,17 @@ Issue 21's pod-scale target is ``--processes 1536 --devices-per-process 4 --leav
 Every leaf is float32 of shape (processes * devices * 4,), one 16-byte piece per device, the
 devices of process p holding its p-th stretch: what a pod's fully sharded state looks like to
 the commit. Process p's index is written into a local staging directory exactly as a save
-writes it (``commit.index(...).to_json()`` as ``index-<p>.json``), beside a sparse data file of
-the size it claims; process 0 (the leader) keeps its own in memory, as a save does. Then, each
-in a fresh interpreter (nothing of the setup in its heap):
+writes it (binary rows, ``format.encode_index(commit.index(...), plan)`` as ``index-<p>.bin``),
+beside a sparse data file of the size it claims; process 0 (the leader) keeps its own in
+memory, as a save does. Then, each in a fresh interpreter (nothing of the setup in its heap):
 
-- ``commit``: the real ``commit.commit`` end to end (read and delete every index, merge,
-  check the tiling, write the piece tables and the manifest, rename), under ``gc_paused`` as a
-  save runs it: wall and CPU time (getrusage), peak RSS growth (VmHWM over VmRSS before it).
-- ``stages``: the same work stage by stage on the same files: decode (read + ``decode_manifest``
-  of every index), merge + tiling (``merge_indexes``), encode (``encode_manifest``: the
-  format 2 manifest and its tables); µs per piece each.
+- ``commit``: the real ``commit.commit`` end to end (read, check and delete every index,
+  merge, check the tiling, write the piece tables and the manifest, rename), under
+  ``gc_paused`` as a save runs it: wall and CPU time (getrusage), peak RSS growth (VmHWM over
+  VmRSS before it).
+- ``stages``: the same work stage by stage on the same files: decode (read + ``decode_index``
+  of every index), merge + tiling (``merge_rows``), encode (``encode_manifest``: the format 2
+  manifest and its tables); µs per piece each.
 
 The indexes are copied aside before the commit (which deletes them) and put back for the
 stages. CPU time is this process's (all threads): on a shared machine it is the steadier number.
@@ -102,25 +103,32 @@ def _name(leaf: int) -> str:
     return f"leaf{leaf:05d}"
 
 
-def _index(args: argparse.Namespace, process: int):
-    """Process ``process``'s index as a save makes it (``commit.index``): its devices' pieces
-    of every leaf, one data file, the pieces side by side in it."""
-    from tpu_ckpt import saving
+def _pieces(args: argparse.Namespace, process: int, leaf: int) -> list:
+    """Process ``process``'s pieces of leaf number ``leaf``: one per device, side by side in
+    its one data file, leaf after leaf."""
     from tpu_ckpt.format import PieceEntry
     from tpu_ckpt.saving import data_file_name
 
     d = args.devices_per_process
     file = data_file_name(process, 0)
-    pieces, offset = {}, 0
-    for leaf in range(args.leaves):
-        own = []
-        for device in range(process * d, (process + 1) * d):
-            start = device * (PIECE_BYTES // 4)
-            crc = (leaf * 7919 + device) & 0xFFFFFFFF
-            own.append(PieceEntry(((start, start + PIECE_BYTES // 4),), file, offset, PIECE_BYTES, crc))
-            offset += PIECE_BYTES
-        pieces[_name(leaf)] = own
-    return saving.index(pieces, {file: offset})
+    offset = leaf * d * PIECE_BYTES
+    own = []
+    for device in range(process * d, (process + 1) * d):
+        start = device * (PIECE_BYTES // 4)
+        crc = (leaf * 7919 + device) & 0xFFFFFFFF
+        own.append(PieceEntry(((start, start + PIECE_BYTES // 4),), file, offset, PIECE_BYTES, crc))
+        offset += PIECE_BYTES
+    return own
+
+
+def _index(args: argparse.Namespace, process: int):
+    """Process ``process``'s index as a save makes it (``commit.index``): its devices' pieces
+    of every leaf, one data file."""
+    from tpu_ckpt import saving
+    from tpu_ckpt.saving import data_file_name
+
+    pieces = {_name(leaf): _pieces(args, process, leaf) for leaf in range(args.leaves)}
+    return saving.index(pieces, {data_file_name(process, 0): args.leaves * args.devices_per_process * PIECE_BYTES})
 
 
 def _planned(args: argparse.Namespace):
@@ -137,20 +145,23 @@ def _planned(args: argparse.Namespace):
 def _setup(args: argparse.Namespace, staging: str, saved: str) -> dict:
     """Every other process's index file and (sparse) data file in the staging directory; the
     leader's data file too. Copies of the indexes go to ``saved``."""
-    from tpu_ckpt.saving import data_file_name, index_file
+    from tpu_ckpt.format import IndexPlan, encode_index
+    from tpu_ckpt.saving import data_file_name, staged_index_file
 
     os.makedirs(staging)
     os.makedirs(saved)
+    plan = IndexPlan.of(_planned(args))
     sizes = []
     for process in range(args.processes):
         own = _index(args, process)
         with open(os.path.join(staging, data_file_name(process, 0)), "wb") as f:
             f.truncate(own.files[data_file_name(process, 0)])
-        body = own.to_json()
+        body = encode_index(own, plan)
         sizes.append(len(body))
         if process:
-            pathlib.Path(staging, index_file(process)).write_bytes(body)
-            shutil.copy(os.path.join(staging, index_file(process)), os.path.join(saved, index_file(process)))
+            name = staged_index_file(process)
+            pathlib.Path(staging, name).write_bytes(body)
+            shutil.copy(os.path.join(staging, name), os.path.join(saved, name))
     return {"index_bytes_per_process": sizes[-1], "index_bytes_total": sum(sizes[1:])}
 
 
@@ -178,7 +189,7 @@ def _check(args: argparse.Namespace, final: str) -> int:
     checked = 0
     for leaf in (0, args.leaves - 1):
         entry = manifest.leaves[leaf]
-        expected = sorted(p for q in range(args.processes) for p in _index(args, q).leaves[leaf].pieces)
+        expected = sorted(p for q in range(args.processes) for p in _pieces(args, q, leaf))
         if list(entry.pieces) != expected:
             raise SystemExit(f"leaf {entry.key}: the committed pieces differ from the indexes'")
         checked += len(expected)
@@ -188,21 +199,23 @@ def _check(args: argparse.Namespace, final: str) -> int:
 def _stages(args: argparse.Namespace, where: str) -> dict:
     """The commit's CPU stages one by one, on the same indexes."""
     from tpu_ckpt import saving, storage
-    from tpu_ckpt.format import decode_manifest, encode_manifest, grids_shared
+    from tpu_ckpt.format import IndexPlan, decode_index, encode_index, encode_manifest, grids_shared
     from tpu_ckpt.runtime import gc_paused
-    from tpu_ckpt.saving import index_file
+    from tpu_ckpt.saving import staged_index_file
 
-    planned, own = _planned(args), _index(args, 0)
+    planned = _planned(args)
+    plan = IndexPlan.of(planned)
+    own = decode_index(encode_index(_index(args, 0), plan), where="the leader's own index", plan=plan)
     store = storage.Store(storage.location(where))
 
     def decode() -> list:
-        names = [index_file(p) for p in range(1, args.processes)]
-        return [decode_manifest(store.read_file(n), where=n, complete=False) for n in names]
+        names = [staged_index_file(p) for p in range(1, args.processes)]
+        return [own, *(decode_index(store.read_file(n), where=n, plan=plan) for n in names)]
 
     with store, gc_paused(), grids_shared():
         indexes, decoded = workers.measured(decode)
-        merged, merge = workers.measured(lambda: saving.merge_indexes(planned, [own, *indexes]))
-        _, encode = workers.measured(lambda: encode_manifest(merged))
+        (merged, grids), merge = workers.measured(lambda: saving.merge_rows(planned, plan, indexes))
+        _, encode = workers.measured(lambda: encode_manifest(merged, grids))
     return {"decode": decoded, "merge_and_tiling": merge, "encode": encode}
 
 
@@ -221,7 +234,7 @@ def _report(summary: dict) -> None:
     c = summary["commit"]
     print(f"{summary['processes']} processes x {summary['devices_per_process']} devices x {summary['leaves']} leaves"
           f" = {summary['pieces']:,} pieces")
-    print(f"indexes: {summary['index_bytes_per_process']:,} bytes a process, {summary['index_bytes_total']:,} in all;"
+    print(f"binary indexes: {summary['index_bytes_per_process']:,} bytes a process, {summary['index_bytes_total']:,} in all;"
           f" manifest + tables {c['manifest_and_table_bytes']:,} bytes")
     print(f"commit.commit: wall {c['wall_s']:.2f} s, CPU {c['cpu_s']:.2f} s, peak RSS growth {c['rss_growth_mb']:.0f} MB"
           f" ({c['cpu_s'] / summary['pieces'] * 1e6:.2f} us CPU a piece); {c['checked_pieces']:,} pieces read back and checked")

@@ -264,42 +264,42 @@ def _worker(args: argparse.Namespace, port: int, index: int) -> dict:
 
 def _save_stage(args: argparse.Namespace, sharding, shape: tuple[int]) -> dict:
     """``plan_save`` alone, then the save; the leader's commit and the index sent to it are
-    measured by wrapping ``commit.commit`` and ``Manifest.to_json`` (only a non-leader's index
-    is encoded, to be written for the leader)."""
+    measured by wrapping ``commit.commit`` and the save's ``encode_index`` (only a non-leader's
+    index is encoded, to be written for the leader)."""
     import jax
 
     import tpu_ckpt as tc
-    from tpu_ckpt.format import Manifest
     from tpu_ckpt.saving import _commit as commit
+    from tpu_ckpt.saving import _save as save
     from tpu_ckpt.saving import plan_save
 
     state = {_name(i): jax.make_array_from_callback(shape, sharding, lambda index, i=i: _values(shape, i)[index])
              for i in range(args.leaves)}
     plan, planning = workers.measured(lambda: plan_save(state))
     seen = {"sent_to_leader_bytes": 0, "commit": None, "peak_before_commit_mb": 0.0}
-    real_commit, real_to_json = commit.commit, Manifest.to_json
+    real_commit, real_encode = commit.commit, save.encode_index
 
     def measured_commit(*call_args) -> None:
         seen["peak_before_commit_mb"] = workers.status_kib("VmHWM") * 1024 / MB  # before _measured resets it
         _, seen["commit"] = workers.measured(lambda: real_commit(*call_args))
 
-    def sized_to_json(self: Manifest) -> bytes:
-        body = real_to_json(self)
+    def sized_encode(*call_args) -> bytes:
+        body = real_encode(*call_args)
         seen["sent_to_leader_bytes"] += len(body)
         return body
 
-    commit.commit, Manifest.to_json = measured_commit, sized_to_json
+    commit.commit, save.encode_index = measured_commit, sized_encode
     try:
         _, saving = workers.measured(lambda: tc.save(args.path, state).wait())
     finally:
-        commit.commit, Manifest.to_json = real_commit, real_to_json
+        commit.commit, save.encode_index = real_commit, real_encode
     saving["rss_growth_mb"] = max(saving["rss_growth_mb"], seen.pop("peak_before_commit_mb") - saving["rss_before_mb"])
     return {"pieces": plan.piece_count, "planning": planning, "save": saving, **seen}
 
 
 def _restore_stage(args: argparse.Namespace, sharding, shape: tuple[int]) -> dict:
     """A full restore onto the saved sharding, counting the piece-table bytes read and the
-    piece entries built (by wrapping ``piece_table._read_rows`` and ``_load``); then the
+    piece entries built (by wrapping ``table_reads._read_rows`` and ``_entries``); then the
     manager's listing of the directory."""
     import threading
 
@@ -308,11 +308,11 @@ def _restore_stage(args: argparse.Namespace, sharding, shape: tuple[int]) -> dic
 
     import tpu_ckpt as tc
     from tpu_ckpt import catalog
-    from tpu_ckpt.format import _piece_table as piece_table
+    from tpu_ckpt.format import _table_reads as table_reads
 
     target = {_name(i): jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding) for i in range(args.leaves)}
     counts, lock = {"table_bytes": 0, "entries": 0}, threading.Lock()
-    real_read, real_load = piece_table._read_rows, piece_table._load
+    real_read, real_load = table_reads._read_rows, table_reads._entries
 
     def read_rows(*call_args) -> bytes:
         data = real_read(*call_args)
@@ -326,11 +326,11 @@ def _restore_stage(args: argparse.Namespace, sharding, shape: tuple[int]) -> dic
             counts["entries"] += len(pieces)
         return pieces
 
-    piece_table._read_rows, piece_table._load = read_rows, load
+    table_reads._read_rows, table_reads._entries = read_rows, load
     try:
         restored, restoring = workers.measured(lambda: tc.restore(args.path, target))
     finally:
-        piece_table._read_rows, piece_table._load = real_read, real_load
+        table_reads._read_rows, table_reads._entries = real_read, real_load
     checked = _check_shards(restored, shape)
     manager = tc.CheckpointManager(os.path.dirname(args.path))
     steps, listed = workers.measured(manager.all_steps)

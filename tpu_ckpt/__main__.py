@@ -1,4 +1,4 @@
-"""``python -m tpu_ckpt``: the ``tpu-ckpt`` command line (see cli.py)."""
+"""``python -m tpu_ckpt``: the ``tpu-ckpt`` command line (see cli/_main.py)."""
 
 import sys
 

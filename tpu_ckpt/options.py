@@ -20,7 +20,11 @@ import numpy as np
 
 from tpu_ckpt.sharding import ShardByDevicePolicy, ShardingCallback
 
-WriteCallback = Callable[[], Any] | Callable[[str], Any]
+PlainCallback = Callable[[], object]
+"""A write callback taking no argument."""
+PathCallback = Callable[[str], object]
+"""A write callback taking the saved path: the one shape a save calls (``path_callbacks``)."""
+WriteCallback = PlainCallback | PathCallback
 
 _TF_ALIASES = {
     "experimental_io_device": "io_device",
@@ -50,6 +54,12 @@ _LOCALHOST = re.compile(r"^/job:localhost(/replica:0)?(/task:0)?(/device:[A-Za-z
 _WORKER = re.compile(r"^/job:worker(/replica:\d+)?/task:(\d+)(/device:[A-Za-z_]+:\d+)?$")
 
 
+_FIELDS = (
+    "io_device", "enable_async", "write_callbacks", "skip_slot_variables",
+    "sharding_callback", "coordination_timeout", "load_and_broadcast", "host_memory_limit",
+)
+
+
 class CheckpointOptions:
     """Options for :func:`tpu_ckpt.save` and :func:`tpu_ckpt.restore`.
 
@@ -66,7 +76,7 @@ class CheckpointOptions:
       coordination_timeout: seconds any cross-process wait may take before raising an error
         that names the processes which did not arrive.
       load_and_broadcast: on a multi-process restore, read each piece several processes need
-        once (on one of them) and send it to the others over TCP (see ``shared_reads.py``).
+        once (on one of them) and send it to the others over TCP (see ``restoring/_shared_reads.py``).
         Refused together with ``io_device``, where one process already reads everything once.
       host_memory_limit: ``None`` (the default: unbounded, as fast as memory allows), or the most
         bytes of host memory a save or restore holds beyond the live arrays and the restored
@@ -88,10 +98,7 @@ class CheckpointOptions:
     and survive ``copy``, ``deepcopy`` and serialisation by ``__reduce__`` (when their callbacks do).
     """
 
-    __slots__ = (
-        "io_device", "enable_async", "write_callbacks", "skip_slot_variables",
-        "sharding_callback", "coordination_timeout", "load_and_broadcast", "host_memory_limit",
-    )
+    __slots__ = (*_FIELDS, "_path_callbacks")
 
     io_device: int | None
     enable_async: bool
@@ -101,6 +108,7 @@ class CheckpointOptions:
     coordination_timeout: float
     load_and_broadcast: bool
     host_memory_limit: int | None
+    _path_callbacks: tuple[PathCallback, ...]
 
     def __init__(
         self,
@@ -146,6 +154,7 @@ class CheckpointOptions:
         set_(self, "io_device", io)
         set_(self, "enable_async", async_flag)
         set_(self, "write_callbacks", _check_callbacks(callbacks))
+        set_(self, "_path_callbacks", tuple(map(_with_path, self.write_callbacks)))
         set_(self, "skip_slot_variables", skip_slots)
         set_(self, "sharding_callback", _check_sharding_callback(policy))
         set_(self, "coordination_timeout", _check_timeout(coordination_timeout))
@@ -164,20 +173,20 @@ class CheckpointOptions:
 
     def replace(self, **changes: Any) -> CheckpointOptions:
         """A copy with the fields ``**changes`` names changed (options are immutable)."""
-        fields = {name: getattr(self, name) for name in self.__slots__}
+        fields = {name: getattr(self, name) for name in _FIELDS}
         unknown = set(changes) - set(fields)
         if unknown:
             raise TypeError(f"CheckpointOptions has no field(s) {sorted(unknown)}")
         return CheckpointOptions(**{**fields, **changes})
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__)
+        fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in _FIELDS)
         return f"CheckpointOptions({fields})"
 
     def __reduce__(self) -> tuple[type[CheckpointOptions], tuple[Any, ...]]:
         # The immutable __setattr__ forbids the default slot-by-slot restore, so copies and
         # unpickling go through the constructor (and its validation) instead.
-        return CheckpointOptions, tuple(getattr(self, name) for name in self.__slots__)
+        return CheckpointOptions, tuple(getattr(self, name) for name in _FIELDS)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, CheckpointOptions):
@@ -191,7 +200,7 @@ class CheckpointOptions:
         return hash((self._plain_fields(), type(policy), policy.description))
 
     def _plain_fields(self) -> tuple[Any, ...]:
-        return tuple(getattr(self, name) for name in self.__slots__ if name != "sharding_callback")
+        return tuple(getattr(self, name) for name in _FIELDS if name != "sharding_callback")
 
 
 
@@ -207,9 +216,18 @@ def io_process(options: CheckpointOptions, process_count: int) -> int | None:
     return io
 
 
-def wants_path(callback: WriteCallback) -> bool:
-    """Whether a write callback takes the saved path as its positional argument."""
-    return _positional_capacity(callback)[1] >= 1
+def path_callbacks(options: CheckpointOptions) -> tuple[PathCallback, ...]:
+    """The write callbacks as a save runs them, in order: each called with the saved path."""
+    return options._path_callbacks
+
+
+def _with_path(callback: Callable[..., object]) -> PathCallback:
+    """``callback`` called with the saved path; one that accepts no positional argument is
+    called without it. Told once, from its signature, when the options are built: the
+    documented contract (TF's) is that a callback taking an argument gets the path."""
+    if _positional_capacity(callback)[1] >= 1:
+        return callback
+    return lambda path: callback()
 
 
 def _merge(name: str, new: Any, old: Any) -> Any:
@@ -311,9 +329,10 @@ def _check_sharding_callback(callback: Any) -> ShardingCallback:
 def _check_timeout(timeout: Any) -> float:
     if isinstance(timeout, (bool, np.bool_)) or not isinstance(timeout, numbers.Real):
         raise TypeError(f"coordination_timeout must be a number of seconds, got {timeout!r} of type {type(timeout).__name__}")
-    if not (timeout > 0 and math.isfinite(timeout)):
+    seconds = float(timeout)
+    if not (seconds > 0 and math.isfinite(seconds)):
         raise ValueError(f"coordination_timeout must be a positive, finite number of seconds, got {timeout!r}")
-    return float(timeout)
+    return seconds
 
 
 MIN_HOST_MEMORY_LIMIT = 16 << 20
@@ -328,22 +347,3 @@ def _check_memory_limit(limit: Any) -> int | None:
     if limit < MIN_HOST_MEMORY_LIMIT:
         raise ValueError(f"host_memory_limit must be at least {MIN_HOST_MEMORY_LIMIT} bytes (16 MiB), got {limit}")
     return int(limit)
-
-
-def manager_options(options: Any) -> CheckpointOptions:
-    """A CheckpointManager's options: ``None`` is the defaults. Orbax's habit,
-    ``options=ocp.CheckpointManagerOptions(...)``, is refused naming the keywords that say
-    the same here (it would otherwise fail later, on a missing ``io_device``)."""
-    if options is None:
-        return CheckpointOptions()
-    if isinstance(options, CheckpointOptions):
-        return options
-    hint = ""
-    if type(options).__name__ == "CheckpointManagerOptions":
-        hint = (
-            " Orbax's CheckpointManagerOptions fields are CheckpointManager's own keywords here: "
-            "CheckpointManager(directory, max_to_keep=..., save_interval_steps=..., save_on_multiples=True, "
-            "keep_checkpoint_every_n_hours=..., best_fn=..., best_mode=...); asynchronous saves are "
-            "options=tpu_ckpt.CheckpointOptions(enable_async=True)."
-        )
-    raise TypeError(f"CheckpointManager(options=...) takes a tpu_ckpt.CheckpointOptions, not {type(options).__name__}.{hint}")

@@ -33,8 +33,11 @@ class Settings:
     # The ports a relay server may listen on, first and last: a custom VPC's firewall opens
     # only the ports it names. None: any port the OS picks (ephemeral, different each time).
     relay_ports: tuple[int, int] | None = None  # TPU_CKPT_RELAY_PORTS, "50100-50199" or "50100"
-    # S3-compatible servers: tensorstore itself ignores the variable (object_store.py).
+    # S3-compatible servers: tensorstore itself ignores the variable (storage/_objects.py).
     aws_endpoint_url: str | None = None  # AWS_ENDPOINT_URL
+    # Each process's slice, by process index, where JAX reports none (CPU devices, a test
+    # standing in for a multislice job): the local tier's replicas go by it (tiers/_replicas.py).
+    slices: tuple[int, ...] | None = None  # TPU_CKPT_SLICES, "0,0,1,1"
 
     # Knobs.
     io_threads: int = 8  # of a Store: parallel reads and writes of one process
@@ -42,7 +45,7 @@ class Settings:
     writes_in_flight: int = 4  # data files one saving process has brought to the host and is writing
     read_batch_bytes: int = 256 << 20  # checkpoint data a restore, export or verify reads at once
     # An async save's snapshot buffers kept, once written, for the next snapshot to copy into
-    # (data_writes.py): the snapshot's bytes stay resident between saves, and the copy runs
+    # (saving/_data_writes.py): the snapshot's bytes stay resident between saves, and the copy runs
     # at the memory's speed instead of at the page faults' of fresh memory.
     reuse_snapshot_buffers: bool = True
     # The largest object a save writes to an object store (gs://, s3://, memory://), header
@@ -84,10 +87,11 @@ class Settings:
             relay_host=environ.get("TPU_CKPT_RELAY_HOST") or None,
             relay_ports=_port_range(environ.get("TPU_CKPT_RELAY_PORTS") or None),
             aws_endpoint_url=environ.get("AWS_ENDPOINT_URL") or None,
+            slices=_slices(environ.get("TPU_CKPT_SLICES") or None),
         )
 
 
-_FROM_ENVIRONMENT = ("relay_host", "relay_ports", "aws_endpoint_url")
+_FROM_ENVIRONMENT = ("relay_host", "relay_ports", "aws_endpoint_url", "slices")
 _MAY_BE_ZERO = ("relay_socket_buffer_bytes", "reuse_snapshot_buffers")
 
 
@@ -99,6 +103,18 @@ def _port_range(text: str | None) -> tuple[int, int] | None:
         return int(first), int(last or first)
     except ValueError:
         raise ValueError(f"TPU_CKPT_RELAY_PORTS must be a port or a range such as 50100-50199, got {text!r}") from None
+
+
+def _slices(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        found = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        found = ()
+    if not found or min(found) < 0:
+        raise ValueError(f"TPU_CKPT_SLICES must give each process's slice, e.g. 0,0,1,1, got {text!r}")
+    return found
 
 
 _current: Settings | None = None

@@ -24,7 +24,7 @@ W = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
 def cross_process_reads(directory: str) -> dict:
     import tpu_ckpt as tc
     from tpu_ckpt import storage
-    from tpu_ckpt.catalog import read_manifest
+    from tpu_ckpt.catalog import open_checkpoint
     from tpu_ckpt.restoring import restore_from
 
     mesh = jax.make_mesh((4, 2), ("data", "model"))
@@ -36,9 +36,8 @@ def cross_process_reads(directory: str) -> dict:
     reversed_mesh = jax.sharding.Mesh(np.array(jax.devices()[::-1]).reshape(2, 4), ("data", "model"))
     target = {"w": jax.ShapeDtypeStruct(W.shape, W.dtype, sharding=NamedSharding(reversed_mesh, P(None, ("model", "data"))))}
     report = tc.check_restore(path, target)
-    loc = storage.location(path)
-    with storage.Store(loc) as store:
-        _, _, nbytes = restore_from(store, read_manifest(loc), target, tc.CheckpointOptions(), None, None)
+    with open_checkpoint(storage.location(path)) as checkpoint:
+        _, _, nbytes = restore_from(checkpoint, target, tc.CheckpointOptions(), None, None)
     return {
         "me": jax.process_index(), "ok": report.ok, "read": nbytes,
         "bytes": report.bytes_per_process, "over": report.over_read_per_process,

@@ -199,3 +199,10 @@ def test_ruff_is_clean():
     ruff = os.path.join(os.path.dirname(sys.executable), "ruff")
     result = subprocess.run([ruff, "check", "tpu_ckpt", "tests", "scripts"], cwd=PACKAGE.parent, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_test_files_have_unique_names():
+    """pytest imports tests/<package>/test_x.py as module ``test_x`` (no __init__.py): two files
+    of one name stop the collection of the whole suite."""
+    names = [p.name for p in TESTS.rglob("test_*.py")]
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []

@@ -12,8 +12,8 @@ from jax.sharding import PartitionSpec as P
 import tpu_ckpt as tc
 from tests.helpers import manifest
 from tpu_ckpt import restoring, settings, storage
-from tpu_ckpt.catalog import read_manifest
-from tpu_ckpt.restoring import plan_restore
+from tpu_ckpt.catalog import open_checkpoint
+from tpu_ckpt.restoring import needed_slices, plan_restore
 
 W = np.arange(64, dtype=np.float32).reshape(8, 8)
 
@@ -143,10 +143,10 @@ def _restore_counting_reads(path, target):
             Counting.nbytes += sum(p.length for r, _ in reads for _, p in r.pieces)
             return reads
 
-    loc = storage.location(path)
-    plan = plan_restore(read_manifest(loc), target, batch_bytes=settings.settings().read_batch_bytes)
-    with storage.Store(loc) as store:
-        restoring.execute(plan, Counting(store))
+    with open_checkpoint(storage.location(path)) as checkpoint:
+        checkpoint.load(needed_slices(checkpoint.manifest, target, None, False))
+        plan = plan_restore(checkpoint.manifest, target, batch_bytes=settings.settings().read_batch_bytes)
+        restoring.execute(plan, Counting(checkpoint.store))
     return Counting.nbytes, Counting.requests
 
 

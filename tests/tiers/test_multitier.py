@@ -86,3 +86,28 @@ def test_async_local_saves_keep_host_memory_limit_on_every_process(tmp_path):
 def test_a_damaged_local_data_file_falls_back_to_the_persistent_step(tmp_path):
     for res in _ok(process_group.run("tiers.tier_scenarios.damaged_data_falls_back", 2, str(tmp_path))):
         assert res == {"step": 1, "mismatches": []}, res
+
+
+@pytest.mark.parametrize(("case", "cause"), [
+    ("timeout", "CoordinationTimeoutError"), ("holder", "Relay"), ("error", "process 1: OSError: the disk went away")])
+def test_a_tier_restore_failing_anywhere_falls_back_to_the_persistent_step_on_every_process(tmp_path, case, cause):
+    for res in _ok(process_group.run("tiers.tier_fallback_scenarios.restore_fails", 4, str(tmp_path), case)):
+        assert res["step"] == 1 and res["mismatches"] == [], res
+        assert len(res["warnings"]) == 1 and cause in res["warnings"][0], res
+        assert res["again"] == 3 and res["again_mismatches"] == [], res  # the next restore is the local one again
+
+
+def test_a_whole_slice_lost_restores_from_the_other_slice_with_nothing_sent_at_save_time(tmp_path, monkeypatch):
+    monkeypatch.setenv("TPU_CKPT_SLICES", "0,0,1,1")
+    for me, res in enumerate(_ok(process_group.run("tiers.tier_slice_scenarios.whole_slice_lost", 4, str(tmp_path)))):
+        assert res["sent_per_step"] == 0, res  # each slice's own copy is the replica
+        assert res["copy"] == ([0, 1] if me < 2 else [2, 3]), res
+        assert [n for n in res["local"] if n.startswith("index-")] == [f"index-{me:05d}.json"], res
+        assert res["persistent_1"] == [], res  # slice 0's copy was uploaded, once
+        assert res["step"] == 3 and res["mismatches"] == [] and res["persistent_opened"] == [], res
+
+
+def test_replicas_inside_a_single_slice_are_warned_of_and_none_are_accepted(tmp_path):
+    for res in _ok(process_group.run("tiers.tier_slice_scenarios.one_slice_warns", 2, str(tmp_path))):
+        assert len(res["1"]) == 1 and "local_replicas=1" in res["1"][0], res
+        assert len(res["0"]) == 1, res  # no second warning for local_replicas=0

@@ -56,7 +56,7 @@ def test_a_damaged_local_step_falls_back_to_the_persistent_tier(tmp_path, caplog
         restored = m.restore()
     assert restored["step"] == 1
     np.testing.assert_array_equal(restored["w"], tree(1)["w"])
-    assert "local step 3 is damaged" in caplog.text and "d00000-00000.safetensors" in caplog.text
+    assert "the local step 3 from" in caplog.text and "d00000-00000.safetensors" in caplog.text
 
 
 def test_a_damaged_local_file_is_named_when_nothing_persistent_can_replace_it(tmp_path):

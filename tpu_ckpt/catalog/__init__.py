@@ -16,6 +16,7 @@ from tpu_ckpt.catalog._listing import (
     remove_step,
     scan,
 )
+from tpu_ckpt.catalog._open import OpenCheckpoint, open_checkpoint
 from tpu_ckpt.catalog._verify import verify
 
-__all__ = ["Change", "Entry", "Listing", "busy", "checkpoints_in", "diff", "list_run", "nested", "parse_listing", "read_manifest", "remove_leftover", "remove_leftovers", "remove_step", "scan", "store_tables", "table_source", "verify"]
+__all__ = ["Change", "Entry", "Listing", "OpenCheckpoint", "busy", "checkpoints_in", "diff", "list_run", "nested", "open_checkpoint", "parse_listing", "read_manifest", "remove_leftover", "remove_leftovers", "remove_step", "scan", "store_tables", "table_source", "verify"]

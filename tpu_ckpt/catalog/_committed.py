@@ -1,6 +1,7 @@
 """Reading a checkpoint's committed manifest, with the errors a user can act on.
 
-Shared by restore, export and the command line (verify, diff, ls).
+Through an open store (``open_checkpoint``: restore, export and the command line), or alone
+(``read_manifest``: for callers that keep only the manifest).
 """
 
 from __future__ import annotations
@@ -15,22 +16,31 @@ from tpu_ckpt.format import MANIFEST_FILE, Manifest, TableSource, crc32c, decode
 
 
 def read_manifest(loc: storage.Location) -> Manifest:
-    """The committed manifest at ``loc``; a typed error if there is none or it is unusable."""
+    """The committed manifest at ``loc``, held alone: its piece tables are read, when its
+    pieces are first used, through a store of their own per read (``table_source``)."""
     with storage.Store(loc, threads=1) as store:
-        data = store.read_file(MANIFEST_FILE)
-        files = store.list() if data is None else []
+        return committed_manifest(store, table_source(loc))
+
+
+def committed_manifest(store: storage.ReadableStore, tables: TableSource) -> Manifest:
+    """The manifest in ``store``, its piece tables read through ``tables``; a typed error if
+    there is none or it is unusable. A store on the storage itself tells why there is none
+    (one listing) and checks a linked checkpoint's source; a relay's server did both."""
+    loc = store.location
+    data = store.read_file(MANIFEST_FILE)
     if data is None:
-        _raise_missing(loc, files)
-    manifest = decode_manifest(data, where=loc.child(MANIFEST_FILE), tables=table_source(loc))
-    if manifest.source is not None:
+        if isinstance(store, storage.Backend):
+            _raise_missing(loc, store.list())
+        raise UncommittedCheckpointError(f"{loc.url} lost its {MANIFEST_FILE} during the restore", file=loc.url)
+    manifest = decode_manifest(data, where=loc.child(MANIFEST_FILE), tables=tables)
+    if manifest.source is not None and isinstance(store, storage.Backend):
         _check_link(loc, manifest.source)
     return manifest
 
 
 def table_source(loc: storage.Location) -> TableSource:
-    """Reads ranges of the piece tables at ``loc`` (format 2): a leaf's rows are read once,
-    when its pieces are first used. Local files are read in place (a store would start an IO
-    thread per leaf, which a restore of a thousand leaves pays a thousand times); an object
+    """Reads ranges of the piece tables at ``loc`` (format 2) for a manifest held alone.
+    Local files are read in place (a store would start an IO thread per read); an object
     store's through a store of its own per read."""
 
     def read(name: str, start: int, length: int) -> bytes:
@@ -43,8 +53,8 @@ def table_source(loc: storage.Location) -> TableSource:
     return TableSource(read, loc.child)
 
 
-def store_tables(store: Any) -> TableSource:
-    """Reads ranges of the piece tables through an open store (a relay's)."""
+def store_tables(store: storage.ReadableStore) -> TableSource:
+    """Reads ranges of the piece tables through an open store."""
     return TableSource(
         lambda name, start, length: store.read(name, start, [length]).result()[0].tobytes(), store.location.child
     )

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from tpu_ckpt import storage
-from tpu_ckpt.catalog._committed import read_manifest
+from tpu_ckpt.catalog._open import open_checkpoint
 from tpu_ckpt.errors import CorruptCheckpointError
 from tpu_ckpt.format import (
     LeafEntry,
@@ -64,14 +64,17 @@ def diff(
     well (every piece read is crc-checked; a corrupt one raises CorruptCheckpointError).
     ``progress(done, total)`` reports the bytes of ``a`` compared so far.
     """
-    loc_a, loc_b = storage.location(a), storage.location(b)
-    leaves_a = {leaf.key: leaf for leaf in read_manifest(loc_a).leaves}
-    leaves_b = {leaf.key: leaf for leaf in read_manifest(loc_b).leaves}
-    keys = list({**leaves_a, **leaves_b})  # a's keys in tree order, then those only b has
-    changes = [c for key in keys for c in _structure(key, leaves_a.get(key), leaves_b.get(key))]
-    if values:
-        pairs = [(leaf, leaves_b[key]) for key, leaf in leaves_a.items() if _comparable(leaf, leaves_b.get(key))]
-        changes += _data_changes(loc_a, loc_b, pairs, progress)
+    # Two IO threads per checkpoint suffice (see _data_changes).
+    with open_checkpoint(a, threads=2) as open_a, open_checkpoint(b, threads=2) as open_b:
+        leaves_a = {leaf.key: leaf for leaf in open_a.manifest.leaves}
+        leaves_b = {leaf.key: leaf for leaf in open_b.manifest.leaves}
+        keys = list({**leaves_a, **leaves_b})  # a's keys in tree order, then those only b has
+        changes = [c for key in keys for c in _structure(key, leaves_a.get(key), leaves_b.get(key))]
+        if values:
+            pairs = [(leaf, leaves_b[key]) for key, leaf in leaves_a.items() if _comparable(leaf, leaves_b.get(key))]
+            open_a.load_all([x for x, _ in pairs])
+            open_b.load_all([y for _, y in pairs])
+            changes += _data_changes(open_a.store, open_b.store, pairs, progress)
     order = {key: i for i, key in enumerate(keys)}
     return sorted(changes, key=lambda c: order[c.key])
 
@@ -106,8 +109,8 @@ def _comparable(a: LeafEntry, b: LeafEntry | None) -> bool:
 
 
 def _data_changes(
-    loc_a: storage.Location,
-    loc_b: storage.Location,
+    store_a: storage.ReadableStore,
+    store_b: storage.ReadableStore,
     pairs: list[tuple[LeafEntry, LeafEntry]],
     progress: Callable[[int, int], None] | None,
 ) -> list[Change]:
@@ -118,21 +121,20 @@ def _data_changes(
     report = progress or (lambda done, total: None)
     total, done = sum(a.nbytes for a, _ in pairs), 0
     changes = []
-    with storage.Store(loc_a, threads=2) as store_a, storage.Store(loc_b, threads=2) as store_b:
-        for a, b in pairs:
-            differing, largest = 0, 0.0
-            for count, biggest, nbytes in _compared_pieces(store_a, a, store_b, b):
-                differing += count
-                largest = float(np.maximum(largest, biggest))  # NaN, once met, stays
-                done += nbytes
-                report(done, total)
-            if differing:
-                changes.append(Change("data", a.key, differing=differing, elements=math.prod(a.shape), max_abs_diff=largest))
+    for a, b in pairs:
+        differing, largest = 0, 0.0
+        for count, biggest, nbytes in _compared_pieces(store_a, a, store_b, b):
+            differing += count
+            largest = float(np.maximum(largest, biggest))  # NaN, once met, stays
+            done += nbytes
+            report(done, total)
+        if differing:
+            changes.append(Change("data", a.key, differing=differing, elements=math.prod(a.shape), max_abs_diff=largest))
     return changes
 
 
 def _compared_pieces(
-    store_a: storage.CheckpointStore, a: LeafEntry, store_b: storage.CheckpointStore, b: LeafEntry
+    store_a: storage.ReadableStore, a: LeafEntry, store_b: storage.ReadableStore, b: LeafEntry
 ) -> Iterator[tuple[int, float, int]]:
     """Compares one leaf a piece of ``a`` at a time, yielding (elements that differ, their
     largest |b - a|, bytes) for each. A piece of ``b`` is kept only while pieces of ``a``
@@ -174,7 +176,7 @@ def _differences(mine: np.ndarray, theirs: np.ndarray, dtype_name: str) -> tuple
     return count, float(np.max(np.abs(after - before)))
 
 
-def _start(store: storage.CheckpointStore, key: str, piece: PieceEntry) -> concurrent.futures.Future:
+def _start(store: storage.ReadableStore, key: str, piece: PieceEntry) -> concurrent.futures.Future:
     read = Read.of(key, piece)
     return store.read(piece.file, piece.offset, [piece.length], then=functools.partial(check_crcs, store.location.child(read.file), read))
 

@@ -1,6 +1,6 @@
 """What a directory of checkpoints holds, and removing the leftovers of interrupted saves.
 
-The rules are CheckpointManager's (manager.py), so ``tpu-ckpt ls``/``gc`` and a manager
+The rules are CheckpointManager's (manager/_manager.py), so ``tpu-ckpt ls``/``gc`` and a manager
 agree on what is committed and what may be deleted. What a directory holds decides, not its
 name: a checkpoint is a subdirectory with a manifest (a user's ``model.tmp-1`` too), unless
 its staging marker (``storage.mark_staging``) says it is the staging area of another name,
@@ -248,7 +248,7 @@ def list_run(loc: storage.Location) -> Listing:
     On a local disk: the directory's entries, and one stat per possible step (its manifest),
     so a listing costs the number of steps, not the number of files they hold. Object stores
     have no directories, and tensorstore lists every key under a prefix: there it is one
-    listing of every file (the manager's leader's alone, see manager.py).
+    listing of every file (the manager's leader's alone, see manager/_manager.py).
     """
     if not loc.is_local:
         with storage.Store(loc, threads=1) as store:

@@ -2,7 +2,7 @@
 
 A restore stops at the first bad piece; a verifier is asked "is this checkpoint sound, and
 if not, what exactly is broken", so it collects every problem: an uncommitted, unreadable or
-inconsistent manifest (the checks of ``decode.py``, exactly those a restore makes), missing
+inconsistent manifest (the checks of ``format/_decode.py``, exactly those a restore makes), missing
 and truncated data files, and every piece whose crc32c does not match. Reads go through storage.Store in coalesced ranges (as a
 restore's), a bounded number of bytes in flight, with the checksums computed in the IO
 threads so they run in parallel.
@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from tpu_ckpt import storage
-from tpu_ckpt.catalog._committed import read_manifest
+from tpu_ckpt.catalog._open import OpenCheckpoint, open_checkpoint
 from tpu_ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -30,14 +30,12 @@ from tpu_ckpt.errors import (
     UncommittedCheckpointError,
 )
 from tpu_ckpt.format import (
-    MANIFEST_FILE,
     Manifest,
     PieceEntry,
     Read,
     check_byte_ranges,
     coalesce,
     crc32c,
-    prefetch,
     tensor_name,
 )
 from tpu_ckpt.settings import settings
@@ -91,24 +89,32 @@ def verify(
     """
     loc = storage.location(path)
     try:
-        manifest = read_manifest(loc)
-        prefetch(manifest.leaves, threads or settings().io_threads)
-        # Format 2: every leaf's rows, each run against its crc32c, then every piece's bytes
-        # against every other's (a restore of some leaves checks only theirs).
-        check_byte_ranges(manifest, loc.child(MANIFEST_FILE))
+        checkpoint = open_checkpoint(loc, threads=threads)
     except CheckpointError as e:
         if type(e) is CheckpointNotFoundError and e.file == loc.url:
             raise
         return Report(loc.url, 0, 0, 0, [_manifest_problem(loc, e)])
+    with checkpoint:
+        return _verified(checkpoint, progress)
+
+
+def _verified(checkpoint: OpenCheckpoint[storage.Backend], progress: Callable[[int, int], None] | None) -> Report:
+    loc, manifest = checkpoint.location, checkpoint.manifest
+    try:
+        checkpoint.load_all()
+        # Format 2: every leaf's rows, each run against its crc32c, then every piece's bytes
+        # against every other's (a restore of some leaves checks only theirs).
+        check_byte_ranges(manifest, checkpoint.where)
+    except CheckpointError as e:
+        return Report(loc.url, 0, 0, 0, [_manifest_problem(loc, e)])
     problems: list[Problem] = []
     pieces = [(leaf.key, p) for leaf in manifest.leaves for p in leaf.pieces]
-    absent = _missing_files(loc, manifest)
+    absent = _missing_files(checkpoint.store, manifest)
     problems += [
         Problem("missing", loc.child(file), _keys_in(pieces, file), "data file does not exist") for file in sorted(absent)
     ]
     reads = coalesce((key, p) for key, p in pieces if p.file not in absent)
-    with storage.Store(loc, threads=threads) as store:
-        problems += _check_pieces(store, reads, progress)
+    problems += _check_pieces(checkpoint.store, reads, progress)
     nbytes = sum(p.length for _, p in pieces)
     logger.info("tpu_ckpt: verified %s: %d pieces, %d problems", loc.url, len(pieces), len(problems))
     return Report(loc.url, len(manifest.leaves), len(pieces), nbytes, problems)
@@ -119,17 +125,20 @@ def _manifest_problem(loc: storage.Location, error: CheckpointError) -> Problem:
     return Problem(kind, error.file or loc.url, detail=str(error))
 
 
-def _missing_files(loc: storage.Location, manifest: Manifest) -> set[str]:
+def _missing_files(store: storage.Backend, manifest: Manifest) -> set[str]:
     """The manifest's data files that are not stored. A linked checkpoint's live in another
-    directory (``../step_100/...``): each directory is listed once."""
+    directory (``../step_100/...``): each directory is listed once (its own, through its store)."""
+    loc = store.location
     by_dir: dict[str, list[str]] = collections.defaultdict(list)
     for name in manifest.files:
         by_dir[posixpath.dirname(name)].append(name)
-    missing = set()
+    missing: set[str] = set()
     for directory, names in by_dir.items():
-        where = storage.Location(os.path.normpath(os.path.join(loc.local_path, directory))) if directory else loc
-        with storage.Store(where, threads=1) as store:
+        if not directory:
             present = set(store.list())
+        else:
+            with storage.Store(storage.Location(os.path.normpath(os.path.join(loc.local_path, directory))), threads=1) as other:
+                present = set(other.list())
         missing.update(n for n in names if posixpath.basename(n) not in present)
     return missing
 

@@ -10,8 +10,6 @@ from typing import Any
 
 import numpy as np
 
-from tpu_ckpt import storage
-from tpu_ckpt.catalog import read_manifest
 from tpu_ckpt.cli import _format as cli_format
 from tpu_ckpt.runtime import Progress
 
@@ -54,14 +52,14 @@ def export(args: argparse.Namespace) -> int:
     if args.link:
         what = f"a link to {args.src}, no data copied"
     else:
-        arrays = read_manifest(storage.location(path)).leaves  # the same answer on a disk and in a bucket
+        arrays = cli_format.manifest_of(path).leaves  # the same answer on a disk and in a bucket
         what = cli_format.size(sum(leaf.nbytes for leaf in arrays if leaf.kind == 'array'))
     print(f"wrote {path}: {what} in {time.perf_counter() - started:.2f}s")
     return 0
 
 
 def _dtype(name: str | None) -> np.dtype | None:
-    """``--dtype`` as a numpy dtype (ml_dtypes, imported by format.py, adds bfloat16 and the
+    """``--dtype`` as a numpy dtype (ml_dtypes, imported by format/_manifest.py, adds bfloat16 and the
     float8 types): an unknown name is one line of error, not numpy's TypeError."""
     if name is None:
         return None

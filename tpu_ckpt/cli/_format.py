@@ -8,11 +8,18 @@ import sys
 from typing import Any
 
 import tpu_ckpt
-from tpu_ckpt import catalog
+from tpu_ckpt import catalog, storage
 from tpu_ckpt.errors import CheckpointError, CheckpointNotFoundError
+from tpu_ckpt.format import Manifest
 from tpu_ckpt.runtime import plural, size, table  # noqa: F401 - one format for the commands, the bar and reports
 
 PROG = "tpu-ckpt"
+
+
+def manifest_of(where: str | storage.Location) -> Manifest:
+    """A checkpoint's manifest, for the commands that show its tree (no piece table is read)."""
+    with catalog.open_checkpoint(where, threads=1) as checkpoint:
+        return checkpoint.manifest
 
 
 def error(message: str) -> None:

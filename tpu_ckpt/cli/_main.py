@@ -4,9 +4,9 @@ The commands but export, import-orbax and export-orbax only read (gc also delete
 so they need no accelerator and no JAX devices, and they never import JAX: they start in a
 fraction of a second. Only those three, which restore and save arrays, import it (and Orbax),
 and plan, which builds its target's shardings on CPU devices.
-This module parses and dispatches; cli_read.py, cli_convert.py and cli_plan.py hold the commands and
-cli_format.py what they share. They are the only modules of the package that print; the
-work is done by listing.py, verify.py, diff.py, export.py, orbax_interop.py and restore_check.py, which report
+This module parses and dispatches; cli/_read.py, cli/_convert.py and cli/_plan.py hold the commands and
+cli/_format.py what they share. They are the only modules of the package that print; the
+work is done by catalog/_listing.py, catalog/_verify.py, catalog/_diff.py, interop/_export.py, interop/_orbax.py and restoring/_check.py, which report
 through return values and logging.
 """
 

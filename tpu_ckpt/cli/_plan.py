@@ -14,8 +14,7 @@ import json
 import math
 from typing import Any
 
-from tpu_ckpt import settings, storage
-from tpu_ckpt.catalog import read_manifest
+from tpu_ckpt import settings
 from tpu_ckpt.cli import _format as cli_format
 from tpu_ckpt.format import LeafEntry, normalise_subtree, under, unflatten_nested
 
@@ -70,7 +69,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _target_like(other: str, subtree: str | None) -> Any:
     """The target another checkpoint's leaves (below ``subtree``) describe."""
     prefix, depth = normalise_subtree(subtree)
-    leaves = [leaf for leaf in read_manifest(storage.location(other)).leaves if under(leaf.key, prefix)]
+    leaves = [leaf for leaf in cli_format.manifest_of(other).leaves if under(leaf.key, prefix)]
     settings.use_cpu_devices(max((_mesh_size(leaf.sharding) for leaf in leaves), default=1))
     return unflatten_nested((leaf.path[depth:], _like(leaf)) for leaf in leaves)
 

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from tpu_ckpt import catalog, storage
-from tpu_ckpt.catalog import Change, diff, read_manifest, verify
+from tpu_ckpt.catalog import Change, diff, verify
 from tpu_ckpt.cli import _format as cli_format
 from tpu_ckpt.errors import CheckpointNotFoundError
 from tpu_ckpt.format import LeafEntry, Manifest, sharding_text
@@ -98,14 +98,14 @@ def add_inspect(commands: Any) -> None:
 def _inspect(args: argparse.Namespace) -> int:
     loc = storage.location(args.path)
     try:
-        manifest = read_manifest(loc)
+        manifest = cli_format.manifest_of(loc)
     except CheckpointNotFoundError as e:
         steps = {step: name for name, step in cli_format.checkpoints_under(args.path, e).items() if step is not None}
         if not steps:
             raise
         loc = storage.Location(loc.child(steps[max(steps)]))
         print(f"{cli_format.PROG}: {args.path} is a directory of checkpoints; showing the latest, {loc.url}", file=sys.stderr)
-        manifest = read_manifest(loc)
+        manifest = cli_format.manifest_of(loc)
     if args.json:
         print(json.dumps(_inspect_json(loc.url, manifest), indent=2))
         return 0

@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 from tpu_ckpt import storage
-from tpu_ckpt.catalog import read_manifest
 from tpu_ckpt.cluster import _coordinator as distributed
 from tpu_ckpt.errors import CheckpointError, CheckpointNotFoundError
-from tpu_ckpt.format import Manifest
 
 _STAGE, _VERDICT = "shared", "shared-verdict"
 _SEEN, _UNSEEN = "seen", "unseen"
+T = TypeVar("T")
 _proved: set[str] = set()  # parent directories (on the leader) whose sharing a save proved
 
 WAYS_OUT = (
@@ -64,19 +65,21 @@ def prove_staging(coord: distributed.Coordinator, final: storage.Location, stagi
         _proved.add(_parent(final))
 
 
-def read_manifest_everywhere(coord: distributed.Coordinator, loc: storage.Location) -> Manifest:
-    """Every process of a coordinated restore reading the manifest itself: on a local path,
+def read_manifest_everywhere(coord: distributed.Coordinator, loc: storage.Location, read: Callable[[storage.Location], T]) -> T:
+    """Every process of a coordinated restore reading the manifest itself (``read``: opening
+    the checkpoint): on a local path,
     if some processes find the checkpoint and others do not (which a missing checkpoint
     alone cannot cause), every process raises the same error naming one that does not.
     Process 0 counts the views and tells everyone one blind process, one seeing process
     and how many are blind: O(1) for each process."""
     if not loc.is_local:
-        return read_manifest(loc)
+        return read(loc)
+    found: T | CheckpointNotFoundError
     try:
-        manifest, missing = read_manifest(loc), None
+        found = read(loc)
     except CheckpointNotFoundError as error:
-        manifest, missing = None, error
-    views = coord.collect(_STAGE, _SEEN if missing is None else _UNSEEN, at=0)
+        found = error
+    views = coord.collect(_STAGE, _UNSEEN if isinstance(found, CheckpointNotFoundError) else _SEEN, at=0)
     if coord.me == 0:
         blind = sorted(process for process, view in views.items() if view != _SEEN)
         seers = sorted(set(views) - set(blind))
@@ -91,9 +94,9 @@ def read_manifest_everywhere(coord: distributed.Coordinator, loc: storage.Locati
             f"pod each host's local disk is its own). {WAYS_OUT}",
             file=loc.url,
         )
-    if missing is not None:
-        raise missing
-    return manifest
+    if isinstance(found, CheckpointNotFoundError):
+        raise found
+    return found
 
 
 def _who(first: int, blind: int, count: int) -> str:

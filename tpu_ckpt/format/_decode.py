@@ -9,7 +9,7 @@ Sizes are checked against each other before anything proportional to one is allo
 damaged manifest is a :class:`CorruptCheckpointError` naming the file and the field.
 
 Format 2 moves the pieces of gridded leaves into binary piece tables: such a leaf's rows are
-read and checked when its pieces are first used (``piece_table.py``), so pieces that are
+read and checked when its pieces are first used (``format/_piece_table.py``), so pieces that are
 never used are never read; their byte ranges are checked against those of the other loaded
 leaves by a restore, and against all by ``verify`` (``check_byte_ranges``).
 
@@ -58,7 +58,7 @@ def decode_manifest(
     ``tiled=False``: every leaf as in a manifest, but holding only some of its pieces (a local-tier part).
 
     Format 2: a gridded leaf's pieces are read from ``tables`` when first used, and checked
-    then (``piece_table.py``); without ``tables`` only its shape, dtype and grid are known."""
+    then (``format/_piece_table.py``); without ``tables`` only its shape, dtype and grid are known."""
     body, sealed = unseal(data, where=where)
     doc = _parse_json(body, where)
     version = _version(doc, where)
@@ -151,17 +151,17 @@ class _Decoder:
             file=self.where,
         )
 
-    def int(self, value: Any, field: str, hi: int = MAX_INT) -> int:
+    def integer(self, value: Any, field: str, hi: int = MAX_INT) -> int:
         if type(value) is not int or not 0 <= value <= hi:
             raise self.fail(field, f"must be an integer in [0, {hi}], got {_short(value)}")
         return value
 
-    def str(self, value: Any, field: str) -> str:
+    def string(self, value: Any, field: str) -> str:
         if type(value) is not str:
             raise self.fail(field, f"must be a string, got {_short(value)}")
         return value
 
-    def list(self, value: Any, field: str, length: int | None = None) -> list[Any]:
+    def array(self, value: Any, field: str, length: int | None = None) -> list[Any]:
         if type(value) is not list or (length is not None and len(value) != length):
             wanted = "a list" if length is None else f"a list of {length}"
             raise self.fail(field, f"must be {wanted}, got {_short(value)}")
@@ -178,22 +178,22 @@ class _Decoder:
             if size % piece_table.ROW_BYTES:
                 raise self.fail("tables", f"gives {name} {size} bytes, not a whole number of {piece_table.ROW_BYTES}-byte rows")
         self.tables = list(tables.items())
-        raw_leaves = self.list(doc.get("leaves"), "leaves")
+        raw_leaves = self.array(doc.get("leaves"), "leaves")
         leaves = tuple(self.leaf(d, f"leaves[{i}]", names, len(raw_leaves)) for i, d in enumerate(raw_leaves))
         return Manifest(
-            leaves, files, self.int(doc.get("process_count"), "process_count", 1 << 31),
-            self.str(doc.get("sharding_callback"), "sharding_callback"), version, self.source(doc.get("source")),
+            leaves, files, self.integer(doc.get("process_count"), "process_count", 1 << 31),
+            self.string(doc.get("sharding_callback"), "sharding_callback"), version, self.source(doc.get("source")),
             self.metrics(doc.get("metrics")), tables,
         )
 
     def files(self, value: Any, field: str = "files") -> dict[str, int]:
         files: dict[str, int] = {}
-        for i, item in enumerate(self.list(value, field)):
-            name, size = self.list(item, f"{field}[{i}]", 2)
-            name = self.str(name, f"{field}[{i}] (name)")
+        for i, item in enumerate(self.array(value, field)):
+            name, size = self.array(item, f"{field}[{i}]", 2)
+            name = self.string(name, f"{field}[{i}] (name)")
             if name in files:
                 raise self.fail(f"{field}[{i}]", f"repeats the file name {name!r}")
-            files[name] = self.int(size, f"{field}[{i}] (size)")
+            files[name] = self.integer(size, f"{field}[{i}] (size)")
         return files
 
     def source(self, value: Any) -> dict[str, Any] | None:
@@ -201,11 +201,11 @@ class _Decoder:
             return None
         if type(value) is not dict:
             raise self.fail("source", f"must be an object, got {_short(value)}")
-        path = self.str(value.get("path"), "source.path")
+        path = self.string(value.get("path"), "source.path")
         parts = path.split("/")
         if len(parts) != 2 or parts[0] != ".." or parts[1] in ("", ".", "..") or not parts[1].isprintable():
             raise self.fail("source.path", f"must name a sibling checkpoint as '../<name>', got {path!r}")
-        return {"path": path, "manifest_crc32c": self.int(value.get("manifest_crc32c"), "source.manifest_crc32c", 0xFFFFFFFF)}
+        return {"path": path, "manifest_crc32c": self.integer(value.get("manifest_crc32c"), "source.manifest_crc32c", 0xFFFFFFFF)}
 
     def metrics(self, value: Any) -> dict[str, float | int] | None:
         """Numbers by name; ``ls`` shows them and retention ranks steps by them."""
@@ -221,9 +221,9 @@ class _Decoder:
     def leaf(self, doc: Any, field: str, files: Sequence[str], leaf_count: int) -> LeafEntry:
         if type(doc) is not dict:
             raise self.fail(field, f"must be an object, got {_short(doc)}")
-        key = self.str(doc.get("key"), f"{field}.key")
+        key = self.string(doc.get("key"), f"{field}.key")
         field = f"{field} (key {_short(key)})"
-        path = [self.path_entry(e, f"{field}.path[{j}]", leaf_count) for j, e in enumerate(self.list(doc.get("path"), f"{field}.path"))]
+        path = [self.path_entry(e, f"{field}.path[{j}]", leaf_count) for j, e in enumerate(self.array(doc.get("path"), f"{field}.path"))]
         if (path or self.complete) and keys.join(path) != key:
             raise self.fail(f"{field}.key", f"{key!r} does not match its path {path}")
         kind = doc.get("kind")
@@ -236,7 +236,7 @@ class _Decoder:
             raise self.fail(f"{field}.kind", f"must be 'array' or 'value', got {_short(kind)}")
         if "table" in doc and self.complete:
             return self.array_leaf(doc, field, key, path, None, files)
-        raw = self.list(doc.get("pieces"), f"{field}.pieces")
+        raw = self.array(doc.get("pieces"), f"{field}.pieces")
         if not self.complete:  # an index file: pieces of leaves whose shape the leader knows
             pieces = tuple(self.piece(p, f"{field}.pieces[{j}]", None, 0, files) for j, p in enumerate(raw))
             return LeafEntry(key, path, "array", pieces=pieces)
@@ -245,10 +245,10 @@ class _Decoder:
     def array_leaf(
         self, doc: dict[str, Any], field: str, key: str, path: list[Any], raw: list[Any] | None, files: Sequence[str]
     ) -> LeafEntry:
-        shape = tuple(self.int(n, f"{field}.shape") for n in self.list(doc.get("shape"), f"{field}.shape"))
+        shape = tuple(self.integer(n, f"{field}.shape") for n in self.array(doc.get("shape"), f"{field}.shape"))
         if len(shape) > MAX_RANK or math.prod(shape) > MAX_INT:
             raise self.fail(f"{field}.shape", f"is not a shape an array can have: {_short(list(shape))}")
-        dtype = self.str(doc.get("dtype"), f"{field}.dtype")
+        dtype = self.string(doc.get("dtype"), f"{field}.dtype")
         itemsize = dtype_itemsize(dtype)
         if type(doc.get("is_slot")) is not bool:
             raise self.fail(f"{field}.is_slot", f"must be true or false, got {_short(doc.get('is_slot'))}")
@@ -272,9 +272,9 @@ class _Decoder:
         if type(value) is not dict or type(value.get("type")) is not str:
             raise self.fail(field, f"must be null or an object with a string type, got {_short(value)}")
         if value["type"] != "NamedSharding":
-            self.int(value.get("num_devices"), f"{field}.num_devices", 1 << 31)
+            self.integer(value.get("num_devices"), f"{field}.num_devices", 1 << 31)
             return value
-        mesh, spec = value.get("mesh"), self.list(value.get("spec"), f"{field}.spec")
+        mesh, spec = value.get("mesh"), self.array(value.get("spec"), f"{field}.spec")
         if type(mesh) is not dict or not all(type(n) is int and 0 < n <= 1 << 31 for n in mesh.values()):
             raise self.fail(f"{field}.mesh", f"must map axis names to sizes, got {_short(mesh)}")
         for entry in spec:
@@ -283,14 +283,14 @@ class _Decoder:
         return value
 
     def path_entry(self, entry: Any, field: str, leaf_count: int) -> tuple[str, Any]:
-        kind, name = self.list(entry, field, 2)
+        kind, name = self.array(entry, field, 2)
         if kind not in _PATH_KINDS:
             raise self.fail(field, f"has an unknown kind {_short(kind)}")
         if kind == "seq":  # an index bounded by the leaves, so rebuilding lists stays small
-            return kind, self.int(name, field, max(leaf_count - 1, 0))
+            return kind, self.integer(name, field, max(leaf_count - 1, 0))
         if kind == "dict" and type(name) in (int, bool):  # a save keeps a dict's int and bool keys
             return kind, name
-        if "/" in self.str(name, field):  # save refuses such names: "/" joins a key's entries
+        if "/" in self.string(name, field):  # save refuses such names: "/" joins a key's entries
             raise self.fail(field, f"has a name containing '/': {_short(name)}")
         return kind, name
 
@@ -322,20 +322,20 @@ class _Decoder:
         self, item: Any, field: str, shape: tuple[int, ...] | None, itemsize: int, files: Sequence[str]
     ) -> PieceEntry:
         """A piece checked field by field; ``shape`` None: its leaf is not known here."""
-        spec, file, offset, length, crc = self.list(item, field, 5)
-        pairs = self.list(spec, f"{field} (slice)", None if shape is None else len(shape))
+        spec, file, offset, length, crc = self.array(item, field, 5)
+        pairs = self.array(spec, f"{field} (slice)", None if shape is None else len(shape))
         spec = tuple(
-            (self.int(a, f"{field} (slice)"), self.int(b, f"{field} (slice)"))
-            for a, b in (self.list(pair, f"{field} (slice)", 2) for pair in pairs)
+            (self.integer(a, f"{field} (slice)"), self.integer(b, f"{field} (slice)"))
+            for a, b in (self.array(pair, f"{field} (slice)", 2) for pair in pairs)
         )
         bounds = shape if shape is not None else (MAX_INT,) * len(spec)
         if not all(a <= b <= n for (a, b), n in zip(spec, bounds)):
             raise self.fail(field, f"has slice {list(spec)} outside the leaf's shape {list(bounds)}")
-        file = self.int(file, f"{field} (file index)", len(files) - 1)
-        length = self.int(length, f"{field} (length)")
+        file = self.integer(file, f"{field} (file index)", len(files) - 1)
+        length = self.integer(length, f"{field} (length)")
         if shape is not None and length != slices.volume(spec) * itemsize:
             raise self.fail(field, f"has length {length}, but its slice {list(spec)} holds {slices.volume(spec) * itemsize} bytes")
-        crc = self.int(crc, f"{field} (crc32c)", 0xFFFFFFFF)
+        crc = self.integer(crc, f"{field} (crc32c)", 0xFFFFFFFF)
         if length == 0 and crc != 0:
             raise self.fail(field, "is empty but has a non-zero crc32c")
-        return PieceEntry(spec, files[file], self.int(offset, f"{field} (offset)"), length, crc)
+        return PieceEntry(spec, files[file], self.integer(offset, f"{field} (offset)"), length, crc)

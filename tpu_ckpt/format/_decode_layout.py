@@ -1,5 +1,5 @@
 """The checks of a decoded manifest that no single field shows: file names, keys and byte
-ranges against each other, and pieces tiling their leaf (``decode.py`` checks the fields).
+ranges against each other, and pieces tiling their leaf (``format/_decode.py`` checks the fields).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def check_layout(manifest: Manifest, where: str, complete: bool, paths: bool = T
         for leaf in manifest.leaves if complete else ():
             if isinstance(leaf.pieces, piece_table.LazyPieces):
                 continue  # a grid's cells tile the leaf by construction (checked on load)
-            problem = leaf.kind == "array" and slices.tiling_problem(leaf.shape, [p.slice for p in leaf.pieces])
+            problem = slices.tiling_problem(leaf.shape, [p.slice for p in leaf.pieces]) if leaf.kind == "array" else None
             if problem:
                 raise CorruptCheckpointError(
                     f"{where}: the pieces of key {leaf.key!r} do not tile its shape: {problem}", key=leaf.key, file=where
@@ -50,9 +50,10 @@ def check_byte_ranges(manifest: Manifest, where: str, *, loaded_only: bool = Fal
     every leaf's rows are read (verify)."""
     by_file: dict[str, list[tuple[int, int, str]]] = {}
     for leaf in manifest.leaves:
-        if loaded_only and isinstance(leaf.pieces, piece_table.LazyPieces) and not leaf.pieces.loaded:
-            continue
-        for p in leaf.pieces:
+        pieces = leaf.pieces
+        if loaded_only and isinstance(pieces, piece_table.LazyPieces):
+            pieces = pieces.so_far()  # a restore's: the rows it read
+        for p in pieces:
             if p.length:
                 by_file.setdefault(p.file, []).append((p.offset, p.offset + p.length, leaf.key))
     for file, ranges in by_file.items():

@@ -2,7 +2,7 @@
 
 The manifest is the only file a reader trusts: it lists every leaf, every piece of every
 leaf and where its bytes live (file, offset, length, crc32c). The data files are laid out
-by ``data_layout.py``.
+by ``format/_data_layout.py``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import functools
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import crc32c as _crc32c
 import numpy as np
@@ -99,9 +99,10 @@ def _unknown_dtype(name: str) -> FormatVersionError:
     return FormatVersionError(f"The checkpoint uses dtype {name!r}, unknown to this tpu_ckpt/ml_dtypes; upgrade them.")
 
 
-crc32c = _crc32c.crc32c
+crc32c = cast("Callable[[bytes | bytearray | memoryview | np.ndarray], int]", _crc32c.crc32c)
 """crc32c of a bytes-like object or a C-contiguous numpy array (hardware-accelerated); the
-C function itself, called once per piece."""
+C function itself, called once per piece (the cast: numpy's stubs give an array the buffer
+protocol only from Python 3.12, and the C function reads one on 3.11 as well)."""
 
 
 class PieceEntry(NamedTuple):
@@ -279,7 +280,7 @@ def unseal(data: bytes, *, where: str) -> tuple[bytes, bool]:
 
 ALIGNMENT = 64
 """Every tensor's data starts at a multiple of this many bytes in its data file, so a piece
-read whole lands in an aligned buffer (``safe_reads.py``) that JAX's CPU backend adopts
+read whole lands in an aligned buffer (``storage/_safe_reads.py``) that JAX's CPU backend adopts
 without a copy."""
 
 

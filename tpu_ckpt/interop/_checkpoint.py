@@ -39,6 +39,10 @@ class Checkpoint:
       ValueError: a tree is named ``save_counter``, which the Checkpoint keeps itself.
     """
 
+    save_counter: int
+    _trees: dict[str, Any]
+    _last_save: SaveResult | None
+
     def __init__(self, **trees: Any):
         if _COUNTER in trees:
             raise ValueError(f"{_COUNTER!r} is managed by the Checkpoint; pick another name")

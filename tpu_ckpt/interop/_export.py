@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpu_ckpt import storage
-from tpu_ckpt.catalog import read_manifest
+from tpu_ckpt.catalog import open_checkpoint
 from tpu_ckpt.errors import CheckpointExistsError, CorruptCheckpointError
 from tpu_ckpt.format import (
     MANIFEST_FILE,
@@ -36,7 +36,7 @@ from tpu_ckpt.format import (
     write,
 )
 from tpu_ckpt.options import CheckpointOptions
-from tpu_ckpt.restoring import missing_subtree, restore
+from tpu_ckpt.restoring import missing_subtree, restore_from
 from tpu_ckpt.saving import save
 from tpu_ckpt.settings import settings
 from tpu_ckpt.sharding import MaxShardSizePolicy
@@ -99,18 +99,19 @@ def _read_params(
     """The subtree as nested dicts of numpy arrays, read (and cast) a batch of leaves at a
     time so that a progress report is possible and casts never hold two full copies."""
     prefix, depth = normalise_subtree(subtree)
-    leaves = _subtree_leaves(read_manifest(storage.location(src)), prefix, src)
-    total, done = sum(leaf.nbytes for leaf in leaves), 0
-    values: dict[str, Any] = {join(leaf.path[depth:]): leaf.value for leaf in leaves if leaf.kind == "value"}
-    arrays = [leaf for leaf in leaves if leaf.kind == "array"]
-    for batch in byte_batches(arrays, operator.attrgetter("nbytes"), settings().read_batch_bytes):
-        target = unflatten_nested((leaf.path[depth:], _placeholder(leaf)) for leaf in batch)
-        restored, _ = flatten(restore(src, target, subtree=prefix), keep_none=True)
-        for key, _, value in restored:
-            values[key] = value.astype(cast) if cast is not None and _is_float_array(value) else value
-        done += sum(leaf.nbytes for leaf in batch)
-        if progress is not None:
-            progress(done, total)
+    with open_checkpoint(src) as checkpoint:
+        leaves = _subtree_leaves(checkpoint.manifest, prefix, src)
+        total, done = sum(leaf.nbytes for leaf in leaves), 0
+        values: dict[str, Any] = {join(leaf.path[depth:]): leaf.value for leaf in leaves if leaf.kind == "value"}
+        arrays = [leaf for leaf in leaves if leaf.kind == "array"]
+        for batch in byte_batches(arrays, operator.attrgetter("nbytes"), settings().read_batch_bytes):
+            target = unflatten_nested((leaf.path[depth:], _placeholder(leaf)) for leaf in batch)
+            tree, _, _ = restore_from(checkpoint, target, CheckpointOptions(), prefix, None)
+            for key, _, value in flatten(tree, keep_none=True)[0]:
+                values[key] = value.astype(cast) if cast is not None and _is_float_array(value) else value
+            done += sum(leaf.nbytes for leaf in batch)
+            if progress is not None:
+                progress(done, total)
     return unflatten_nested((leaf.path[depth:], values[join(leaf.path[depth:])]) for leaf in leaves)
 
 
@@ -133,11 +134,14 @@ def _is_float_array(value: Any) -> bool:
 def _link(src: storage.Location, dst: storage.Location, subtree: str) -> str:
     if not (src.is_local and dst.is_local):
         raise ValueError("link=True works between local directories only")
-    manifest = read_manifest(src)
-    if manifest.source is not None:
-        raise ValueError(f"{src.url} is itself a linked checkpoint; link to its source instead")
-    prefix, depth = normalise_subtree(subtree)
-    leaves = _subtree_leaves(manifest, prefix, src.url)
+    with open_checkpoint(src, threads=1) as checkpoint:
+        manifest = checkpoint.manifest
+        if manifest.source is not None:
+            raise ValueError(f"{src.url} is itself a linked checkpoint; link to its source instead")
+        prefix, depth = normalise_subtree(subtree)
+        leaves = _subtree_leaves(manifest, prefix, src.url)
+        checkpoint.load_all(leaves)
+        source_crc = crc32c(checkpoint.store.read_file(MANIFEST_FILE) or b"")
     if not storage.is_empty(dst):
         raise CheckpointExistsError(f"{dst.url} already exists and is not empty; choose a new path", file=dst.url)
     src_dir, dst_dir = (os.path.abspath(loc.local_path.rstrip("/")) for loc in (src, dst))
@@ -159,8 +163,6 @@ def _link(src: storage.Location, dst: storage.Location, subtree: str) -> str:
     ]
     used = {p.file for leaf in linked for p in leaf.pieces}
     _check_sources(dst_dir, used)
-    with storage.Store(src, threads=1) as store:
-        source_crc = crc32c(store.read_file(MANIFEST_FILE) or b"")
     doc = Manifest(
         tuple(linked),
         {renamed[name]: size for name, size in manifest.files.items() if renamed[name] in used},

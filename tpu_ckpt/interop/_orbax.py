@@ -6,15 +6,15 @@ way back. Orbax is read and written through its own public API (``PyTreeCheckpoi
 layout it used (OCDBT or not, zarr3 or not) is its business. What Orbax would trust and
 should not, a FIFO, a link out, a 4 TiB array declared in a damaged ``.zarray``, is refused
 before Orbax reads it, and what it raises on a damaged file becomes our typed error
-(``orbax_checks.py``).
+(``interop/_orbax_checks.py``).
 
 An import streams: the leaves are read from Orbax a batch at a time (at most
 ``max_batch_bytes`` of arrays, a larger leaf alone), each batch written as one data file of
-the new checkpoint before the next is read (``stream_write.py``). The arrays held at once
+the new checkpoint before the next is read (``saving/_stream_write.py``). The arrays held at once
 are one batch; Orbax and tensorstore keep their own read buffers on top. Keys are Orbax's
 key paths joined by ``/``, which are the keys ``tc.save`` gives the same tree, so a target
 that restored the Orbax checkpoint restores the converted one. Slot flags are decided by
-``slots.py`` on the tree Orbax restores (or on ``target``), as ``tc.save`` of that tree would.
+``sharding/_slots.py`` on the tree Orbax restores (or on ``target``), as ``tc.save`` of that tree would.
 
 Orbax is an optional dependency: it is imported inside the functions (see ``_orbax``).
 """
@@ -31,11 +31,11 @@ import jax
 import numpy as np
 
 from tpu_ckpt import catalog, storage
-from tpu_ckpt.catalog import read_manifest
 from tpu_ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from tpu_ckpt.format import LeafEntry, byte_batches, dtype_name, flatten, join, path_entries
 from tpu_ckpt.interop import _orbax_checks as orbax_checks
-from tpu_ckpt.restoring import restore
+from tpu_ckpt.options import CheckpointOptions
+from tpu_ckpt.restoring import restore_from
 from tpu_ckpt.saving import StreamWriter
 from tpu_ckpt.sharding import SlotPredicate, slot_keys
 
@@ -151,7 +151,7 @@ def export_orbax(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, ta
     """
     ocp, epath = _orbax()
     try:
-        read_manifest(storage.location(src))
+        checkpoint = catalog.open_checkpoint(src)
     except CheckpointNotFoundError as error:
         steps = catalog.checkpoints_in(src)
         committed = {step: name for name, step in steps.items() if step is not None}
@@ -159,7 +159,7 @@ def export_orbax(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, ta
             raise error from None
         return _export_steps(ocp, epath.Path(dst), storage.location(src), committed, target)
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(epath.Path(dst), restore(src, target))
+    checkpointer.save(epath.Path(dst), _restored(checkpoint, target))
     checkpointer.wait_until_finished()
     logger.info("tpu_ckpt: exported %s to Orbax checkpoint %s", src, dst)
     return [os.fspath(dst)]
@@ -169,11 +169,18 @@ def _export_steps(ocp: Any, dst: Any, src: storage.Location, committed: dict[int
     written = []
     with ocp.CheckpointManager(dst) as manager:
         for step in sorted(committed):
-            manager.save(step, args=ocp.args.StandardSave(restore(src.child(committed[step]), target)), force=True)
+            tree = _restored(catalog.open_checkpoint(src.child(committed[step])), target)
+            manager.save(step, args=ocp.args.StandardSave(tree), force=True)
             manager.wait_until_finished()  # one step in memory at a time
             written.append(os.fspath(dst / str(step)))
     logger.info("tpu_ckpt: exported %d steps of %s to Orbax CheckpointManager directory %s", len(written), src.url, dst)
     return written
+
+
+def _restored(checkpoint: catalog.OpenCheckpoint[Any], target: Any) -> Any:
+    """The whole tree of an open checkpoint (closed after), as ``tc.restore`` gives it."""
+    with checkpoint:
+        return restore_from(checkpoint, target, CheckpointOptions(), None, None)[0]
 
 
 def _orbax() -> tuple[Any, Any]:

@@ -1,5 +1,5 @@
 """A CheckpointManager's arguments checked as its users write them: steps that must be
-integers, and Orbax's keywords (``args=``) answered with the call to write instead."""
+integers, and Orbax's keywords (``args=``) and options answered with the call to write instead."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import numbers
 import operator
 from collections.abc import Mapping
 from typing import Any
+
+from tpu_ckpt.options import CheckpointOptions
 
 
 def check_step(step: Any, usage: str) -> int:
@@ -51,3 +53,22 @@ def refuse_orbax_keywords(call: str, keywords: Mapping[str, Any], missing: bool 
     hint = f" Orbax's args=ocp.args.Standard...(x) is a plain argument here: manager.{call}." if "args" in keywords else ""
     names = ", ".join(sorted(keywords))
     raise TypeError(f"CheckpointManager.{call.split('(')[0]}() got unexpected keyword arguments: {names}.{hint}")
+
+
+def manager_options(options: Any) -> CheckpointOptions:
+    """A CheckpointManager's options: ``None`` is the defaults. Orbax's habit,
+    ``options=ocp.CheckpointManagerOptions(...)``, is refused naming the keywords that say
+    the same here (it would otherwise fail later, on a missing ``io_device``)."""
+    if options is None:
+        return CheckpointOptions()
+    if isinstance(options, CheckpointOptions):
+        return options
+    hint = ""
+    if type(options).__name__ == "CheckpointManagerOptions":
+        hint = (
+            " Orbax's CheckpointManagerOptions fields are CheckpointManager's own keywords here: "
+            "CheckpointManager(directory, max_to_keep=..., save_interval_steps=..., save_on_multiples=True, "
+            "keep_checkpoint_every_n_hours=..., best_fn=..., best_mode=...); asynchronous saves are "
+            "options=tpu_ckpt.CheckpointOptions(enable_async=True)."
+        )
+    raise TypeError(f"CheckpointManager(options=...) takes a tpu_ckpt.CheckpointOptions, not {type(options).__name__}.{hint}")

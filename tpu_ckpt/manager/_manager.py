@@ -1,13 +1,13 @@
 """CheckpointManager: numbered checkpoints of a training loop in one directory.
 
 A loop calls ``save(step, tree)`` every step. The manager writes a checkpoint when its
-save rules say so (cadence.py: TensorFlow's interval, Orbax's multiples, or continuous
+save rules say so (tiers/_cadence.py: TensorFlow's interval, Orbax's multiples, or continuous
 saving). It keeps the newest ``max_to_keep`` checkpoints, one every
-``keep_checkpoint_every_n_hours``, and the ``keep_best`` best by a metric (retention.py), and
+``keep_checkpoint_every_n_hours``, and the ``keep_best`` best by a metric (manager/_retention.py), and
 it tells the loop when the job is being preempted.
 
 The directory is the source of truth: one ``step_<n>`` per committed checkpoint, committed
-once its manifest exists (see storage.py), and no state file, so a new manager (after a
+once its manifest exists (see storage/_stores.py), and no state file, so a new manager (after a
 restart, on another host) sees exactly the committed steps, and a crash never leaves a state
 file and the checkpoints disagreeing. Metrics live in each step's manifest for the same reason.
 
@@ -16,14 +16,13 @@ after its commit, on the process that commits (the leader), which is also the on
 lists the directory: once per manager call, for the whole job (see ``_list``).
 
 With ``local_directory`` a second, local tier saves often to each host's own disk and the
-persistent steps are uploaded from it in the background (``tiers.py``); a restore takes the
+persistent steps are uploaded from it in the background (``tiers/_tiers.py``); a restore takes the
 newest step either tier holds whole.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import os
 import time
@@ -32,19 +31,17 @@ from types import TracebackType
 from typing import Any
 
 from tpu_ckpt import cluster, storage, tiers
-from tpu_ckpt.catalog import Listing, read_manifest, remove_leftover, remove_step
-from tpu_ckpt.errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
+from tpu_ckpt.catalog import Listing, remove_leftover
+from tpu_ckpt.errors import CheckpointExistsError, CheckpointNotFoundError
 from tpu_ckpt.format import MANIFEST_FILE, metric_values
 from tpu_ckpt.manager import _retention as retention
-from tpu_ckpt.manager._arguments import NO_TREE, check_step, names_a_step, refuse_orbax_keywords
-from tpu_ckpt.manager._collective_listing import list_on_leader
+from tpu_ckpt.manager._arguments import NO_TREE, check_step, manager_options, names_a_step, refuse_orbax_keywords
 from tpu_ckpt.manager._preemption import PreemptionWatch
-from tpu_ckpt.options import CheckpointOptions, manager_options
+from tpu_ckpt.manager._run_directory import RunDirectory
+from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.restoring import restore
 from tpu_ckpt.saving import SaveResult, save
 from tpu_ckpt.tiers import Cadence
-
-logger = logging.getLogger(__name__)
 
 
 class CheckpointManager:
@@ -69,11 +66,11 @@ class CheckpointManager:
         background) and at least this many seconds have passed since it started, or since
         the last ``restore``; 0: whenever no save is in flight. The io process decides for all.
       keep_best: also keep this many steps, those whose ``best_fn`` score is best.
-      best_fn: a step's score, from the metrics given to its ``save``; see retention.py.
+      best_fn: a step's score, from the metrics given to its ``save``; see manager/_retention.py.
       best_mode: ``"max"`` (the highest score is best) or ``"min"``.
       options: the :class:`CheckpointOptions` of every save, and the default for ``restore``.
       local_directory: a path on each host's own disk (local SSD, RAM disk), the local tier, where each process saves
-        its own pieces; persistent steps are uploaded to ``directory`` from those files in the background (tiers.py).
+        its own pieces; persistent steps are uploaded to ``directory`` from those files in the background (tiers/_tiers.py).
       local_interval_steps: the local tier saves every this many steps (and every persistent one).
       local_max_to_keep: how many of its newest local steps each host keeps.
       local_replicas: how many other hosts get a copy of each process's local pieces.
@@ -116,6 +113,7 @@ class CheckpointManager:
         self._options = manager_options(options)
         self._pending: SaveResult | None = None
         self._scores: dict[str, float | None] = {}  # step directory -> its best_fn score
+        self._run = RunDirectory(self._location, self._leader())
         # TF's last_preserved_timestamp, which TF reads from its state file (see Args).
         self._preserved_since = time.time() - 1 if not self._list().committed else -math.inf
         self._preemption = PreemptionWatch()
@@ -140,7 +138,7 @@ class CheckpointManager:
         After a restart, resume with :meth:`restore`. That also sets the step from which
         the interval counts. With ``local_directory`` a step is saved locally when either
         tier is due, and uploaded to ``directory`` in the background when the persistent
-        tier is (see tiers.py); ``force`` saves to both.
+        tier is (see tiers/_tiers.py); ``force`` saves to both.
 
         Raises:
           CheckpointExistsError: step ``step`` is already committed (nothing is ever overwritten).
@@ -152,9 +150,7 @@ class CheckpointManager:
         if not persistent and (self._tier is None or not self._tier.cadence.steps_due(step)):
             return False
         metrics = None if metrics is None else metric_values(metrics)
-        score = None
-        if metrics is not None and self._retention.best_fn is not None:
-            score = retention.score(self._retention.best_fn, metrics, step)  # a broken best_fn fails here
+        score = None if metrics is None else self._retention.score(metrics, step)  # a broken best_fn fails here
         self._wait_for_save()
         if self._tier is None:
             path, options = self._persistent(step, score)
@@ -182,11 +178,13 @@ class CheckpointManager:
         if name in listing.leftovers and cluster.process_index() == self._leader():
             # An interrupted save of this step, written in place (object stores): in the way.
             remove_leftover(self._location, name, "an uncommitted leftover of an earlier save of this step", even_busy=True)
+        if cluster.process_index() == self._leader():
+            self._run.started(name)
         retain = functools.partial(self._after_commit, step, name, score, listing)
         return self._location.child(name), self._options.replace(write_callbacks=(*self._options.write_callbacks, retain))
 
     def should_save(self, step: int) -> bool:
-        """Whether :meth:`save` would write ``step`` now (without ``force``): see cadence.py.
+        """Whether :meth:`save` would write ``step`` now (without ``force``): see tiers/_cadence.py.
 
         With ``save_interval_seconds`` in a multi-process job this is collective (the io
         process decides for all, as the others' clocks and background writes differ), so
@@ -235,11 +233,11 @@ class CheckpointManager:
         options = options if options is not None else self._options
         step = None if step is None else check_step(step, "restore(step, target)")
         if self._tier is not None:
-            chosen, tree = self._tier.restore(committed, step, target, options)
-            if tree is not None:  # from the local tier
-                self._cadence.counts_from(chosen)
-                return tree
-            step = chosen if chosen is not None else step
+            restored = self._tier.restore(committed, step, target, options)
+            if isinstance(restored, tiers.FromLocal):
+                self._cadence.counts_from(restored.step)
+                return restored.tree
+            step = restored if restored is not None else step
         if step is None:
             if not committed:
                 raise CheckpointNotFoundError(f"No committed checkpoint in {self.directory}", file=self.directory)
@@ -273,6 +271,7 @@ class CheckpointManager:
         self._wait_for_save()
         if self._tier is not None:
             self._tier.wait_for_upload()
+        self._run.settle()
 
     def _wait_for_save(self) -> None:
         pending, self._pending = self._pending, None
@@ -285,6 +284,15 @@ class CheckpointManager:
             self.wait_until_finished()
         finally:
             self._preemption.close()
+            self._run.close()
+
+    def reload(self) -> None:
+        """Lists ``directory`` anew (collective), as after steps were deleted by other means.
+
+        On an object store the manager lists a record per step instead of every object of
+        every step (``tpu_ckpt_steps/``, kept by the leader); this lists every object once
+        and records what it finds."""
+        self._run.reload(self._options.coordination_timeout)
 
     def reached_preemption(self, step: int) -> bool:
         """Whether the job is being preempted and ``step`` is where every process saves and exits.
@@ -311,9 +319,8 @@ class CheckpointManager:
         if cluster.process_index() != self._leader():
             return
         self._scores[name] = score
-        for leftover in before.leftovers:
-            if leftover != name and leftover not in before.busy:  # busy: maybe another job's save
-                remove_leftover(self._location, leftover, "an uncommitted leftover")
+        self._run.committed(name)
+        removals = [(n, "an uncommitted leftover", False) for n in before.leftovers if n != name and n not in before.busy]
         committed = {**before.committed, step: name}
         expired = self._retention.expired(
             list(committed), step, preserved_since=self._preserved_since,
@@ -323,19 +330,15 @@ class CheckpointManager:
         rules = (f"max_to_keep={self.max_to_keep}, keep_checkpoint_every_n_hours={self.keep_checkpoint_every_n_hours}, "
                  f"keep_best={self._retention.keep_best}")
         for old in expired:
-            self._remove(committed[old], f"retention ({rules})")
+            self._scores.pop(committed[old], None)
+        self._run.remove([*removals, *((committed[old], f"retention ({rules})", True) for old in expired)])
+        if not self._options.enable_async:
+            self._run.settle()  # a synchronous save returns with the directory as retention leaves it
 
     def _score(self, name: str, step: int) -> float | None:
-        """A step's ``best_fn`` score, from its manifest (read once). A step whose manifest
-        or score cannot be had is kept by the other rules only, and a warning says why."""
+        """A step's ``best_fn`` score, read once (``retention.saved_score``)."""
         if name not in self._scores:
-            self._scores[name] = None
-            try:
-                metrics = read_manifest(storage.Location(self._location.child(name))).metrics
-                if metrics is not None:
-                    self._scores[name] = retention.score(self._retention.best_fn, metrics, step)
-            except (CheckpointError, TypeError) as error:
-                logger.warning("tpu_ckpt: step %d is not ranked by best_fn, so keep_best cannot keep it: %s", step, error)
+            self._scores[name] = retention.saved_score(self._retention, storage.Location(self._location.child(name)), step)
         return self._scores[name]
 
     def _commit_time(self, name: str) -> float:
@@ -343,14 +346,9 @@ class CheckpointManager:
         return os.stat(os.path.join(self._location.local_path, name, MANIFEST_FILE)).st_mtime
 
     def _list(self) -> Listing:
-        """What the directory holds, as the leader sees it (collective: ``list_on_leader``)."""
-        return list_on_leader(self._location, self._leader(), self._options.coordination_timeout)
+        """What the directory holds, as the leader sees it (collective; see RunDirectory)."""
+        return self._run.listing(self._options.coordination_timeout)
 
     def _leader(self) -> int:
         """The process that removes old steps and leftovers: the one that writes storage."""
         return self._options.io_device if self._options.io_device is not None else 0
-
-    def _remove(self, name: str, why: str) -> None:
-        self._scores.pop(name, None)
-        remove_step(self._location, name, why)
-

@@ -15,12 +15,17 @@ in manifests), so a manager created after a restart keeps exactly what the last 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from tpu_ckpt import storage
+from tpu_ckpt.catalog import open_checkpoint
+from tpu_ckpt.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
 
 BestFn = Callable[[Mapping[str, float]], float]
 _MODES = ("max", "min")
@@ -75,18 +80,18 @@ class Retention:
         order = [s for s in sorted(committed) if s != just_saved] + [just_saved]
         old = order[: -self.max_to_keep]
         if self.every_n_hours is not None:
-            old = self._not_preserved(old, commit_time, preserved_since)
+            old = self._not_preserved(old, self.every_n_hours, commit_time, preserved_since)
         best = self._best(committed, score) if self.ranks else set()
         return [s for s in old if s not in best]
 
-    def _not_preserved(self, old: list[int], commit_time: Callable[[int], float], preserved_since: float) -> list[int]:
+    def _not_preserved(self, old: list[int], hours: float, commit_time: Callable[[int], float], preserved_since: float) -> list[int]:
         """TF's ``_sweep``: walking the steps older than the newest ``max_to_keep``, keeps one
-        whenever ``every_n_hours`` have passed since the last one kept. Those kept stay older
+        whenever ``hours`` (``every_n_hours``) have passed since the last one kept. Those kept stay older
         than the newest, so every sweep walks them again and keeps them again."""
         expired, last_kept = [], preserved_since
         for s in old:
             committed_at = commit_time(s)
-            if committed_at - self.every_n_hours * 3600 >= last_kept:
+            if committed_at - hours * 3600 >= last_kept:
                 last_kept = committed_at
             else:
                 expired.append(s)
@@ -99,25 +104,27 @@ class Retention:
         scored.sort(key=lambda item: (sign * item[0], -item[1]))
         return {s for _, s in scored[: self.keep_best]}
 
+    def score(self, metrics: Mapping[str, float], step: int) -> float | None:
+        """``best_fn(metrics)`` as a number; None for NaN, which ranks no step best, and
+        without a ``best_fn``.
 
-def score(best_fn: BestFn, metrics: Mapping[str, float], step: int) -> float | None:
-    """``best_fn(metrics)`` as a number; None for NaN, which ranks no step best.
-
-    Raises TypeError naming the step when ``best_fn`` fails or returns no number: the
-    manager asks at ``save``, so a broken ``best_fn`` fails there, not in the background.
-    """
-    try:
-        value = best_fn(metrics)
-    except Exception as error:
-        raise TypeError(f"best_fn failed on the metrics of step {step} ({sorted(metrics)}): {error!r}") from error
-    wrong = f"best_fn must return a number; on the metrics of step {step} it returned {type(value).__name__}"
-    if isinstance(value, bool) or not (isinstance(value, numbers.Real) or getattr(value, "shape", None) == ()):
-        raise TypeError(wrong)
-    try:
-        value = float(value)  # a 0-d numpy or JAX array too
-    except (TypeError, ValueError):
-        raise TypeError(wrong) from None
-    return None if math.isnan(value) else value
+        Raises TypeError naming the step when ``best_fn`` fails or returns no number: the
+        manager asks at ``save``, so a broken ``best_fn`` fails there, not in the background.
+        """
+        if self.best_fn is None:
+            return None
+        try:
+            value = self.best_fn(metrics)
+        except Exception as error:
+            raise TypeError(f"best_fn failed on the metrics of step {step} ({sorted(metrics)}): {error!r}") from error
+        wrong = f"best_fn must return a number; on the metrics of step {step} it returned {type(value).__name__}"
+        if isinstance(value, bool) or not (isinstance(value, numbers.Real) or getattr(value, "shape", None) == ()):
+            raise TypeError(wrong)
+        try:
+            value = float(value)  # a 0-d numpy or JAX array too
+        except (TypeError, ValueError):
+            raise TypeError(wrong) from None
+        return None if math.isnan(value) else value
 
 
 def _check_best(max_to_keep: Any, keep_best: Any, best_fn: Any, best_mode: Any) -> None:
@@ -150,3 +157,15 @@ def _check_hours(value: Any, loc: storage.Location) -> float | None:
             "modification times. Use max_to_keep alone there."
         )
     return float(value)
+
+
+def saved_score(rules: Retention, loc: storage.Location, step: int) -> float | None:
+    """The ``best_fn`` score of the step saved at ``loc``, from its manifest. A step whose
+    manifest or score cannot be had is kept by the other rules only, and a warning says why."""
+    try:
+        with open_checkpoint(loc, threads=1) as checkpoint:
+            metrics = checkpoint.manifest.metrics
+        return None if metrics is None else rules.score(metrics, step)
+    except (CheckpointError, TypeError) as error:
+        logger.warning("tpu_ckpt: step %d is not ranked by best_fn, so keep_best cannot keep it: %s", step, error)
+        return None

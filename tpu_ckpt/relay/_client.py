@@ -6,10 +6,10 @@ storage backend; every other process uses a :class:`RelayStore` in its place, th
 ``storage.CheckpointStore``, so save and restore run the same code either way. On save the
 others send their data files (and their index) to process k; on restore they ask it for
 exactly the byte ranges their devices need and check every piece's crc32c themselves, so
-the transfer is covered by the checksum too. ``shared_reads.py`` uses the same server and
+the transfer is covered by the checksum too. ``restoring/_shared_reads.py`` uses the same server and
 client for pieces one process reads for several (``shared_piece``).
 
-Bytes go host to host over plain TCP (``relay_wire.py``): no device collectives (they can
+Bytes go host to host over plain TCP (``relay/_wire.py``): no device collectives (they can
 deadlock against a training step running on another thread, and asynchronous saves run on
 a background thread), and no coordination-service values (meant for small values, and they
 would route every byte through process 0). The address and a per-operation secret travel
@@ -21,7 +21,7 @@ message by message unauthenticated. Every socket operation is bounded by
 ``coordination_timeout``, so a dead peer is an error, never a hang; connecting is bounded
 far shorter (``relay_connect_seconds``), so a firewall between the hosts is an error naming
 the host and port to open within seconds, at the first relayed operation. What even a peer
-holding the secret can reach is bounded by the server (``relay_server.py``).
+holding the secret can reach is bounded by the server (``relay/_server.py``).
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ class RelayStore(PooledStore, storage.CheckpointStore):
                 return answer, chunks
             if size > relay_wire.MAX_FILE_BYTES:
                 raise ValueError(f"the answer claims {size} bytes, more than the relay's {relay_wire.MAX_FILE_BYTES}")
-            return answer, b"".join(relay_wire.receive_chunked(conn, size))
+            return answer, b"".join(chunk.data for chunk in relay_wire.receive_chunked(conn, size))
         except errors.CheckpointError:
             raise  # the server's answer: the stream is in step
         except (OSError, EOFError, ValueError) as e:
@@ -210,7 +210,7 @@ class RelayStore(PooledStore, storage.CheckpointStore):
 
 def _send_request(conn: socket.socket, request: dict[str, Any], payload: Sequence[memoryview]) -> None:
     """A write's payload follows the server's go-ahead (``RelayServer._await_write_slot`` in
-    ``relay_server.py``); a refused write gets an error instead, and sends nothing."""
+    ``relay/_server.py``); a refused write gets an error instead, and sends nothing."""
     if request["op"] != "write":
         relay_wire.send(conn, request)
         return

@@ -1,4 +1,4 @@
-"""The relay's server: the process that opens storage serves it to the others (``relay.py``).
+"""The relay's server: the process that opens storage serves it to the others (``relay/_client.py``).
 
 Even a peer holding the operation's secret reaches only what its operation needs, and cannot
 exhaust the server: a server serves only the files its operation registered (a restore: the
@@ -56,7 +56,7 @@ class RelayServer:
     """
 
     def __init__(
-        self, store: storage.CheckpointStore, host: str, timeout: float, *, peers: int,
+        self, store: storage.ReadableStore, host: str, timeout: float, *, peers: int,
         serves: Mapping[str, int | None] | None = None,
         accepts: Callable[[str], bool] = lambda name: False,
         shared: Callable[[str, int, int], concurrent.futures.Future] | None = None,
@@ -289,8 +289,13 @@ class RelayServer:
         elif op == "read_file":
             answer = _outcome(lambda: self._read_file(name), where)
         else:
-            answer = _outcome(lambda: ({}, self._shared(name, request["offset"], request["process"]).result()), where)
+            answer = _outcome(lambda: self._piece(name, request["offset"], request["process"]), where)
         relay_wire.send(conn, *answer)
+
+    def _piece(self, name: str, offset: int, process: int) -> tuple[dict[str, Any], list[Any]]:
+        if self._shared is None:  # ``_check`` lets a piece request through only with ``shared``
+            raise self._refusal(f"a piece of {name!r}, which this operation does not serve", name)
+        return {}, self._shared(name, offset, process).result()
 
     def _await_write_slot(self, conn: socket.socket) -> None:
         """Holds a write back until fewer than ``relay_writes_in_flight`` files are in memory,
@@ -305,12 +310,19 @@ class RelayServer:
             raise
 
     def _write(self, name: str, chunks: list[np.ndarray]) -> tuple[dict[str, Any], list[Any]]:
-        self.store.write(name, chunks).result()
+        _writable(self.store).write(name, chunks).result()
         return {}, []
 
     def _read_file(self, name: str) -> tuple[dict[str, Any], list[Any]]:
         data = self.store.read_file(name)
         return {"missing": data is None}, [data or b""]
+
+
+def _writable(store: storage.ReadableStore) -> storage.CheckpointStore:
+    """The store a relay that ``accepts`` writes puts them in: one that takes writes."""
+    if not isinstance(store, storage.CheckpointStore):
+        raise TypeError(f"the relay for {store.location.url} accepted a write, and serves it read-only")
+    return store
 
 
 def _is_count(value: Any) -> bool:

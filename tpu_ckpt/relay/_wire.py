@@ -1,4 +1,4 @@
-"""The relay's wire format, shared by its server (``relay_server.py``) and client (``relay.py``).
+"""The relay's wire format, shared by its server (``relay/_server.py``) and client (``relay/_client.py``).
 
 Each message is a 16-byte header (two big-endian uint64: JSON length, payload length), a
 JSON object, then the payload bytes. Both ends read through the same few functions so that

@@ -3,8 +3,8 @@ place, with reads shared between processes; and ``check_restore``, the plan with
 
 from tpu_ckpt.restoring._check import RestoreReport, check_restore
 from tpu_ckpt.restoring._exec import execute
-from tpu_ckpt.restoring._plan import ArrayRead, NoRead, missing_subtree, plan_restore
+from tpu_ckpt.restoring._plan import ArrayRead, NoRead, missing_subtree, needed_slices, plan_restore
 from tpu_ckpt.restoring._restore import ArrayMetadata, metadata, restore, restore_from
 from tpu_ckpt.restoring._shared_reads import StoreReads
 
-__all__ = ["ArrayMetadata", "ArrayRead", "NoRead", "RestoreReport", "StoreReads", "check_restore", "execute", "metadata", "missing_subtree", "plan_restore", "restore", "restore_from"]
+__all__ = ["ArrayMetadata", "ArrayRead", "NoRead", "RestoreReport", "StoreReads", "check_restore", "execute", "metadata", "missing_subtree", "needed_slices", "plan_restore", "restore", "restore_from"]

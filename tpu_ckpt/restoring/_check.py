@@ -2,7 +2,7 @@
 
 A restore that fails after an hour of queueing for a pod, on a key renamed in the model, or
 that reads three times the checkpoint because the new mesh cuts every piece, is better found
-on a workstation first. The check runs the restore's own planner (``restore_plan.py``), so
+on a workstation first. The check runs the restore's own planner (``restoring/_plan.py``), so
 every mismatch it reports is one ``tc.restore`` raises on, and the bytes and requests it
 counts are the planner's read batches, coalesced as ``shared_reads.StoreReads`` issues them.
 Nothing is read from the data files and no device memory is allocated (a target of
@@ -26,7 +26,7 @@ from typing import Any
 import jax
 
 from tpu_ckpt import storage
-from tpu_ckpt.catalog import read_manifest
+from tpu_ckpt.catalog import open_checkpoint
 from tpu_ckpt.errors import CorruptCheckpointError, TargetMismatchError
 from tpu_ckpt.format import (
     MANIFEST_FILE,
@@ -45,7 +45,8 @@ from tpu_ckpt.format import (
     under,
 )
 from tpu_ckpt.options import CheckpointOptions
-from tpu_ckpt.restoring._plan import ArrayRead, NoRead, RestorePlan, mismatches, plan_restore
+from tpu_ckpt.restoring._mismatch import mismatches
+from tpu_ckpt.restoring._plan import ArrayRead, NoRead, RestorePlan, needed_slices, plan_restore
 from tpu_ckpt.runtime import plural, size, table
 from tpu_ckpt.settings import settings
 from tpu_ckpt.sharding import index_to_slice
@@ -192,10 +193,13 @@ def check_restore(
         raise ValueError(f"bytes_per_second and devices_per_process must be positive, got {bytes_per_second}, {devices_per_process}")
     options = options or CheckpointOptions()
     loc = storage.location(path)
-    manifest = read_manifest(loc)
     skip = options.skip_slot_variables
+    with open_checkpoint(loc) as checkpoint:  # per process, or (a report of several) every process's rows
+        manifest = checkpoint.manifest
+        everyone = devices_per_process is not None or jax.process_count() > 1
+        checkpoint.load(needed_slices(manifest, target, subtree, skip, everyone=everyone))
     try:
-        plan = plan_restore(manifest, target, subtree, skip, batch_bytes=_batch_bytes(options), url=loc.url)
+        plan = plan_restore(manifest, target, subtree, skip, batch_bytes=read_batch_bytes(options), url=loc.url)
     except TargetMismatchError as first:
         problems = [str(e) for e in mismatches(manifest, target, subtree, skip, loc.url)] or [str(first)]
         return RestoreReport(loc.url, False, problems, [], [], [], [], {}, bytes_per_second)
@@ -209,10 +213,13 @@ def check_restore(
     )
 
 
-def _batch_bytes(options: CheckpointOptions) -> int:
+def read_batch_bytes(options: CheckpointOptions) -> int:
+    """A restore's read batch: the ``read_batch_bytes`` setting, at most a quarter of
+    ``host_memory_limit`` (two batches in flight, one being assembled, and the pieces
+    load_and_broadcast keeps for peers each get a quarter)."""
     limit = options.host_memory_limit
     batch = settings().read_batch_bytes
-    return batch if limit is None else min(batch, limit // 4)  # as restore.py shares it
+    return batch if limit is None else min(batch, limit // 4)
 
 
 def _layout_problems(manifest: Manifest, where: str) -> list[str]:
@@ -326,7 +333,7 @@ def _account(batches: Iterable[Iterable[Unit]]) -> ProcessReads:
     """Bytes and requests of read batches, each coalesced as ``StoreReads`` issues it."""
     nbytes = requests = wanted = 0
     for batch in batches:
-        needed = []
+        needed: list[tuple[str, PieceEntry]] = []
         for key, pieces, region_bytes in batch:
             needed.extend((key, p) for p in pieces)
             wanted += region_bytes

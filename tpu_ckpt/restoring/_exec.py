@@ -12,6 +12,7 @@ result is copied once, so that the user may write to it.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -47,8 +48,8 @@ def execute(plan: RestorePlan, source: shared_reads.StoreReads) -> tuple[list[An
         total += _place(batch, _collect(reads), results, placed)
     for position, shards in placed.items():
         array = plan.leaves[position]
-        shape = array.leaf.shape
-        results[position] = jax.make_array_from_single_device_arrays(shape, array.sharding, list(shards.values()))
+        assert isinstance(array, ArrayRead) and array.sharding is not None  # placed by region: on devices
+        results[position] = jax.make_array_from_single_device_arrays(array.leaf.shape, array.sharding, list(shards.values()))
     return results, total
 
 
@@ -56,7 +57,9 @@ def _place(
     batch: Sequence[Unit], data: PieceData, results: list[Any], placed: dict[int, dict[jax.Device, jax.Array]]
 ) -> int:
     """Assembles a batch's regions and puts them on their devices; returns the bytes read."""
-    built, hosts, targets = [], [], []
+    built: list[jax.Array] = []
+    hosts: list[np.ndarray] = []
+    targets: list[tuple[int, jax.Device]] = []
     for unit, assembled in zip(batch, _assemble_all(batch, data)):
         array = unit.array
         if array.python_type is not None:
@@ -66,7 +69,7 @@ def _place(
         elif unit.whole:
             shape = array.leaf.shape
             results[unit.position] = jax.make_array_from_callback(
-                shape, array.sharding, lambda index, a=assembled, s=shape: a[index_to_slice(index, s)]
+                shape, array.sharding, functools.partial(_cut, assembled, shape)
             )
             built.append(results[unit.position])
         else:
@@ -79,6 +82,11 @@ def _place(
     # Wait for the transfers so that this batch's read bytes can go before the next is read.
     jax.block_until_ready([built, transferred])
     return sum(chunk.nbytes for chunk in data.values())
+
+
+def _cut(assembled: dict[Any, np.ndarray], shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
+    """A device's part of a leaf assembled whole on the host."""
+    return assembled[index_to_slice(index, shape)]
 
 
 def _start_reads(source: shared_reads.StoreReads, batch: Sequence[Unit]) -> shared_reads.Reads:
@@ -137,8 +145,9 @@ def _assemble(array: ArrayRead, region: Region, data: PieceData) -> np.ndarray:
         out = storage.aligned_empty(math.prod(shape) * saved.itemsize).view(saved).reshape(shape)
         for piece in region.pieces:
             overlap = intersect(piece.slice, region.slice)
-            src = _piece_array(piece, saved, data)
-            out[relative(overlap, region.slice)] = src[relative(overlap, piece.slice)]
+            if overlap is not None:
+                src = _piece_array(piece, saved, data)
+                out[relative(overlap, region.slice)] = src[relative(overlap, piece.slice)]
     if out.dtype != array.dtype:
         out = out.astype(array.dtype)
     return out

@@ -1,10 +1,11 @@
 """The restore plan: for each target leaf, what comes back, from which pieces, in which batch.
 
-Planning is pure: a :class:`~tpu_ckpt.format._manifest.Manifest` and a target in, a
-:class:`RestorePlan` out, with no IO and no devices beyond what the target's shardings
+Planning is pure: a :class:`~tpu_ckpt.format._manifest.Manifest` (format 2: with the
+piece-table rows the target needs already loaded, see :func:`needed_slices`) and a target
+in, a :class:`RestorePlan` out, with no IO and no devices beyond what the target's shardings
 name (``addressable_devices_indices_map``). So a resharding bug can be read off a printed
 plan, and planning is tested without files, as PyTorch DCP tests its planners.
-``restore_exec.py`` carries a plan out; ``restore.py`` finds the manifest and the storage.
+``_exec.py`` carries a plan out; ``_restore.py`` opens the checkpoint and loads the rows.
 """
 
 from __future__ import annotations
@@ -29,14 +30,12 @@ from tpu_ckpt.format import (
     dtype_from_name,
     flatten,
     full_slice,
+    loaded_overlapping,
     normalise_subtree,
-    overlapping,
-    prefetch,
     tensor_name,
     under,
     unflatten_nested,
 )
-from tpu_ckpt.settings import settings
 from tpu_ckpt.sharding import index_to_slice
 
 
@@ -128,7 +127,7 @@ class RestorePlan:
         """The restored tree from one result per leaf."""
         if self.treedef is not None:
             return jax.tree_util.tree_unflatten(self.treedef, results)
-        return unflatten_nested(zip(self.paths, results))
+        return unflatten_nested((list(path), result) for path, result in zip(self.paths, results))
 
     def describe(self) -> str:
         """Every leaf with its regions and their pieces, then the read batches."""
@@ -154,7 +153,8 @@ def plan_restore(
     batch_bytes: int,
     url: str = "<manifest>",
 ) -> RestorePlan:
-    """Plans restoring ``target`` (None: everything under ``subtree``) from ``manifest``.
+    """Plans restoring ``target`` (None: everything under ``subtree``) from ``manifest``,
+    whose piece-table rows for :func:`needed_slices` are loaded (no IO here).
 
     ``url`` names the checkpoint in errors. Raises TargetMismatchError naming the key when
     the target does not fit the checkpoint.
@@ -165,13 +165,10 @@ def plan_restore(
         raise missing_subtree(manifest, prefix, url)
     if target is None:
         kept = [leaf for leaf in leaves.values() if not (skip_slots and leaf.is_slot)]  # slots left out
-        prefetch(kept, settings().io_threads)  # format 2: the rows of these leaves at once
         entries = [_whole(leaf) for leaf in kept]
         treedef, paths = None, tuple(tuple(leaf.path[depth:]) for leaf in kept)
     else:
         flat, treedef = flatten(target)
-        named = (leaves.get(_join(prefix, key)) for key, _, _ in flat)
-        prefetch([leaf for leaf in named if leaf is not None and not (skip_slots and leaf.is_slot)], settings().io_threads)
         entries = [plan_leaf(leaves, _join(prefix, key), t, skip_slots, url) for key, _, t in flat]
         paths = ()
     batches = tuple(map(tuple, byte_batches(_units(entries, batch_bytes), _unit_bytes, batch_bytes)))
@@ -191,7 +188,7 @@ def _whole(leaf: LeafEntry) -> ArrayRead | NoRead:
 
 def plan_leaf(leaves: dict[str, LeafEntry], key: str, target: Any, skip_slots: bool, url: str) -> ArrayRead | NoRead:
     """What to restore for one target leaf; a TargetMismatchError when it does not fit
-    (``restore_check.py`` calls it leaf by leaf, to list every mismatch at once)."""
+    (``restoring/_check.py`` calls it leaf by leaf, to list every mismatch at once)."""
     leaf = leaves.get(key)
     if leaf is None:
         close = difflib.get_close_matches(key, list(leaves), n=3)
@@ -252,14 +249,48 @@ def _array_read(
 ) -> ArrayRead:
     """Each distinct global slice this process needs (one per addressable-device index of
     the sharding, or the whole array on the host), with its devices and pieces."""
-    if sharding is None:
-        devices: dict[SliceSpec, list[jax.Device]] = {full_slice(leaf.shape): []}
-    else:
-        devices = {}
-        for device, index in sharding.addressable_devices_indices_map(leaf.shape).items():
-            devices.setdefault(index_to_slice(index, leaf.shape), []).append(device)
-    regions = tuple(Region(s, tuple(d), tuple(overlapping(leaf, s))) for s, d in devices.items())
+    devices = _devices(leaf.shape, sharding, everyone=False)
+    regions = tuple(Region(s, tuple(d), tuple(loaded_overlapping(leaf, s))) for s, d in devices.items())
     return ArrayRead(key, leaf, np.dtype(dtype), sharding, python_type, regions)
+
+
+def _devices(shape: tuple[int, ...], sharding: jax.sharding.Sharding | None, everyone: bool) -> dict[SliceSpec, list[jax.Device]]:
+    """Each distinct global slice of a leaf and the devices (this process's, or with
+    ``everyone`` all) that take it; without a sharding, the whole leaf, on the host."""
+    if sharding is None:
+        return {full_slice(shape): []}
+    devices: dict[SliceSpec, list[jax.Device]] = {}
+    indices = sharding.devices_indices_map(shape) if everyone else sharding.addressable_devices_indices_map(shape)
+    for device, index in indices.items():
+        devices.setdefault(full_slice(shape) if index is None else index_to_slice(index, shape), []).append(device)
+    return devices
+
+
+def needed_slices(
+    manifest: Manifest, target: Any, subtree: str | None, skip_slots: bool, *, everyone: bool = False
+) -> list[tuple[LeafEntry, list[SliceSpec]]]:
+    """The saved array leaves a restore of ``target`` reads and, of each, the slices this
+    process's devices take (``everyone``: every process's, as ``load_and_broadcast`` and a
+    multi-process ``check_restore`` plan): the piece-table rows to load before planning.
+    Pure; a target leaf that does not fit is left out, for the planner to report."""
+    prefix, _ = normalise_subtree(subtree)
+    leaves = {leaf.key: leaf for leaf in manifest.leaves if under(leaf.key, prefix) and leaf.kind == "array"}
+    wanted = {key: None for key in leaves} if target is None else {_join(prefix, key): t for key, _, t in flatten(target)[0]}
+    out = []
+    for key, leaf_target in wanted.items():
+        leaf = leaves.get(key)
+        if leaf is None or (skip_slots and leaf.is_slot):
+            continue
+        if target is None:
+            out.append((leaf, [full_slice(leaf.shape)]))
+            continue
+        try:
+            _, sharding, _, shape = _form(key, leaf, leaf_target)
+        except TargetMismatchError:
+            continue
+        if shape == leaf.shape:
+            out.append((leaf, list(_devices(leaf.shape, sharding, everyone))))
+    return out
 
 
 def _units(entries: Sequence[ArrayRead | NoRead], batch_bytes: int) -> list[Unit]:
@@ -291,7 +322,8 @@ def _text(spec: SliceSpec) -> str:
 def _sharding_text(sharding: jax.sharding.Sharding) -> str:
     if isinstance(sharding, jax.sharding.NamedSharding):
         return f"NamedSharding(mesh={dict(sharding.mesh.shape)}, spec={tuple(sharding.spec)})"
-    return f"{type(sharding).__name__}(devices={sorted(d.id for d in sharding.device_set)})"
+    devices: set[jax.Device] = sharding.device_set  # jax.Device: jaxlib's own type has no stubs
+    return f"{type(sharding).__name__}(devices={sorted(d.id for d in devices)})"
 
 
 def missing_subtree(manifest: Manifest, prefix: str, url: str) -> TargetMismatchError:
@@ -302,29 +334,3 @@ def missing_subtree(manifest: Manifest, prefix: str, url: str) -> TargetMismatch
         f"{sorted({leaf.key.split('/')[0] for leaf in manifest.leaves})}: pass one of them (or a key path under one) as subtree",
         key=prefix, file=url,
     )
-
-
-def mismatches(manifest: Manifest, target: Any, subtree: str | None, skip_slots: bool, url: str) -> list[TargetMismatchError]:
-    """Every error the planner raises on, leaf by leaf, in the target's flatten order (so
-    the first is the one ``plan_restore`` raises)."""
-    prefix, _ = normalise_subtree(subtree)
-    leaves = {leaf.key: leaf for leaf in manifest.leaves if under(leaf.key, prefix)}
-    if target is None or not leaves:
-        return []  # the planner's own error (an unknown subtree) is the only one
-    found = []
-    for key, _, leaf_target in flatten(target)[0]:
-        try:
-            plan_leaf(leaves, f"{prefix}/{key}" if prefix and key else prefix or key, leaf_target, skip_slots, url)
-        except TargetMismatchError as error:
-            found.append(error)
-    return found
-
-
-def all_mismatches(first: TargetMismatchError, manifest: Manifest, target: Any, subtree: str | None, skip_slots: bool, url: str) -> TargetMismatchError:
-    """What ``tc.restore`` raises when the planner raised ``first``: ``first`` itself when it
-    is the only mismatch, else one error listing them all, as ``check_restore`` reports them."""
-    found = mismatches(manifest, target, subtree, skip_slots, url)
-    if len(found) <= 1:
-        return first
-    lines = "\n".join(f"  {e}" for e in found)
-    return TargetMismatchError(f"{len(found)} target leaves do not fit checkpoint {url}:\n{lines}", key=first.key, file=first.file)

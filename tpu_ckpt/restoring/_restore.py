@@ -1,8 +1,9 @@
-"""restore() and metadata(): find the manifest and the storage, plan, carry the plan out.
+"""restore() and metadata(): open the checkpoint, load the rows the target needs, plan, carry
+the plan out.
 
-``restore_plan.py`` works out, with no IO, which global slices each target leaf needs on
+``_plan.py`` works out, with no IO, which global slices each target leaf needs on
 this process and which pieces hold them, in read batches of about the ``read_batch_bytes`` setting (so
-host memory stays at the target's bytes plus two batches); ``restore_exec.py`` reads,
+host memory stays at the target's bytes plus two batches); ``restoring/_exec.py`` reads,
 assembles and places them. Resharding to another mesh, device count or to numpy is the same
 code path. Here: where the bytes come from — storage, the io_device process, or (with
 ``load_and_broadcast``) the other processes.
@@ -22,23 +23,22 @@ from typing import Any, TypeVar, overload
 import numpy as np
 
 from tpu_ckpt import cluster, relay, storage
-from tpu_ckpt.catalog import read_manifest, store_tables
-from tpu_ckpt.errors import CheckpointError, TargetMismatchError, UncommittedCheckpointError
+from tpu_ckpt.catalog import OpenCheckpoint, open_checkpoint
+from tpu_ckpt.errors import CheckpointError, TargetMismatchError
 from tpu_ckpt.format import (
     MANIFEST_FILE,
     LeafEntry,
-    Manifest,
     check_byte_ranges,
-    decode_manifest,
     dtype_from_name,
     unflatten_nested,
 )
 from tpu_ckpt.options import CheckpointOptions, io_process
 from tpu_ckpt.restoring import _exec as restore_exec
 from tpu_ckpt.restoring import _shared_reads as shared_reads
-from tpu_ckpt.restoring._plan import ArrayRead, RestorePlan, all_mismatches, plan_restore
+from tpu_ckpt.restoring._check import read_batch_bytes
+from tpu_ckpt.restoring._mismatch import all_mismatches
+from tpu_ckpt.restoring._plan import ArrayRead, RestorePlan, needed_slices, plan_restore
 from tpu_ckpt.runtime import gc_paused
-from tpu_ckpt.settings import settings
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,8 @@ def metadata(path: str | os.PathLike[str]) -> Any:
       FormatVersionError: a newer format version wrote it.
       CorruptCheckpointError: the manifest is unreadable.
     """
-    manifest = read_manifest(storage.location(path))
+    with open_checkpoint(storage.location(path), threads=1) as checkpoint:
+        manifest = checkpoint.manifest
     return unflatten_nested(
         (leaf.path, _leaf_metadata(leaf) if leaf.kind == "array" else leaf.value) for leaf in manifest.leaves
     )
@@ -114,7 +115,7 @@ def restore(
         (with any sharding), numpy arrays or Python scalars; each restored leaf takes the
         target leaf's shape check, dtype (float->float casts only) and sharding.
       options: :class:`CheckpointOptions`. With ``skip_slot_variables`` the optimizer slot
-        variables (decided at save time, see ``slots.py``) are not read at all: target slot
+        variables (decided at save time, see ``sharding/_slots.py``) are not read at all: target slot
         leaves come back unchanged, and without a target they are left out of the result.
       subtree: a key path such as ``"params"``: restore only that part (``target`` then
         describes that part).
@@ -134,8 +135,8 @@ def restore(
     options = options or CheckpointOptions()
     started = time.perf_counter()
     loc = storage.location(path)
-    with _open(loc, options) as (store, manifest, coord):
-        tree, count, nbytes = restore_from(store, manifest, target, options, subtree, coord)
+    with _open(loc, options) as (checkpoint, coord):
+        tree, count, nbytes = restore_from(checkpoint, target, options, subtree, coord)
     logger.info(
         "tpu_ckpt: restored %d leaves (%.1f MB read) from %s in %.2fs",
         count, nbytes / 1e6, loc.url, time.perf_counter() - started,
@@ -144,33 +145,29 @@ def restore(
 
 
 @contextlib.contextmanager
-def _open(
-    loc: storage.Location, options: CheckpointOptions
-) -> Iterator[tuple[Any, Manifest, cluster.Coordinator | None]]:
-    """The checkpoint's store and manifest, and the coordinator of a restore whose processes
-    work together (``io_device``, ``load_and_broadcast``). It is made before anything can
-    fail, so a failure on one process reaches the others at once. With ``io_device`` only
-    that process opens storage; it serves the others (``relay.py``) until all have finished."""
+def _open(loc: storage.Location, options: CheckpointOptions) -> Iterator[tuple[OpenCheckpoint, cluster.Coordinator | None]]:
+    """The open checkpoint, and the coordinator of a restore whose processes work together
+    (``io_device``, ``load_and_broadcast``). It is made before anything can fail, so a
+    failure on one process reaches the others at once. With ``io_device`` only that process
+    opens storage; it serves the others (``relay``) until all have finished."""
     count = cluster.process_count()
     io = io_process(options, count)
     if count == 1 or (io is None and not options.load_and_broadcast):
-        manifest = read_manifest(loc)
-        with storage.Store(loc) as store:
-            yield store, manifest, None
+        with open_checkpoint(loc) as checkpoint:
+            yield checkpoint, None
         return
     coord = cluster.Coordinator(f"restore {loc.url}", options.coordination_timeout)
     try:
         if io is None:
-            manifest = cluster.read_manifest_everywhere(coord, loc)
             with storage.Store(loc) as store:
-                yield store, manifest, coord
+                yield cluster.read_manifest_everywhere(coord, loc, lambda _: open_checkpoint(store)), coord
         elif coord.me == io:
-            with _serve(loc, coord) as (store, manifest):
-                yield store, manifest, coord
+            with _serve(loc, coord) as checkpoint:
+                yield checkpoint, coord
                 coord.collect("restored", "", at=io)  # serves until everyone has restored
         else:
-            with _relayed(loc, coord, io) as (store, manifest):
-                yield store, manifest, coord
+            with relay.RelayStore(loc, _contact(coord, io), coord.timeout, io) as relayed:
+                yield open_checkpoint(relayed), coord
             coord.collect("restored", "", at=io)
     except BaseException as error:
         coord.report_failure(error)
@@ -182,80 +179,70 @@ def _open(
 
 
 @contextlib.contextmanager
-def _serve(loc: storage.Location, coord: cluster.Coordinator) -> Iterator[tuple[storage.Backend, Manifest]]:
-    """The io_device process: reads the manifest (telling the others if that fails, so they
-    raise the same error), then serves the checkpoint while restoring its own part."""
-    try:
-        manifest = read_manifest(loc)
-    except CheckpointError as error:
-        coord.publish("serve", "error " + json.dumps(relay.error_to_json(error)))
-        raise
+def _serve(loc: storage.Location, coord: cluster.Coordinator) -> Iterator[OpenCheckpoint]:
+    """The io_device process: opens the checkpoint (telling the others if that fails, so
+    they raise the same error), then serves it while restoring its own part."""
     with storage.Store(loc) as store:
+        try:
+            checkpoint = open_checkpoint(store)
+        except CheckpointError as error:
+            coord.publish("serve", "error " + json.dumps(relay.error_to_json(error)))
+            raise
+        manifest = checkpoint.manifest
         server = relay.RelayServer(
             store, cluster.relay_host(), coord.timeout, peers=coord.count - 1,
             serves={MANIFEST_FILE: None, **manifest.files, **manifest.tables},
         )
         try:
             coord.publish("serve", "ok " + server.contact())
-            yield store, manifest
+            yield checkpoint
         finally:
             server.close()
 
 
-@contextlib.contextmanager
-def _relayed(
-    loc: storage.Location, coord: cluster.Coordinator, io: int
-) -> Iterator[tuple[relay.RelayStore, Manifest]]:
-    """Every other process: reads the checkpoint through the io_device process."""
+def _contact(coord: cluster.Coordinator, io: int) -> str:
+    """Every other process: where the io_device process serves the checkpoint, or its error."""
     status, _, detail = coord.receive("serve", io).partition(" ")
     if status == "error":
         raise relay.error_from_json(json.loads(detail))
-    with relay.RelayStore(loc, detail, coord.timeout, io) as store:
-        data = store.read_file(MANIFEST_FILE)
-        if data is None:
-            raise UncommittedCheckpointError(f"{loc.url} lost its {MANIFEST_FILE} during the restore", file=loc.url)
-        yield store, decode_manifest(data, where=loc.child(MANIFEST_FILE), tables=store_tables(store))
+    return detail
 
 
 def restore_from(
-    store: storage.CheckpointStore, manifest: Manifest, target: Any, options: CheckpointOptions,
-    subtree: str | None, coord: cluster.Coordinator | None,
+    checkpoint: OpenCheckpoint, target: Any, options: CheckpointOptions, subtree: str | None,
+    coord: cluster.Coordinator | None,
 ) -> tuple[Any, int, int]:
-    """The restored tree, its number of leaves and the bytes read."""
-    skip, url = options.skip_slot_variables, store.location.url
+    """The restored tree, its number of leaves and the bytes read: the rows the target
+    needs loaded (IO, in runs: with ``load_and_broadcast`` every process's, which it plans
+    with), then the plan (pure), then the reads and placement."""
+    manifest, url, skip = checkpoint.manifest, checkpoint.location.url, options.skip_slot_variables
+    shared = coord is not None and options.load_and_broadcast
+    checkpoint.load(needed_slices(manifest, target, subtree, skip, everyone=shared))
     try:
-        plan = plan_restore(manifest, target, subtree, skip, batch_bytes=_share(options, settings().read_batch_bytes), url=url)
+        plan = plan_restore(manifest, target, subtree, skip, batch_bytes=read_batch_bytes(options), url=url)
     except TargetMismatchError as first:  # every mismatch, as tc.check_restore lists them
         raise all_mismatches(first, manifest, target, subtree, skip, url) from None
-    if manifest.tables:  # format 2: the leaves read so far share no byte (1.x: checked on decode)
-        check_byte_ranges(manifest, store.location.child(MANIFEST_FILE), loaded_only=True)
-    with gc_paused(), _piece_source(store, plan, options, coord) as source:
+    if manifest.tables:  # format 2: the pieces loaded share no byte (1.x: checked on decode)
+        check_byte_ranges(manifest, checkpoint.where, loaded_only=True)
+    with gc_paused(), _piece_source(checkpoint.store, plan, options, coord) as source:
         results, nbytes = restore_exec.execute(plan, source)
     return plan.tree(results), len(results), nbytes
 
 
-def _share(options: CheckpointOptions, unbounded: int | None) -> int | None:
-    """A quarter of ``host_memory_limit``: a read batch (two in flight, and one being
-    assembled) and the pieces load_and_broadcast keeps for peers each get one."""
-    limit = options.host_memory_limit
-    if limit is None:
-        return unbounded
-    return limit // 4 if unbounded is None else min(unbounded, limit // 4)
-
-
 @contextlib.contextmanager
 def _piece_source(
-    store: storage.CheckpointStore, plan: RestorePlan, options: CheckpointOptions,
+    store: storage.ReadableStore, plan: RestorePlan, options: CheckpointOptions,
     coord: cluster.Coordinator | None,
 ) -> Iterator[shared_reads.StoreReads]:
-    """Storage, or with ``load_and_broadcast`` storage and the other processes."""
-    if coord is None or not options.load_and_broadcast:
+    """Storage, or with ``load_and_broadcast`` storage and the other processes (through a
+    store on the storage itself, which ``_open`` opens for it)."""
+    if coord is None or not options.load_and_broadcast or not isinstance(store, storage.CheckpointStore):
         yield shared_reads.StoreReads(store)
         return
     arrays = [entry for entry in plan.leaves if isinstance(entry, ArrayRead)]
     the_plan = shared_reads.plan([(a.leaf, a.sharding) for a in arrays], coord.count)
     pieces = {(p.file, p.offset): (a.leaf.key, p) for a in arrays for p in a.leaf.pieces}
-    source = shared_reads.SharedReads(store, coord, the_plan, pieces, keep_bytes=_share(options, None))
+    source = shared_reads.SharedReads(store, coord, the_plan, pieces, keep_bytes=None if options.host_memory_limit is None else options.host_memory_limit // 4)
     try:
         yield source
     except BaseException:

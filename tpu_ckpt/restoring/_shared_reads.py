@@ -6,7 +6,7 @@ storage. With ``CheckpointOptions(load_and_broadcast=True)`` every process works
 the manifest and the target shardings (which are global), which processes need each piece.
 A piece several need is assigned to one of them, balanced by bytes as writes are
 (``pieces.WriteBalance``); that process reads it from storage once and the others fetch it
-from it over TCP (``relay.py``), checking its crc32c on arrival.
+from it over TCP (``relay/_client.py``), checking its crc32c on arrival.
 
 No process ever waits for another's progress (which could deadlock two processes that need
 each other's pieces in different orders): a piece is read at its first request, from a peer
@@ -40,7 +40,7 @@ Reads = list[tuple[Read, concurrent.futures.Future]]
 class StoreReads:
     """Every piece from storage (or the io_device relay), adjacent ones coalesced."""
 
-    def __init__(self, store: storage.CheckpointStore):
+    def __init__(self, store: storage.ReadableStore):
         self.store = store
 
     def start(self, needed: Iterable[tuple[str, PieceEntry]]) -> Reads:
@@ -83,8 +83,10 @@ def _regions(leaf: LeafEntry, sharding: jax.sharding.Sharding | None, everyone: 
     if sharding is None:
         return {full_slice(leaf.shape): set(everyone)}
     regions: dict[Any, set[int]] = {}
+    device: jax.Device  # jaxlib's own type has no stubs
     for device, index in sharding.devices_indices_map(leaf.shape).items():
-        regions.setdefault(index_to_slice(index, leaf.shape), set()).add(device.process_index)
+        region = full_slice(leaf.shape) if index is None else index_to_slice(index, leaf.shape)
+        regions.setdefault(region, set()).add(device.process_index)
     return regions
 
 
@@ -112,7 +114,8 @@ class SharedReads(StoreReads):
             raise
 
     def start(self, needed: Iterable[tuple[str, PieceEntry]]) -> Reads:
-        own, shared = [], []
+        own: list[tuple[str, PieceEntry]] = []
+        shared: list[tuple[str, PieceEntry]] = []
         for key, piece in needed:
             (shared if (piece.file, piece.offset) in self.plan.readers else own).append((key, piece))
         reads = super().start(own)

@@ -1,10 +1,16 @@
 """The leader's commit: every process's index merged into the planned manifest, written last.
 
-The merge (``merge_indexes``) is a pure function from the plan's manifest and the indexes to
-a new manifest, so what a commit would write is checked without storage and nobody's dicts
-change under them; ``commit`` adds the IO around it: collect the others' indexes, check the
-staging area holds the files they claim and the piece tables, write the manifest, make the
-checkpoint visible.
+Each process but the leader leaves its index in the staging area as binary rows
+(``format.encode_index``); the leader decodes and checks them, merges them with array
+operations (``merge_rows``: concatenate, sort by leaf and slice, prove each leaf's pieces
+are the cells of a grid), and writes the piece tables straight from the sorted rows: no
+Python object per piece, so a pod's 13.5 M pieces cost seconds, not minutes. A leaf whose
+pieces form no grid (rare: an uneven cut) or do not tile it falls back to the per-piece
+check (``tiling_problem``), which names what is wrong. ``commit`` adds the IO around the
+merge: collect the others' indexes, check the staging area holds the files they claim and
+the piece tables, write the manifest, make the checkpoint visible.
+
+``merge_indexes`` merges indexes in manifest form (the local tier's JSON parts).
 """
 
 from __future__ import annotations
@@ -15,19 +21,26 @@ import functools
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 
+import numpy as np
+
 from tpu_ckpt import storage
-from tpu_ckpt.errors import CheckpointError
+from tpu_ckpt.errors import CheckpointError, CorruptCheckpointError
 from tpu_ckpt.format import (
     MANIFEST_FILE,
+    ROW,
+    IndexPlan,
+    IndexRows,
     LeafEntry,
     Manifest,
     PieceEntry,
-    decode_manifest,
+    decode_index,
+    encode_index,
     grids_shared,
+    sort_order,
     tiling_problem,
     write,
 )
-from tpu_ckpt.saving._plan import index_file
+from tpu_ckpt.saving._plan import staged_index_file
 from tpu_ckpt.settings import settings
 
 _BY_SLICE = operator.itemgetter(0)  # a PieceEntry's slice
@@ -39,10 +52,242 @@ def index(pieces: Mapping[str, Sequence[PieceEntry]], files: Mapping[str, int]) 
     return Manifest(leaves, dict(files), 0, "")
 
 
+def commit(
+    store: storage.Backend, final: storage.Location, planned: Manifest, own: Manifest, others: Iterable[int]
+) -> None:
+    """The leader: merges its own index with those the ``others`` processes left in the
+    staging area (read, checked and deleted ``io_threads`` at a time: at a thousand hosts
+    one at a time would cost a thousand round trips), writes the piece tables and the
+    manifest and commits the staging area as ``final``."""
+    plan = IndexPlan.of(planned)
+    mine = decode_index(encode_index(own, plan), where="the leader's own index", plan=plan)
+    with concurrent.futures.ThreadPoolExecutor(settings().io_threads) as pool:  # one host's latency, not N
+        indexes = [mine, *pool.map(functools.partial(_take_index, store, plan), others)]
+    with grids_shared():  # a leaf kept inline is gridded once, for its check and its encoding
+        merged, grids = merge_rows(planned, plan, indexes)
+        write_manifest(store, merged, grids)
+    storage.publish(store.location, final)
+
+
+Grid = tuple[list[np.ndarray], np.ndarray]
+"""A gridded leaf as the piece table holds it: the cut points per axis, and its rows
+(``format.ROW``) in C order of the cells."""
+
+
+def merge_rows(planned: Manifest, plan: IndexPlan, indexes: list[IndexRows]) -> tuple[Manifest, list[Grid | None]]:
+    """``planned`` completed by the binary indexes of every process (emptying ``indexes``,
+    so each one's bytes go once copied): the manifest, its gridded leaves' pieces left out,
+    and per leaf its grid (None for a value leaf, or one whose pieces stay inline). Raises
+    if a leaf's pieces miss, repeat or overlap a block."""
+    names, numbers, sizes = _merged_files(indexes)
+    columns = _Columns.gather(indexes, numbers)
+    grids: list[Grid | None] = [None] * len(planned.leaves)
+    inline: dict[int, tuple[PieceEntry, ...]] = {}
+    for rank, column in sorted(columns.items()):
+        column.sort()
+        first, count, ok, steps = column.grids(plan.dims)
+        for s in range(len(first)):
+            a, n, number = int(first[s]), int(count[s]), int(column.leaf[first[s]])
+            if ok[s]:
+                runs = [n, *(int(step[s]) for step in steps)]  # rows per cell of axis d - 1, then of axis d
+                cuts = [np.append(column.start[a : a + runs[d] : runs[d + 1], d], plan.dims[number, d]) for d in range(rank)]
+                grids[number] = (cuts, column.table[a : a + n])
+            else:
+                inline[number] = column.pieces(a, a + n, names, int(plan.itemsizes[number]))
+    leaves = tuple(dataclasses.replace(e, pieces=inline.get(n, ())) for n, e in enumerate(planned.leaves))
+    for entry, grid in zip(leaves, grids):
+        problem = None if entry.kind != "array" or grid is not None else tiling_problem(entry.shape, [p.slice for p in entry.pieces])
+        if problem:
+            raise _inconsistent(entry.key, problem)
+    return dataclasses.replace(planned, leaves=leaves, files=dict(zip(names, sizes))), grids
+
+
+def _merged_files(indexes: Sequence[IndexRows]) -> tuple[list[str], list[np.ndarray], list[int]]:
+    """Every process's data files, sorted by name, and per index the merged number of each
+    of its own files. A name two indexes claim is refused."""
+    owner: dict[str, tuple[IndexRows, int]] = {}
+    for one in indexes:
+        for name, size in zip(one.names, one.sizes.tolist()):
+            if name in owner:
+                raise CorruptCheckpointError(
+                    f"{one.where} and {owner[name][0].where} both claim data file {name}; refusing to commit.",
+                    file=one.where,
+                )
+            owner[name] = (one, size)
+    names = sorted(owner)
+    number = {name: n for n, name in enumerate(names)}
+    numbers = [np.array([number[name] for name in one.names], np.uint32) for one in indexes]
+    return names, numbers, [owner[name][1] for name in names]
+
+
+class _Columns:
+    """The rows of one rank from every index, as columns: leaf, table row (offset, merged
+    file number, crc32c), slice starts and stops."""
+
+    def __init__(self, rank: int, count: int):
+        self.rank = rank
+        self.leaf = np.zeros(count, np.uint32)
+        self.table = np.zeros(count, ROW)
+        self.start = np.zeros((count, rank), np.int64)
+        self.stop = np.zeros((count, rank), np.int64)
+        self.filled = 0
+
+    @staticmethod
+    def gather(indexes: list[IndexRows], numbers: list[np.ndarray]) -> dict[int, _Columns]:
+        counts: dict[int, int] = {}
+        for one in indexes:
+            for rank, rows in one.groups.items():
+                counts[rank] = counts.get(rank, 0) + len(rows)
+        columns = {rank: _Columns(rank, count) for rank, count in counts.items() if count}
+        indexes.reverse()
+        numbers = numbers[::-1]
+        while indexes:  # each index's bytes go once copied
+            one, files = indexes.pop(), numbers.pop()
+            for rank, rows in one.groups.items():
+                if len(rows):
+                    columns[rank].add(rows, files)
+        return columns
+
+    def add(self, rows: np.ndarray, files: np.ndarray) -> None:
+        a, b = self.filled, self.filled + len(rows)
+        self.leaf[a:b] = rows["leaf"]
+        self.table["offset"][a:b] = rows["offset"]
+        self.table["file"][a:b] = files[rows["file"]]
+        self.table["crc32c"][a:b] = rows["crc32c"]
+        self.start[a:b] = rows["start"]
+        self.stop[a:b] = rows["stop"]
+        self.filled = b
+
+    def sort(self) -> None:
+        """By leaf, then slice start: a grid's cells in C order."""
+        order = sort_order(self.leaf, self.start)
+        self.leaf = self.leaf[order]
+        self.table = self.table[order]
+        self.start = self.start[order]
+        self.stop = self.stop[order]
+
+    def grids(self, dims: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
+        """Per leaf (a run of sorted rows): its first row, row count, whether its rows are
+        exactly the cells of a grid, and per axis the rows between neighbouring cuts."""
+        n = len(self.leaf)
+        new = np.ones(n, bool)
+        np.not_equal(self.leaf[1:], self.leaf[:-1], out=new[1:])
+        first = np.flatnonzero(new)
+        count = np.diff(np.append(first, n))
+        ok = np.ones(len(first), bool)
+        steps: list[np.ndarray] = [np.zeros(len(first), np.int64) for _ in range(self.rank)]
+        for lo, hi in _chunks(first, count):
+            ok[lo:hi], chunk_steps = _grid_check(self, first[lo:hi], count[lo:hi], dims)
+            for d in range(self.rank):
+                steps[d][lo:hi] = chunk_steps[d]
+        return first, count, ok, steps
+
+    def pieces(self, a: int, b: int, names: list[str], itemsize: int) -> tuple[PieceEntry, ...]:
+        """Rows ``a`` to ``b`` as pieces, sorted by slice (a leaf that keeps them inline)."""
+        pieces = []
+        for i in range(a, b):
+            spec = tuple(zip(self.start[i].tolist(), self.stop[i].tolist()))
+            row = self.table[i]
+            length = itemsize * int(np.prod(self.stop[i] - self.start[i]))
+            pieces.append(PieceEntry(spec, names[int(row["file"])], int(row["offset"]), length, int(row["crc32c"])))
+        return tuple(sorted(pieces, key=_BY_SLICE))
+
+
+def _chunks(first: np.ndarray, count: np.ndarray, rows: int = 1 << 20) -> list[tuple[int, int]]:
+    """Runs of whole leaves of about ``rows`` rows: the grid check's temporaries stay small."""
+    bounds = np.searchsorted(np.cumsum(count), np.arange(rows, int(count.sum()), rows), side="right")
+    edges = [0, *sorted(set(bounds.tolist()) - {0, len(first)}), len(first)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def _grid_check(columns: _Columns, first: np.ndarray, count: np.ndarray, dims: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Whether each leaf's sorted rows are exactly the cells of a grid, and its steps.
+
+    In C order, a grid of ``n_0 x ... x n_(r-1)`` cells repeats each start of axis ``d``
+    for ``s_d = n_(d+1) ... n_(r-1)`` rows: ``s_d`` is the length of the leaf's first run
+    of rows agreeing on axes ``0..d``, the cuts of axis ``d`` are the starts of rows
+    ``k s_d``, and row ``i`` must be the cell those cuts give it, its stop the next cut (the
+    dimension past the last). With ``s_(r-1) = 1`` (no two rows alike) the rows are then
+    every cell once: the leaf is tiled exactly, proven without a Python object per row."""
+    lo, hi = int(first[0]), int(first[-1] + count[-1])
+    rows = _Rows(columns.leaf[lo:hi].astype(np.int64), columns.start[lo:hi], columns.stop[lo:hi], first - lo, count, dims)
+    changed = np.zeros(hi - lo, bool)
+    changed[rows.first] = True
+    run, ok, bad, steps = count, np.ones(len(first), bool), np.zeros(hi - lo, bool), []
+    for d in range(columns.rank):
+        changed[1:] |= rows.start[1:, d] != rows.start[:-1, d]
+        starts = np.append(np.flatnonzero(changed), hi - lo)
+        step = starts[np.searchsorted(starts, rows.first, side="right")] - rows.first
+        ok &= (run % step == 0) & (rows.start[rows.first, d] == 0)
+        bad |= rows.start[:, d] >= rows.stop[:, d]
+        bad |= rows.stop[:, d] != rows.upper(d, step, run // step)
+        run = step
+        steps.append(step)
+    ok &= (run == 1) & ~np.logical_or.reduceat(bad, rows.first)
+    return ok, steps
+
+
+@dataclasses.dataclass
+class _Rows:
+    """Some leaves' sorted rows, for the grid check: ``first`` and ``count`` per leaf."""
+
+    leaf: np.ndarray
+    start: np.ndarray
+    stop: np.ndarray
+    first: np.ndarray
+    count: np.ndarray
+    dims: np.ndarray  # of every leaf of the plan
+
+    def upper(self, d: int, step: np.ndarray, cells: np.ndarray) -> np.ndarray:
+        """Each row's stop along axis ``d`` if it is the cell its place says: the next cut,
+        or the dimension past the last; -1 (no stop) where its start is not that cell's."""
+        n = len(self.leaf)
+        if (cells == 1).all():  # the axis is not cut: every row spans it
+            return np.where(self.start[:, d] == 0, self.dims[self.leaf, d], -1)
+        if (step == 1).all() and (cells == self.count).all():  # the one axis cut: the next row starts where this stops
+            ends = np.append(self.first[1:], n) - 1
+            upper = np.empty(n, np.int64)
+            upper[:-1] = self.start[1:, d]
+            upper[ends] = self.dims[self.leaf[ends], d]
+            return upper
+        segment = np.repeat(np.arange(len(self.first)), self.count)
+        s, c = step[segment], cells[segment]
+        k = ((np.arange(n) - self.first[segment]) // s) % c
+        at = self.first[segment] + k * s
+        last = k == c - 1
+        upper = np.where(last, self.dims[self.leaf, d], self.start[np.where(last, at, at + s), d])
+        return np.where(self.start[:, d] == self.start[at, d], upper, -1)
+
+
+def write_manifest(store: storage.Backend, manifest: Manifest, grids: Sequence[Grid | None] | None = None) -> None:
+    """Writes ``manifest``'s piece tables, then the manifest, only once every file it names,
+    data files and tables alike, is in the staging area: a commit never names a missing file.
+    The data files are checked first too, so no table is written into a staging area that is
+    gone (a leader that gave up removed it). ``grids``: per leaf, its rows ready (``merge_rows``)."""
+    storage.check_written(store, manifest.files)
+
+    def every_file(tables: dict[str, int]) -> None:
+        storage.check_written(store, {**manifest.files, **tables})
+
+    write(store, manifest, MANIFEST_FILE, check=every_file, grids=grids)
+
+
+def _take_index(store: storage.Backend, plan: IndexPlan, process: int) -> IndexRows:
+    """Reads another process's index, checks it and deletes it: a committed checkpoint holds none."""
+    name = staged_index_file(process)
+    where = store.location.child(name)
+    data = store.read_file(name)
+    if not data:
+        raise CorruptCheckpointError(f"{where}: process {process}'s index is missing or empty; the save cannot commit.", file=where)
+    rows = decode_index(data, where=where, plan=plan)
+    store.delete(name)
+    return rows
+
+
 def merge_indexes(planned: Manifest, indexes: Sequence[Manifest], check: bool = True) -> Manifest:
-    """``planned`` completed by the indexes of every process: each leaf's pieces (sorted by
-    slice) and every data file. Raises if a leaf's merged pieces miss or repeat a block
-    (unless ``check`` is False: the caller asks :func:`uncovered` itself)."""
+    """``planned`` completed by indexes in manifest form (a local tier's parts): each leaf's
+    pieces (sorted by slice) and every data file. Raises if a leaf's merged pieces miss or
+    repeat a block (unless ``check`` is False: the caller asks :func:`uncovered` itself)."""
     pieces: dict[str, list[PieceEntry]] = {}
     files: dict[str, int] = {}
     for one in indexes:
@@ -55,47 +300,15 @@ def merge_indexes(planned: Manifest, indexes: Sequence[Manifest], check: bool = 
     merged = dataclasses.replace(planned, leaves=leaves, files=dict(sorted(files.items())))
     problem = uncovered(merged) if check else None
     if problem is not None:
-        raise CheckpointError(
-            f"Leaf {problem[0]!r}: {problem[1]}; refusing to commit an inconsistent checkpoint. "
-            "Are all processes saving the same tree?",
-            key=problem[0],
-        )
+        raise _inconsistent(*problem)
     return merged
 
 
-def commit(
-    store: storage.Backend, final: storage.Location, planned: Manifest, own: Manifest, others: Iterable[int]
-) -> None:
-    """The leader: merges its own index with those the ``others`` processes left in the
-    staging area (read and deleted ``io_threads`` at a time: at a thousand hosts one at a
-    time would cost a thousand round trips), writes the manifest and commits the staging
-    area as ``final``."""
-    with concurrent.futures.ThreadPoolExecutor(settings().io_threads) as pool:  # one host's latency, not N
-        indexes = [own, *pool.map(functools.partial(_take_index, store), others)]
-    with grids_shared():  # the tiling check's grids serve the piece table
-        write_manifest(store, merge_indexes(planned, indexes))
-    storage.publish(store.location, final)
-
-
-def write_manifest(store: storage.Backend, manifest: Manifest) -> None:
-    """Writes ``manifest``'s piece tables, then the manifest, only once every file it names,
-    data files and tables alike, is in the staging area: a commit never names a missing file.
-    The data files are checked first too, so no table is written into a staging area that is
-    gone (a leader that gave up removed it)."""
-    storage.check_written(store, manifest.files)
-
-    def every_file(tables: dict[str, int]) -> None:
-        storage.check_written(store, {**manifest.files, **tables})
-
-    write(store, manifest, MANIFEST_FILE, check=every_file)
-
-
-def _take_index(store: storage.Backend, process: int) -> Manifest:
-    """Reads another process's index and deletes it: a committed checkpoint holds none."""
-    name = index_file(process)
-    theirs = decode_manifest(store.read_file(name) or b"", where=store.location.child(name), complete=False)
-    store.delete(name)
-    return theirs
+def _inconsistent(key: str, problem: str) -> CheckpointError:
+    return CheckpointError(
+        f"Leaf {key!r}: {problem}; refusing to commit an inconsistent checkpoint. Are all processes saving the same tree?",
+        key=key,
+    )
 
 
 def uncovered(manifest: Manifest) -> tuple[str, str] | None:

@@ -25,7 +25,7 @@ import numpy as np
 
 from tpu_ckpt import storage
 from tpu_ckpt.errors import CheckpointError
-from tpu_ckpt.format import Manifest, PieceEntry, Texts, data_file_bytes
+from tpu_ckpt.format import Manifest, PieceEntry, PlannedPiece, Texts, data_file_bytes
 from tpu_ckpt.saving import _commit as commit
 from tpu_ckpt.saving._plan import DataFile
 from tpu_ckpt.settings import settings
@@ -185,7 +185,7 @@ class Writes:
         ``recycle``: its data are ``_host_copies``, to give back once written (``_Spares``)."""
         self.make_room(file.nbytes)
         try:
-            pieces = file.pieces
+            pieces: Sequence[PlannedPiece] = file.pieces
             if file.on_device:  # every transfer starts before any is awaited
                 pieces = [p._replace(data=fetch_started(p.data)) for p in pieces]
             laid_out = data_file_bytes(file.name, pieces, self._texts)

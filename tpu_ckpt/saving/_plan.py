@@ -5,7 +5,7 @@ the arrays' shardings, calls the sharding callback and validates its result, and
 file and no other process. The processes still plan consistently without talking: each walks
 the same leaves in the same order and sees the same global shardings (see
 ``pieces.WriteBalance``). The plan is data, so it can be printed (``describe()``) and tested
-without storage; ``save.py`` carries it out and ``commit.py`` completes its manifest.
+without storage; ``saving/_save.py`` carries it out and ``saving/_commit.py`` completes its manifest.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import jax
 from tpu_ckpt.format import LeafEntry, Manifest, PlannedPiece, dtype_name, flatten, metric_values
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.sharding import (
-    ARRANGING_POLICIES,
     BUILT_IN_POLICIES,
     LocalPieces,
     ShardingCallback,
@@ -100,13 +99,14 @@ def plan_save(
     is_slot: SlotPredicate | None = None,
     metrics: Mapping[str, Any] | None = None,
     max_file_bytes: int | None = None,
+    group: frozenset[int] | None = None,
 ) -> SavePlan:
     """Plans this process's part of saving ``tree`` (see :func:`tpu_ckpt.save` for ``is_slot``
     and ``metrics``).
 
     ``process_index`` and ``process_count`` default to this process's place in the JAX job;
     the executor passes its coordinator's. ``max_file_bytes`` bounds every data file, header
-    included, by cutting bigger ones (``bounded_files.py``): the executor passes the
+    included, by cutting bigger ones (``sharding/_bounded_files.py``): the executor passes the
     ``object_bytes`` setting when the destination is an object store, where a file is one
     object. Raises what a save raises before writing: a leaf that a checkpoint cannot hold,
     or a sharding callback's invalid result.
@@ -115,7 +115,7 @@ def plan_save(
     me = jax.process_index() if process_index is None else process_index
     count = jax.process_count() if process_count is None else process_count
     leaves, _ = flatten(tree, keep_none=True)
-    entries, local = _leaf_entries(leaves, me, slot_keys(tree, leaves, is_slot))
+    entries, local = _leaf_entries(leaves, me, slot_keys(tree, leaves, is_slot), group)
     callback = options.sharding_callback
     groups = _arranged(callback, local)
     if max_file_bytes is not None:
@@ -135,8 +135,9 @@ _NBYTES = operator.itemgetter(3)  # a PlannedPiece's size
 
 def _arranged(callback: ShardingCallback, local: LocalPieces) -> list[list[PlannedPiece]]:
     """The sharding callback's data files, each its pieces in writing order."""
-    if type(callback) in ARRANGING_POLICIES:
-        return callback.arrange(local.pieces, local.devices)
+    arranged = callback.arrangement(local.pieces, local.devices)
+    if arranged is not None:
+        return arranged
     pieces = local.shardable()
     shards = [s for s in callback(pieces) if s]
     if type(callback) not in BUILT_IN_POLICIES:  # ours are tested to be valid; at a million pieces the check is seconds
@@ -144,9 +145,12 @@ def _arranged(callback: ShardingCallback, local: LocalPieces) -> list[list[Plann
     return [planned(shard) for shard in shards]
 
 
-def _leaf_entries(leaves: list[tuple[str, list, Any]], me: int, slots: set[str]) -> tuple[list[LeafEntry], LocalPieces]:
-    """Manifest entries (without piece locations) for every leaf, and this process's pieces."""
-    entries, local = [], LocalPieces(me)
+def _leaf_entries(
+    leaves: list[tuple[str, list, Any]], me: int, slots: set[str], group: frozenset[int] | None = None
+) -> tuple[list[LeafEntry], LocalPieces]:
+    """Manifest entries (without piece locations) for every leaf, and this process's pieces
+    (``group``: the processes sharing the writing with it, ``LocalPieces``)."""
+    entries, local = [], LocalPieces(me, group)
     for key, path, leaf in leaves:
         if isinstance(leaf, _PYTHON_VALUES):
             entries.append(LeafEntry(key, path, "value", value=leaf))
@@ -195,11 +199,17 @@ def data_file_name(process: int, number: int) -> str:
 
 
 def index_file(process: int) -> str:
-    """Where a process other than the leader leaves its piece locations for the commit."""
+    """Where a local tier's part keeps its piece locations (JSON, a manifest's form)."""
     return f"index-{process:05d}.json"
 
 
-_OWNED_FILE = re.compile(r"d(\d{5,9})-\d{5,9}\.safetensors|index-(\d{5,9})\.json")
+def staged_index_file(process: int) -> str:
+    """Where a process other than the leader leaves its piece locations for the commit
+    (binary rows: ``format.encode_index``); the commit deletes it."""
+    return f"index-{process:05d}.bin"
+
+
+_OWNED_FILE = re.compile(r"d(\d{5,9})-\d{5,9}\.safetensors|index-(\d{5,9})\.(?:json|bin)")
 
 
 def written_by(name: str) -> int | None:

@@ -1,16 +1,16 @@
 """save(): carries out a save plan: staging, host snapshot, writes, index, commit, callbacks.
 
-Every process of a job calls ``save`` (SPMD). Each plans its part (``save_plan.py``) and
-writes only the pieces of its own addressable devices into the staging area (``staging.py``);
+Every process of a job calls ``save`` (SPMD). Each plans its part (``saving/_plan.py``) and
+writes only the pieces of its own addressable devices into the staging area (``saving/_staging.py``);
 the leader (process 0, or the ``io_device`` process) then merges the per-process indexes into
-the manifest and commits (``commit.py``). With ``io_device`` the other processes write
-through the leader (``relay.py``) and never touch storage themselves.
+the manifest and commits (``saving/_commit.py``). With ``io_device`` the other processes write
+through the leader (``relay/_client.py``) and never touch storage themselves.
 
 Synchronously, pieces are written straight from the arrays' buffers (no copy on CPU; off
 CPU, one data file's pieces come to the host when a write slot is free: at most the
 ``writes_in_flight`` setting's number of files at a time). With ``enable_async`` every piece
 is first copied to host memory (all device-to-host copies started before waiting for any),
-``save`` returns, and the background writer (see ``background.py``) does the rest, holding no
+``save`` returns, and the background writer (see ``saving/_background.py``) does the rest, holding no
 reference to a device buffer, so the caller may donate or delete them at once.
 """
 
@@ -25,13 +25,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from tpu_ckpt import cluster, relay, storage
-from tpu_ckpt.format import Manifest, metric_values
-from tpu_ckpt.options import CheckpointOptions, io_process, wants_path
+from tpu_ckpt.format import IndexPlan, Manifest, encode_index, metric_values
+from tpu_ckpt.options import CheckpointOptions, io_process, path_callbacks
 from tpu_ckpt.runtime import gc_paused
 from tpu_ckpt.saving import _commit as commit
 from tpu_ckpt.saving import _data_writes as data_writes
 from tpu_ckpt.saving._background import WRITER, SaveResult
-from tpu_ckpt.saving._plan import SavePlan, index_file, plan_save
+from tpu_ckpt.saving._plan import SavePlan, plan_save, staged_index_file
 from tpu_ckpt.saving._staging import Staging, prepare
 from tpu_ckpt.settings import settings
 from tpu_ckpt.sharding import SlotPredicate
@@ -59,7 +59,7 @@ def save(
       tree: a pytree whose leaves are ``jax.Array``, numpy arrays or small Python values.
       options: :class:`CheckpointOptions`; ``None`` means the defaults.
       is_slot: ``is_slot(key, leaf) -> bool`` replaces the rule deciding which leaves are
-        optimizer slot variables (see ``slots.py``), for optimizers it does not recognise.
+        optimizer slot variables (see ``sharding/_slots.py``), for optimizers it does not recognise.
       metrics: name -> number, stored in the manifest: ``tpu-ckpt ls`` shows them and
         CheckpointManager's best-k retention ranks checkpoints by them.
 
@@ -188,7 +188,7 @@ class SaveJob:
         self._unwritten = plan.files
         self._writes = data_writes.Writes(staging.store, write_budget(final, options))
         self._copied = False  # whether the data to write are host copies of our own
-        self._own_files = (*(f.name for f in plan.files), index_file(coord.me))
+        self._own_files = (*(f.name for f in plan.files), staged_index_file(coord.me))
 
     def snapshot(self) -> None:
         """Replaces the data to write by host copies, within ``host_memory_limit``
@@ -209,11 +209,11 @@ class SaveJob:
             if coord.me == self.leader:
                 coord.collect("written", "", at=self.leader)
                 others = [p for p in range(coord.count) if p != self.leader]
-                commit.commit(store, self.final, self._planned(), own, others)
+                commit.commit(self.staging.backend, self.final, self._planned(), own, others)
                 hands_off = True  # committed
                 coord.publish("committed")
             else:
-                store.write(index_file(coord.me), [own.to_json()]).result()
+                store.write(staged_index_file(coord.me), [encode_index(own, IndexPlan.of(self.manifest))]).result()
                 coord.collect("written", "", at=self.leader)
                 # This process has written: the staging area is the leader's to commit or
                 # remove. On an object store it is the final prefix, which a late removal here
@@ -267,12 +267,9 @@ class SaveJob:
             self.staging.close()
             _remove_staging(self.staging.location, self.final)
         else:
-            storage.remove_files(self.staging.store, self._own_files)
+            storage.remove_files(self.staging.backend, self._own_files)
             self.staging.close()
 
     def run_callbacks(self) -> None:
-        for callback in self.options.write_callbacks:
-            if wants_path(callback):
-                callback(self.final.url)
-            else:
-                callback()
+        for callback in path_callbacks(self.options):
+            callback(self.final.url)

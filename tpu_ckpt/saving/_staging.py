@@ -3,7 +3,7 @@
 The leader checks the destination, names the staging area and, for ``io_device``, serves
 it to the others over the relay (accepting only their own files); the others learn its name
 or where to connect. A local staging directory is proved shared before anyone writes (see
-``shared_storage.py``).
+``cluster/_shared_storage.py``).
 """
 
 from __future__ import annotations
@@ -19,12 +19,21 @@ from tpu_ckpt.saving._plan import written_by
 
 @dataclasses.dataclass(frozen=True)
 class Staging:
-    """Where this process writes: the staging area, its store, and, on the io_device leader,
+    """Where this process writes: the staging area, its store (the backend itself, or, for a
+    process writing through the io_device leader, the leader's relay) and, on that leader,
     the relay serving the staging area to the others."""
 
     location: storage.Location
-    store: storage.CheckpointStore
+    store: storage.Backend | relay.RelayStore
     server: relay.RelayServer | None = None
+
+    @property
+    def backend(self) -> storage.Backend:
+        """The store the leader commits through, and that a process writing directly removes
+        its own files from: the staging area's backend, which a relay's writer cannot reach."""
+        if isinstance(self.store, relay.RelayStore):
+            raise TypeError(f"{self.location.url} is written through a relay here, which cannot list or delete")
+        return self.store
 
     def close(self) -> None:
         """Stops serving the others (first: no late write may land after this), closes the store."""
@@ -39,7 +48,7 @@ def prepare(
     """The leader checks the destination and names the staging area (serving it to the
     others when they write through it); the others learn its name, or where to connect.
     Before anyone writes, the processes prove they all see a local staging directory
-    (see ``shared_storage.py``): the leader decides when, so every process takes part."""
+    (see ``cluster/_shared_storage.py``): the leader decides when, so every process takes part."""
     if coord.me != leader:
         return _join(final, coord, leader, timeout)
     if not storage.is_empty(final):
@@ -56,7 +65,7 @@ def prepare(
         contact = ""
         if relayed and coord.count > 1:
             accepts = functools.partial(_sent_by_another, leader=leader, count=coord.count)
-            server = relay.RelayServer(staging.store, cluster.relay_host(), timeout, peers=coord.count - 1, accepts=accepts)
+            server = relay.RelayServer(staging.backend, cluster.relay_host(), timeout, peers=coord.count - 1, accepts=accepts)
             staging = dataclasses.replace(staging, server=server)
             contact = server.contact()
         coord.publish("start", json.dumps({"token": token, "contact": contact, "prove_shared": prove}))

@@ -14,7 +14,6 @@ from tpu_ckpt.sharding._pieces import (
     planned,
 )
 from tpu_ckpt.sharding._policies import (
-    ARRANGING_POLICIES,
     BUILT_IN_POLICIES,
     MaxShardSizePolicy,
     ShardByDevicePolicy,
@@ -23,4 +22,4 @@ from tpu_ckpt.sharding._policies import (
 from tpu_ckpt.sharding._slots import SlotPredicate, slot_keys
 from tpu_ckpt.sharding._validation import validate_shards
 
-__all__ = ["ARRANGING_POLICIES", "BUILT_IN_POLICIES", "LocalPieces", "MaxShardSizePolicy", "Shard", "ShardByDevicePolicy", "ShardByTaskPolicy", "ShardableTensor", "ShardingCallback", "SlotPredicate", "WriteBalance", "bounded", "describe_sharding", "index_to_slice", "on_one_cpu", "planned", "slot_keys", "validate_shards"]
+__all__ = ["BUILT_IN_POLICIES", "LocalPieces", "MaxShardSizePolicy", "Shard", "ShardByDevicePolicy", "ShardByTaskPolicy", "ShardableTensor", "ShardingCallback", "SlotPredicate", "WriteBalance", "bounded", "describe_sharding", "index_to_slice", "on_one_cpu", "planned", "slot_keys", "validate_shards"]

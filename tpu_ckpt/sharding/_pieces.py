@@ -2,8 +2,9 @@
 
 A piece is one distinct block of one array leaf that this process must write. Every block
 is written once across the whole job: a block one process holds is written by it; a block
-several processes hold (a replicated array) is written by the holder with the least to
-write so far, or, when big, split into one part per holder (:class:`WriteBalance`). A numpy
+several processes hold (a replicated array) is written by the holder with the least of
+such blocks of the same holders to write so far, or, when big, split into one part per
+holder (:class:`WriteBalance`): decided from this process's own blocks alone. A numpy
 leaf is written whole by process 0, since every process of an SPMD program holds the same
 host value.
 """
@@ -15,7 +16,7 @@ import collections
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -24,6 +25,7 @@ from tpu_ckpt.format import PlannedPiece, SliceSpec, full_slice, volume
 
 Shard = dict[str, dict[SliceSpec, Any]]
 """One data file: ``{checkpoint_key: {slice_spec: array}}``."""
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +90,13 @@ class ShardingCallback(abc.ABC):
           ``save`` raise :class:`InvalidShardsError` before any byte is written.
         """
 
+    def arrangement(self, pieces: Sequence[T], devices: Sequence[Any]) -> list[list[T]] | None:
+        """The data files this callback makes, as groups of ``pieces`` (``devices``: each
+        one's device, None for a host value), where it can tell them without
+        ``ShardableTensor``s: a save of a million pieces then makes no object per piece.
+        None (this default): the save calls the callback and checks what it returns."""
+        return None
+
     def __hash__(self) -> int:
         # Like TF: equal descriptions and configuration hash equal.
         h = hash(self.description)
@@ -126,7 +135,9 @@ class WriteBalance:
 
     Every process walks the same leaves in the same order and sees the same global shardings,
     so each makes the same choices without any communication: a held block goes to the
-    holder with the fewest bytes assigned so far (lowest index on ties).
+    holder with the fewest bytes assigned so far (lowest index on ties). A save keeps one per
+    set of holders, updated only by the blocks of exactly those holders, which each of them
+    holds (``_my_blocks``).
     """
 
     def __init__(self) -> None:
@@ -147,7 +158,7 @@ class _Layout:
 
     spans_processes: bool
     local_blocks: tuple[tuple[int, Any, SliceSpec, bool, int], ...]  # (position, device, block, on CPU, elements), a holder each
-    holders: dict[SliceSpec, list[int]]  # block -> the processes holding it; multi-process only
+    shared: tuple[tuple[SliceSpec, tuple[int, ...]], ...]  # local blocks other processes hold too, sorted, and their holders
 
     @property
     def on_cpu(self) -> bool:
@@ -156,21 +167,22 @@ class _Layout:
     @staticmethod
     def of(leaf: jax.Array) -> _Layout:
         shape = tuple(leaf.shape)
-        spans = len({d.process_index for d in leaf.sharding.device_set}) > 1
+        everywhere: set[jax.Device] = leaf.sharding.device_set  # jax.Device: jaxlib's own type has no stubs
+        spans = len({d.process_index for d in everywhere}) > 1
         blocks: dict[SliceSpec, tuple[int, Any, SliceSpec, bool, int]] = {}
         for position, shard in enumerate(leaf.addressable_shards):
             region = index_to_slice(shard.index, shape)
             if region not in blocks and (spans or shard.replica_id == 0):  # else replica 0 is written
                 blocks[region] = (position, shard.device, region, shard.device.platform == "cpu", volume(region))
-        holders: dict[SliceSpec, list[int]] = {}
-        if spans:
+        holders: dict[SliceSpec, set[int]] = {region: set() for region in blocks}
+        if spans:  # once per layout, not per leaf: the one walk of every device
+            device: jax.Device
             for device, index in leaf.sharding.devices_indices_map(shape).items():
-                processes = holders.setdefault(index_to_slice(index, shape), [])
-                if device.process_index not in processes:
-                    processes.append(device.process_index)
-            for processes in holders.values():
-                processes.sort()
-        return _Layout(spans, tuple(blocks.values()), holders)
+                processes = holders.get(index_to_slice(index, shape))
+                if processes is not None:
+                    processes.add(device.process_index)
+        shared = sorted((region, tuple(sorted(p))) for region, p in holders.items() if len(p) > 1)
+        return _Layout(spans, tuple(blocks.values()), tuple(shared))
 
 
 
@@ -185,15 +197,18 @@ class LocalPieces:
     made per piece costs a second. A piece's data stays the device's own array, on CPU too,
     until its file is written: a numpy view of a CPU device buffer costs ~800 bytes, 3.5 GB
     for the 4.5 M pieces of one process simulating a pod. Also holds what a save's leaves
-    share: the write balance (``WriteBalance``) and the layouts seen so far (``_Layout``).
+    share: the write balances (``WriteBalance``) and the layouts seen so far (``_Layout``).
     """
 
-    def __init__(self, process_index: int):
+    def __init__(self, process_index: int, group: frozenset[int] | None = None):
         self.process_index = process_index
+        # The processes that share the writing with this one (None: the job). A local tier
+        # whose slices each hold the whole state writes a copy per slice (tiers/_slices.py).
+        self.group = group
         self.pieces: list[PlannedPiece] = []
         self.devices: list[Any] = []
         self._leaves: dict[str, tuple[tuple[int, ...], np.dtype, bool]] = {}  # shape, dtype, is_slot
-        self._balance = WriteBalance()
+        self._balances: dict[tuple[int, ...], WriteBalance] = {}  # per set of holders (``_my_blocks``)
         self._layouts: dict[Any, _Layout] = {}
         self.on_device = False  # whether a piece is in an accelerator's memory (``data_writes.fetch_started``)
 
@@ -204,7 +219,7 @@ class LocalPieces:
         if not isinstance(leaf, jax.Array):
             array = np.asarray(leaf)
             self._leaves[key] = (tuple(array.shape), array.dtype, is_slot)
-            if self.process_index == 0:
+            if self.process_index == (0 if self.group is None else min(self.group)):
                 self.pieces.append(PlannedPiece(key, full_slice(array.shape), array, array.nbytes))
                 self.devices.append(None)
             return
@@ -217,13 +232,13 @@ class LocalPieces:
             self.on_device = self.on_device or not layout.on_cpu
         # Decided from the global sharding, the same on every process (hence the shared
         # balance); an array on one process's devices alone is that process's to write.
-        mine = _my_blocks(layout, dtype.itemsize, self.process_index, self._balance) if layout.spans_processes else None
+        mine = _my_blocks(layout, dtype.itemsize, self.process_index, self._balances, self.group) if layout.shared else None
         arrays, pieces, devices, itemsize = _device_arrays(leaf), self.pieces, self.devices, dtype.itemsize
         for position, device, region, on_cpu, elements in layout.local_blocks:
-            part = region if mine is None else mine.get(region)
+            part = region if mine is None else mine.get(region, region)
             if part is None:
                 continue
-            data = arrays[position]
+            data: jax.Array | np.ndarray = arrays[position]
             if part is not region and part != region:  # a part of a big replicated block
                 data = (np.asarray(data) if on_cpu else data)[tuple(slice(a - r0, b - r0) for (a, b), (r0, _) in zip(part, region))]
                 elements = volume(part)
@@ -276,25 +291,35 @@ def _device_arrays(leaf: jax.Array) -> Sequence[jax.Array]:
     return arrays
 
 
-def _my_blocks(layout: _Layout, itemsize: int, me: int, balance: WriteBalance) -> dict[SliceSpec, SliceSpec]:
-    """For a multi-process array: each block this process writes (or part of it, when big
-    blocks are split between their holders), updating ``balance`` for every block."""
-    mine = {}
-    for region, processes in layout.holders.items():
-        nbytes = math.prod(b - a for a, b in region) * itemsize
-        parts = _split(region, processes, itemsize)
+def _my_blocks(
+    layout: _Layout, itemsize: int, me: int, balances: dict[tuple[int, ...], WriteBalance], group: frozenset[int] | None = None
+) -> dict[SliceSpec, SliceSpec | None]:
+    """For this process's blocks that other processes hold too: what it writes of each (the
+    block, a part of it when big blocks are split between their holders, or None).
+
+    Only this process's own blocks are walked, never the job's: a block's holders decide it
+    with the balance of their own set of holders (``balances``), which each of them updates
+    with the same blocks in the same order (every holder holds them all; leaves come in
+    order, and a leaf's blocks sorted), so they agree without talking, and each host's
+    planning follows its own share of the pieces, not the pod's."""
+    mine: dict[SliceSpec, SliceSpec | None] = {}
+    for region, holders in layout.shared:
+        holders = holders if group is None else tuple(p for p in holders if p in group)
+        balance = balances.get(holders)
+        if balance is None:
+            balance = balances[holders] = WriteBalance()
+        parts = _split(region, holders, itemsize)
         if parts is None:
-            if balance.assign(processes, nbytes) == me:
-                mine[region] = region
+            mine[region] = region if balance.assign(list(holders), volume(region) * itemsize) == me else None
             continue
-        for process, part in zip(processes, parts):
-            balance.load[process] += math.prod(b - a for a, b in part) * itemsize
+        for process, part in zip(holders, parts):
+            balance.load[process] += volume(part) * itemsize
             if process == me:
                 mine[region] = part
     return mine
 
 
-def _split(region: SliceSpec, holders: list[int], itemsize: int) -> list[SliceSpec] | None:
+def _split(region: SliceSpec, holders: Sequence[int], itemsize: int) -> list[SliceSpec] | None:
     """One part per holder of a big block, cut along its first axis long enough; None when
     the block stays whole (one holder, small, or no axis to cut)."""
     extents = [b - a for a, b in region]

@@ -11,14 +11,12 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
 from tpu_ckpt.format import SliceSpec
-from tpu_ckpt.sharding._pieces import Shard, ShardableTensor, ShardingCallback
-
-T = TypeVar("T")
+from tpu_ckpt.sharding._pieces import Shard, ShardableTensor, ShardingCallback, T
 
 
 def _put(shard: Shard, key: str, slice_spec: SliceSpec, array: Any) -> None:
@@ -54,6 +52,11 @@ class ShardByDevicePolicy(ShardingCallback):
             group.append(piece)
         return list(groups.values())
 
+    def arrangement(self, pieces: Sequence[T], devices: Sequence[Any]) -> list[list[T]] | None:
+        """``arrange``'s groups of ``pieces`` by ``devices``; None for a subclass, which may cut
+        differently (a save then calls it and checks its shards)."""
+        return self.arrange(pieces, devices) if type(self) is ShardByDevicePolicy else None
+
 
 class ShardByTaskPolicy(ShardingCallback):
     """One data file per process: the callback runs once per process, so all its pieces go in one shard."""
@@ -72,17 +75,17 @@ class ShardByTaskPolicy(ShardingCallback):
         """As ``ShardByDevicePolicy.arrange``: all ``pieces`` in one data file, whatever their ``devices``."""
         return [list(pieces)] if pieces else []
 
+    def arrangement(self, pieces: Sequence[T], devices: Sequence[Any]) -> list[list[T]] | None:
+        """``arrange``'s one group of ``pieces``, whatever their ``devices``; None for a subclass,
+        which may cut differently (a save then calls it and checks its shards)."""
+        return self.arrange(pieces, devices) if type(self) is ShardByTaskPolicy else None
+
 
 def _shard(tensors: Sequence[ShardableTensor]) -> Shard:
     shard: Shard = {}
     for piece in tensors:
         _put(shard, piece.checkpoint_key, piece.slice_spec, piece.tensor)
     return shard
-
-
-ARRANGING_POLICIES = (ShardByDevicePolicy, ShardByTaskPolicy)
-"""Built-in policies that arrange a save's pieces without ``ShardableTensor``s (``arrange``):
-these exact types, since a subclass may change ``__call__``."""
 
 
 class MaxShardSizePolicy(ShardingCallback):
@@ -106,7 +109,7 @@ class MaxShardSizePolicy(ShardingCallback):
     def __init__(self, max_shard_size: int):
         if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, numbers.Integral) or max_shard_size <= 0:
             raise ValueError(f"max_shard_size must be a positive int (bytes), got {max_shard_size!r}")
-        self.max_shard_size = int(max_shard_size)
+        self.max_shard_size: int = int(max_shard_size)
 
     @property
     def description(self) -> str:
@@ -122,7 +125,7 @@ class MaxShardSizePolicy(ShardingCallback):
 def pack(pieces: Sequence[ShardableTensor], max_bytes: int, view: Callable[[Any], Any] | None = None) -> list[Shard]:
     """``pieces`` in shards of at most ``max_bytes`` element bytes, packed and cut as
     ``MaxShardSizePolicy`` does; also how a save cuts data files to an object store's object
-    size (``bounded_files.py``), which passes ``view``: what a piece's tensor is sliced
+    size (``sharding/_bounded_files.py``), which passes ``view``: what a piece's tensor is sliced
     through when it is cut (a numpy view of a CPU buffer), taken only for the pieces cut."""
     return _Packer(max_bytes, view).pack(pieces)
 

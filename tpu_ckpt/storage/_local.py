@@ -14,6 +14,7 @@ A save's errors here name the file and the system's reason, with what to do abou
 
 from __future__ import annotations
 
+import builtins
 import concurrent.futures
 import errno
 import os
@@ -66,7 +67,7 @@ class LocalStore(PooledStore):
     def is_empty(self) -> bool:
         return not os.path.exists(self._root) or (os.path.isdir(self._root) and not os.listdir(self._root))
 
-    def unwritten(self, sizes: Mapping[str, int]) -> list[tuple[str, int | None, int]]:
+    def unwritten(self, sizes: Mapping[str, int]) -> builtins.list[tuple[str, int | None, int]]:
         """One stat per file."""
         wrong = []
         for name, size in sizes.items():
@@ -98,7 +99,7 @@ class LocalStore(PooledStore):
         except OSError as e:
             raise failed("Writing", path, e) from e
 
-    def _read_ranges(self, name: str, start: int, lengths: Sequence[int]) -> list[np.ndarray]:
+    def _read_ranges(self, name: str, start: int, lengths: Sequence[int]) -> builtins.list[np.ndarray]:
         return safe_reads.read_ranges(self._root, name, start, lengths)
 
 

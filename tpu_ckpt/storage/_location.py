@@ -35,7 +35,7 @@ class Location:
     def write_copies(self) -> int:
         """How many times writing a data file holds its bytes in host memory at most: a
         local file is written from the buffers themselves; an object is joined into one
-        ``bytes`` and tensorstore copies that twice more (``object_store.py``)."""
+        ``bytes`` and tensorstore copies that twice more (``storage/_objects.py``)."""
         return 1 if self.is_local else 3
 
     @property

@@ -26,7 +26,7 @@ Writes: a data file arrives as buffers, which the kvstore API takes only joined 
 then a Cord of it) into a request of its own before ``write`` returns. The write is issued
 at once and the join dropped, so a write in flight holds one copy of its object, three
 while it is being issued; ``plan_save`` keeps objects to ``object_bytes``
-(``bounded_files.py``), which a retried request re-sends at most.
+(``sharding/_bounded_files.py``), which a retried request re-sends at most.
 
 Reads: a ranged read is cut into requests of at most ``REQUEST_BYTES``, and a store keeps
 ``object_reads_in_flight`` (a setting, default 32) requests in flight: it has that many IO
@@ -45,6 +45,7 @@ prefix itself, and deletes object by object (which is what ``delete_range`` does
 
 from __future__ import annotations
 
+import builtins
 import concurrent.futures
 import functools
 import logging
@@ -159,7 +160,7 @@ class ObjectStore(PooledStore):
     def is_empty(self) -> bool:
         return not self.list()
 
-    def unwritten(self, sizes: Mapping[str, int]) -> list[tuple[str, int | None, int]]:
+    def unwritten(self, sizes: Mapping[str, int]) -> builtins.list[tuple[str, int | None, int]]:
         """One listing, which carries no sizes: a kvstore write stores the whole object or
         nothing, so only absence can happen."""
         present = set(self.list())
@@ -180,7 +181,7 @@ class ObjectStore(PooledStore):
             raise safe_reads.outside_error(self.location.url, name)
         return self._prefix + name
 
-    def _read_ranges(self, name: str, start: int, lengths: Sequence[int]) -> list[np.ndarray]:
+    def _read_ranges(self, name: str, start: int, lengths: Sequence[int]) -> builtins.list[np.ndarray]:
         """All requests of one read are issued at once (tensorstore queues those beyond the
         store's request limit), then awaited."""
         key, where = self._key(name), self.location.child(name)

@@ -4,6 +4,7 @@ itself, which also lists and deletes: ``tpu-ckpt gc``, retention, the commit).""
 
 from __future__ import annotations
 
+import builtins
 import concurrent.futures
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, Self, runtime_checkable
@@ -77,6 +78,7 @@ class Backend(CheckpointStore, Protocol):
     def is_empty(self) -> bool:
         """Whether nothing at all is stored at the location."""
 
-    def unwritten(self, sizes: Mapping[str, int]) -> list[tuple[str, int | None, int]]:
+    # builtins.list: below ``def list``, the name ``list`` in this class is that method
+    def unwritten(self, sizes: Mapping[str, int]) -> builtins.list[tuple[str, int | None, int]]:
         """The files of ``sizes`` not here with that many bytes: (name, bytes found or None
         when missing, bytes written)."""

@@ -213,7 +213,7 @@ def read_ranges(root: str, name: str, start: int, lengths: Sequence[int]) -> lis
             raise CorruptCheckpointError(f"{path} is truncated: it ends at byte {size}, before {stop}", file=path)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # exact reads: no readahead (module docstring)
         out = [aligned_empty(n) for n in lengths]
-        views, offset = [memoryview(a) for a in out if a.size], start
+        views, offset = [a.data for a in out if a.size], start
         while views:
             n = os.preadv(fd, views[:IOV_MAX], offset)
             if n == 0:  # shrunk since the fstat

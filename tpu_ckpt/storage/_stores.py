@@ -9,8 +9,8 @@ last, is the commit marker. Either way a reader sees a checkpoint only once its 
 exists at the final location.
 
 Save and restore run one code path for every location: they take a :class:`CheckpointStore`,
-which :func:`Store` opens on the backend that suits the location (``local_store.py`` for
-files, ``object_store.py`` for tensorstore kvstores), and which ``relay.RelayStore``
+which :func:`Store` opens on the backend that suits the location (``storage/_local.py`` for
+files, ``storage/_objects.py`` for tensorstore kvstores), and which ``relay.RelayStore``
 implements on the processes that reach an ``io_device``'s storage through its relay.
 """
 

@@ -9,7 +9,9 @@ piece. What each host's disk holds:
 
     <local_directory>/step_<s>/               a committed local step, renamed into place
         tier.json                             {"token": the save's id, the same on every host,
-                                               "count": the job's process count}
+                                               "count": the job's process count, "copy": the
+                                               processes of this host's slice when each slice
+                                               wrote a whole copy (``_slices``), else null}
         plan.json                             the save's manifest without pieces (every leaf)
         d<p>-<n>.safetensors, index-<p>.json  the part of each process p this host holds: its
                                               own, and those it keeps as a replica
@@ -21,7 +23,7 @@ plan and parts covering every process merge into a full manifest as a commit mer
 renames its step into place only after a barrier says that every process has written its
 part and its replicas durably: a directory ``step_<s>`` holds complete parts only, and a step
 can be restored when the parts on the hosts still alive cover every process
-(``tier_restore.py``). A host killed before the rename leaves a ``.tmp-`` leftover, removed
+(``tiers/_restore.py``). A host killed before the rename leaves a ``.tmp-`` leftover, removed
 by its next local save, and the previous step stays the newest.
 """
 
@@ -39,7 +41,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import jax
 import numpy as np
 
 from tpu_ckpt import cluster, relay, saving, storage
@@ -47,7 +48,9 @@ from tpu_ckpt.errors import CheckpointError
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.runtime import gc_paused
 from tpu_ckpt.saving import WRITER, SavePlan, SaveResult, index_file, plan_save, written_by
+from tpu_ckpt.tiers._placement import check_size
 from tpu_ckpt.tiers._replicas import replica_roles
+from tpu_ckpt.tiers._slices import copy_group, job_slices
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +70,7 @@ class LocalStep:
     token: str
     count: int
     owners: tuple[int, ...]
+    copy: tuple[int, ...] | None = None  # a slice's processes, whose parts make a whole copy (``_slices``)
 
 
 def step_dir(root: str, step: int) -> str:
@@ -86,25 +90,22 @@ def held_steps(root: str) -> list[LocalStep]:
         path = os.path.join(root, name)
         try:
             info = storage.read_json(path, TIER_FILE, 1 << 16)  # no FIFO, device, link out or deep nesting
-            owners = {written_by(n) for n in os.listdir(path) if n.startswith("index-")}
+            owners = {owner for n in os.listdir(path) if n.startswith("index-") and (owner := written_by(n)) is not None}
             count = info["count"]
             if type(count) is not int or count < 1:
                 raise ValueError(f"{TIER_FILE} gives a process count of {count!r}")
-            found.append(LocalStep(int(match[1]), str(info["token"]), count, tuple(sorted(owners - {None}))))
+            copy = info.get("copy")
+            copy = None if copy is None else tuple(sorted(int(p) for p in copy))
+            found.append(LocalStep(int(match[1]), str(info["token"]), count, tuple(sorted(owners)), copy))
         except (OSError, ValueError, KeyError, TypeError, CheckpointError) as e:
             logger.warning("tpu_ckpt: ignoring the local step %s: %s", path, e)
     return sorted(found, key=lambda s: s.step)
 
 
-def job_slices(count: int) -> tuple[int | None, ...]:
-    """Each process's slice, where JAX tells slices apart (``replica_roles``' input)."""
-    slice_of = {d.process_index: getattr(d, "slice_index", None) for d in jax.devices()}
-    return tuple(slice_of.get(p) for p in range(count))
-
-
 def save_local(
     root: str, step: int, tree: Any, options: CheckpointOptions, *, replicas: int,
     metrics: dict[str, float | int] | None, then: Callable[[BaseException | None], None], max_file_bytes: int | None = None,
+    max_to_keep: int | None = None,
 ) -> SaveResult:
     """Saves ``tree`` as local step ``step`` on every process (SPMD, like ``tc.save``).
 
@@ -118,10 +119,15 @@ def save_local(
     job = None
     try:
         with gc_paused():
+            slices = job_slices(coord.count)
+            group = copy_group(tree, coord.me, slices)  # each slice writes its own copy: no replica to send
             plan = plan_save(
-                tree, options, process_index=coord.me, process_count=coord.count, metrics=metrics, max_file_bytes=max_file_bytes
+                tree, options, process_index=coord.me, process_count=coord.count, metrics=metrics,
+                max_file_bytes=max_file_bytes, group=group,
             )
-            job = _LocalSave(root, step, plan, coord, replicas, then, options.host_memory_limit)
+            job = _LocalSave(root, step, plan, coord, replicas, then, options.host_memory_limit, slices=slices, copy=group)
+            share = sum(f.nbytes for f in plan.files)  # in memory: is the RAM disk big enough?
+            check_size(root, share, len(job.keeps), max_to_keep, options.enable_async)
             if options.enable_async:
                 job.snapshot()
     except BaseException as error:
@@ -144,7 +150,8 @@ class _LocalSave:
 
     def __init__(
         self, root: str, step: int, plan: SavePlan, coord: cluster.Coordinator, replicas: int,
-        then: Callable[[BaseException | None], None], limit: int | None = None,
+        then: Callable[[BaseException | None], None], limit: int | None = None, *,
+        slices: tuple[int | None, ...] | None = None, copy: frozenset[int] | None = None,
     ):
         self.root, self.step, self.coord, self.then = root, step, coord, then
         self.planned = plan.manifest
@@ -155,7 +162,8 @@ class _LocalSave:
         self._token = ""
         self._store: storage.Backend | None = None
         self._writes: saving.Writes | None = None
-        self.sends_to, self.keeps = replica_roles(coord.me, replicas, job_slices(coord.count))
+        self.copy = copy  # its slice's processes, when each slice writes a copy: the replicas, no TCP copy
+        self.sends_to, self.keeps = replica_roles(coord.me, 0 if copy else replicas, slices or (None,) * coord.count)
 
     def snapshot(self) -> None:
         """Host copies of this process's pieces, within ``host_memory_limit``
@@ -198,7 +206,8 @@ class _LocalSave:
                 self._replicate(self._staging, names)
                 coord.barrier("stored")  # every part and every replica is on disk, everywhere
             _prove_private(coord, self.root, f"step_{self.step}.tmp-{self._token}", self._staging)
-            _commit(self.root, self.step, self._staging, self._token, coord.count)
+            _commit(self.root, self.step, self._staging, {"token": self._token, "count": coord.count,
+                                                           "copy": None if self.copy is None else sorted(self.copy)})
         except BaseException as error:
             coord.report_failure(error)
             self.discard()
@@ -271,13 +280,13 @@ def mapped(root: str, name: str) -> Any:
         return np.memmap(f, dtype=np.uint8, mode="r") if os.fstat(f.fileno()).st_size else b""
 
 
-def _commit(root: str, step: int, staging: str, token: str, count: int) -> None:
+def _commit(root: str, step: int, staging: str, info: dict[str, Any]) -> None:
     """Renames the staging directory into place, with the token every process wrote. An
     older save of the same step (a job resumed from before it) is moved aside first: a
     leftover, removed by ``prune``, never a step mixing two saves' parts."""
     try:
         with open(os.path.join(staging, TIER_FILE), "w") as f:
-            json.dump({"token": token, "count": count}, f)
+            json.dump(info, f)
             f.flush()
             os.fsync(f.fileno())
         final = step_dir(root, step)

@@ -13,6 +13,7 @@ them, and background threads finish in no fixed order.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -24,7 +25,7 @@ from tpu_ckpt import cluster, saving, storage
 from tpu_ckpt.errors import CorruptCheckpointError
 from tpu_ckpt.format import Manifest, PieceEntry, crc32c, decode_manifest
 from tpu_ckpt.options import CheckpointOptions
-from tpu_ckpt.saving import SaveJob, SavePlan, Staging, index_file, prepare, write_budget
+from tpu_ckpt.saving import SaveJob, SavePlan, Staging, index_file, prepare, staged_index_file, write_budget
 from tpu_ckpt.tiers import _local_tier as local_tier
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class Upload:
         try:
             source = local_tier.step_dir(root, self.step)
             plan = _decoded(source, local_tier.PLAN_FILE, tiled=False)
-            index = _decoded(source, index_file(coord.me), complete=False)
+            index = _uploaded(source, _decoded(source, index_file(coord.me), complete=False))
             staging = prepare(self.final, coord, 0, self.options.coordination_timeout, relayed=False)
         except BaseException as error:
             with coord:
@@ -59,11 +60,21 @@ class Upload:
         _FromLocalFiles(plan, index, source, self.final, coord, self.options, staging).run()
 
 
-def _decoded(source: str, name: str, **how: bool) -> Manifest:
+def _decoded(source: str, name: str, *, complete: bool = True, tiled: bool = True) -> Manifest:
     data, where = storage.read_whole(source, name), os.path.join(source, name)
     if data is None:
         raise CorruptCheckpointError(f"{where} is missing", file=where)
-    return decode_manifest(data, where=where, **how)
+    return decode_manifest(data, where=where, complete=complete, tiled=tiled)
+
+
+def _uploaded(source: str, index: Manifest) -> Manifest:
+    """What of this process's part goes up: all of it, or, where each slice wrote a whole
+    copy (``_slices``), nothing unless it is of process 0's slice (the copies repeat each
+    other's pieces; one is the persistent step)."""
+    copy = (storage.read_json(source, local_tier.TIER_FILE, 1 << 16) or {}).get("copy")
+    if copy is None or 0 in copy:
+        return index
+    return dataclasses.replace(index, leaves=tuple(dataclasses.replace(leaf, pieces=()) for leaf in index.leaves), files={})
 
 
 class _FromLocalFiles(SaveJob):
@@ -77,7 +88,7 @@ class _FromLocalFiles(SaveJob):
         super().__init__(SavePlan(coord.me, plan, (), pieces), final, coord, 0, options, staging)
         self._index = index
         self._source = source
-        self._own_files = (*index.files, index_file(coord.me))
+        self._own_files = (*index.files, staged_index_file(coord.me))
 
     def write_own(self, store: storage.CheckpointStore) -> Manifest:
         """Copies this process's data files, ``writes_in_flight`` at a time (and within

@@ -42,10 +42,11 @@ class _Order:
 
     def rank(self, owner: int, other: int) -> int:
         count = len(self.slices)
-        own_slice = self.members.get(self.slices[owner], []) if self.slices[owner] is not None else []
+        slice_index = self.slices[owner]
+        own_slice = self.members.get(slice_index, []) if slice_index is not None else []
         before = (other - owner) % count - 1  # processes between them, counting up from the owner
         same_before = _between(own_slice, owner, other)
-        if self.slices[owner] is not None and self.slices[other] == self.slices[owner]:
+        if slice_index is not None and self.slices[other] == slice_index:
             return (count - len(own_slice)) + same_before  # after every process of another slice
         return before - same_before
 

@@ -3,7 +3,8 @@
 Each host knows only its own disk, so the processes agree through the coordination service:
 each reports the local steps it holds and whose parts (``local_tier.held_steps``); process 0
 picks the newest local step whose parts, on the hosts alive now, cover every process of the
-job that saved it (a replaced host with an empty disk simply reports nothing), compares it
+job that saved it (a replaced host with an empty disk simply reports nothing; a step saved as
+slice copies, ``_slices``, needs only one slice's parts), compares it
 with the newest step of the persistent directory, and tells everyone, with the process that
 serves each part. Process 0 merges the plan and the parts' indexes into a manifest and
 sends it to the others (``_agreed_manifest``). A local restore then reads through
@@ -22,13 +23,13 @@ import dataclasses
 import json
 import os
 import threading
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Self
 
 import numpy as np
 
 from tpu_ckpt import cluster, relay, storage
-from tpu_ckpt.catalog import store_tables
+from tpu_ckpt.catalog import OpenCheckpoint, store_tables
 from tpu_ckpt.errors import CorruptCheckpointError
 from tpu_ckpt.format import MANIFEST_FILE, Manifest, decode_manifest, encode_manifest
 from tpu_ckpt.options import CheckpointOptions
@@ -46,6 +47,11 @@ class Choice:
     local: bool = False
     holders: dict[int, int] = dataclasses.field(default_factory=dict)  # owner -> serving process
 
+    @property
+    def local_step(self) -> int | None:
+        """The step to restore from the local tier; None: restore from the persistent one."""
+        return self.step if self.local else None
+
     def to_json(self) -> str:
         return json.dumps([self.step, self.local, sorted(self.holders.items())])
 
@@ -57,7 +63,7 @@ class Choice:
 
 def choose(coord: cluster.Coordinator, root: str, persistent: Iterable[int], step: int | None) -> Choice:
     """The processes' common choice (collective): ``step``, or the newest when None."""
-    held = [[s.step, s.token, s.count, list(s.owners)] for s in local_tier.held_steps(root)]
+    held = [[s.step, s.token, s.count, list(s.owners), s.copy] for s in local_tier.held_steps(root)]
     reports = coord.collect("held", json.dumps(held), at=0)
     if coord.me != 0:
         return Choice.from_json(coord.receive("choice", 0))
@@ -75,16 +81,29 @@ def decide(reports: dict[int, str], persistent: set[int], step: int | None) -> C
     persistent tier has a newer one (a pure function, tested alone). Of two whole saves of
     one step, the newer: the larger token (``local_tier._LocalSave._agreed_token``)."""
     parts: dict[tuple[int, str, int], dict[int, list[int]]] = collections.defaultdict(dict)
+    copies: dict[tuple[int, str, int], set[tuple[int, ...]]] = collections.defaultdict(set)
     for process, text in sorted(reports.items()):
-        for saved, token, count, owners in json.loads(text):
+        for saved, token, count, owners, *copy in json.loads(text):
             for owner in owners:
                 parts[(saved, token, count)].setdefault(owner, []).append(process)
-    whole = [key for key, held in parts.items() if _covers(held, key[2]) and step in (None, key[0])]
-    local = max(whole, default=None)
+            if copy and copy[0] is not None:
+                copies[(saved, token, count)].add(tuple(copy[0]))
+    served = {key: _served(held, key[2], copies.get(key)) for key, held in parts.items() if step in (None, key[0])}
+    local = max((key for key, owners in served.items() if owners is not None), default=None)
     newest = max(persistent, default=None) if step is None else (step if step in persistent else None)
     if local is not None and (newest is None or local[0] >= newest):
-        return Choice(local[0], True, _assign(parts[local]))
+        return Choice(local[0], True, _assign({o: parts[local][o] for o in served[local] or ()}))
     return Choice(newest)
+
+
+def _served(held: dict[int, list[int]], count: int, copies: set[tuple[int, ...]] | None) -> list[int] | None:
+    """The parts a restore reads, if the held ones make the step whole: every process's part;
+    of a save where each slice wrote a copy, the parts of the first slice whose parts are all
+    held (another slice's would repeat its pieces)."""
+    if copies is None:
+        return sorted(held) if _covers(held, count) else None
+    whole = [copy for copy in sorted(copies) if copy and all(owner in held for owner in copy)]
+    return list(whole[0]) if whole else None
 
 
 def _covers(held: dict[int, list[int]], count: int) -> bool:
@@ -104,17 +123,18 @@ def _assign(held: dict[int, list[int]]) -> dict[int, int]:
 
 
 def restore_local(
-    coord: cluster.Coordinator, root: str, choice: Choice, target: Any, options: CheckpointOptions
+    coord: cluster.Coordinator, root: str, step: int, holders: dict[int, int], target: Any, options: CheckpointOptions
 ) -> tuple[Any, int]:
-    """Restores the chosen local step (collective); returns the tree and the bytes read."""
-    own = storage.Store(storage.Location(local_tier.step_dir(root, choice.step)))
-    store = _Parts(own, choice.holders, coord)
+    """Restores the chosen local ``step``, each part from its server in ``holders``
+    (collective); returns the tree and the bytes read."""
+    own = storage.Store(storage.Location(local_tier.step_dir(root, step)))
+    store = _Parts(own, holders, coord)
     with contextlib.ExitStack() as serving:  # servers stop first, then the stores close
         serving.callback(store.close)
         try:
-            _serve(coord, own, [o for o, h in choice.holders.items() if h == coord.me], serving)
-            manifest = _agreed_manifest(coord, store, len(choice.holders), serving)
-            tree, _, nbytes = restore_from(store, manifest, target, options, None, None)
+            _serve(coord, own, [o for o, h in holders.items() if h == coord.me], serving)
+            manifest = _agreed_manifest(coord, store, sorted(holders), serving)
+            tree, _, nbytes = restore_from(OpenCheckpoint(store, manifest), target, options, None, None)
             coord.barrier("restored")  # serves until everyone has what it needs
         except BaseException as error:
             coord.report_failure(error)
@@ -136,7 +156,7 @@ def _serve(coord: cluster.Coordinator, own: storage.Backend, parts: list[int], s
     coord.publish(f"serve{coord.me}", server.contact())
 
 
-def _agreed_manifest(coord: cluster.Coordinator, store: _Parts, count: int, serving: contextlib.ExitStack) -> Manifest:
+def _agreed_manifest(coord: cluster.Coordinator, store: _Parts, owners: list[int], serving: contextlib.ExitStack) -> Manifest:
     """Process 0 merges the plan and every part's index, and serves the result in format 2;
     the others fetch its manifest (one entry per leaf) and, lazily, the piece-table rows of
     the leaves they restore, and check them as any manifest's. So the job reads the N
@@ -150,7 +170,7 @@ def _agreed_manifest(coord: cluster.Coordinator, store: _Parts, count: int, serv
         if data is None:
             raise CorruptCheckpointError(f"{where} is missing", file=store.location.url)
         return decode_manifest(data, where=where, tables=store_tables(leader))
-    manifest = _manifest(store, count)
+    manifest = _manifest(store, owners)
     if coord.count > 1:
         body, tables = encode_manifest(manifest)
         merged = _InMemory(store.location, {MANIFEST_FILE: body, **tables})
@@ -163,15 +183,17 @@ def _agreed_manifest(coord: cluster.Coordinator, store: _Parts, count: int, serv
     return manifest
 
 
-def _manifest(store: _Parts, count: int) -> Manifest:
-    """The plan and every part's index, merged and checked like a committed manifest (pieces
-    inside their files, none sharing a byte, every leaf tiled)."""
-    names = [local_tier.PLAN_FILE, *(index_file(owner) for owner in range(count))]
+def _manifest(store: _Parts, owners: list[int]) -> Manifest:
+    """The plan and the index of every part read (``owners``), merged and checked like a
+    committed manifest (pieces inside their files, none sharing a byte, every leaf tiled)."""
+    names = [local_tier.PLAN_FILE, *(index_file(owner) for owner in owners)]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        texts = list(pool.map(store.read_file, names))
-    for name, text in zip(names, texts):
+        read = list(pool.map(store.read_file, names))
+    texts = []
+    for name, text in zip(names, read):
         if text is None:
             raise CorruptCheckpointError(f"{store.location.child(name)} is missing", file=store.location.child(name))
+        texts.append(text)
     plan = decode_manifest(texts[0], where=store.location.child(names[0]), tiled=False)
     indexes = [decode_manifest(text, where=store.location.child(name), complete=False) for name, text in zip(names[1:], texts[1:])]
     manifest = merge_indexes(plan, indexes, check=False)
@@ -187,7 +209,17 @@ def _manifest(store: _Parts, count: int) -> Manifest:
     return decode_manifest(manifest.to_json(), where=f"the merged manifest of the local step {store.location.url}")
 
 
-class _InMemory:
+class _ReadOnly(storage.ReadableStore):
+    """A store a restore reads through and nothing writes to; ``with`` closes it."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class _InMemory(_ReadOnly):
     """Files held in memory (the merged manifest and its piece tables), for a relay server
     to serve: whole, or by byte range."""
 
@@ -198,17 +230,24 @@ class _InMemory:
     def read_file(self, name: str) -> bytes | None:
         return self._files.get(name)
 
-    def read(self, name: str, start: int, lengths: list[int]) -> concurrent.futures.Future:
+    def read(
+        self, name: str, start: int, lengths: Sequence[int], then: Callable[[list[np.ndarray]], Any] | None = None
+    ) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         data, chunks = self._files[name], []
         for n in lengths:
             chunks.append(np.frombuffer(data, np.uint8, n, start).copy())
             start += n
+        if then is not None:
+            then(chunks)
         future.set_result(chunks)
         return future
 
+    def close(self) -> None:
+        """Nothing to release: the bytes are the caller's."""
 
-class _Parts:
+
+class _Parts(_ReadOnly):
     """The files of one local step across the job: each read goes to the process that
     serves its part (``Choice.holders``), this one's disk or a peer's relay."""
 
@@ -221,7 +260,7 @@ class _Parts:
         self._lock = threading.Lock()
 
     def read(
-        self, name: str, start: int, lengths: list[int], then: Callable[[list[np.ndarray]], Any] | None = None
+        self, name: str, start: int, lengths: Sequence[int], then: Callable[[list[np.ndarray]], Any] | None = None
     ) -> concurrent.futures.Future:
         return self._store_of(name).read(name, start, lengths, then)
 
@@ -233,13 +272,15 @@ class _Parts:
             peer.close()
         self._own.close()
 
-    def _store_of(self, name: str) -> Any:
+    def _store_of(self, name: str) -> storage.ReadableStore:
         """The store holding ``name``: its part's server; the plan from this process when it
         serves a part of this save, else from the server of process 0's part."""
+        owner = written_by(name)
         if name == local_tier.PLAN_FILE:
-            holder = self._coord.me if self._coord.me in self._holders.values() else self._holders[0]
+            first = self._holders[min(self._holders)]
+            holder: int | None = self._coord.me if self._coord.me in self._holders.values() else first
         else:
-            holder = self._holders.get(written_by(name))
+            holder = None if owner is None else self._holders.get(owner)
         if holder is None:
             raise CorruptCheckpointError(f"{self.location.child(name)} belongs to no part of this local step", file=name)
         if holder == self._coord.me:

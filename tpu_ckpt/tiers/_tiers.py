@@ -1,9 +1,9 @@
 """What a CheckpointManager with ``local_directory`` adds: the local tier and the uploads.
 
-The manager (manager.py) keeps its rules for the persistent ``directory``; this object owns
-the local tier's cadence, its saves (``local_tier.py``), the background uploads of local steps
-to ``directory`` (``promote.py``) and the choice, at restore, between the tiers
-(``tier_restore.py``). Every call is collective, like the manager's own.
+The manager (manager/_manager.py) keeps its rules for the persistent ``directory``; this object owns
+the local tier's cadence, its saves (``tiers/_local_tier.py``), the background uploads of local steps
+to ``directory`` (``tiers/_promote.py``) and the choice, at restore, between the tiers
+(``tiers/_restore.py``). Every call is collective, like the manager's own.
 """
 
 from __future__ import annotations
@@ -11,33 +11,27 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from tpu_ckpt import cluster, storage
-from tpu_ckpt.errors import CheckpointError, CorruptCheckpointError, RemoteProcessError
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.saving import SaveResult, largest_file
+from tpu_ckpt.tiers import _fallback as fallback
 from tpu_ckpt.tiers import _local_tier as local_tier
+from tpu_ckpt.tiers import _placement as placement
 from tpu_ckpt.tiers import _promote as promote
 from tpu_ckpt.tiers import _restore as tier_restore
+from tpu_ckpt.tiers import _slices as slices
 from tpu_ckpt.tiers._cadence import Cadence
 
 logger = logging.getLogger(__name__)
 
 
-def _fall_back(error: CheckpointError, local_step: int, persistent: Iterable[int], step: int | None) -> int:
-    """The persistent step to restore when a damaged local file (crc32c, truncation), on any
-    process, failed the local restore: every process raised, this or a
-    ``RemoteProcessError`` naming it, so every process falls back alike. A request for a
-    step the persistent tier lacks, or another failure, raises ``error``."""
-    damaged = isinstance(error, CorruptCheckpointError) or (
-        isinstance(error, RemoteProcessError) and error.remote_type == CorruptCheckpointError.__name__
-    )
-    older = [s for s in persistent if s <= local_step and (step is None or s == step)]
-    if not damaged or not older:
-        raise error
-    logger.warning("tpu_ckpt: local step %d is damaged (%s); restoring persistent step %d instead", local_step, error, max(older))
-    return max(older)
+class FromLocal(NamedTuple):
+    """A restore the local tier served: the step and the tree."""
+
+    step: int
+    tree: Any
 
 
 class LocalTier:
@@ -60,6 +54,8 @@ class LocalTier:
                 "its own disk in the local tier. Drop io_device, or use the persistent directory alone."
             )
         self.root = os.path.abspath(loc.local_path)
+        placement.warn_if_not_in_memory(self.root)
+        slices.warn_if_one_slice(cluster.process_count(), replicas)
         self.cadence = Cadence(interval_steps, False, None)
         self.max_to_keep = max_to_keep
         self.replicas = replicas
@@ -86,7 +82,8 @@ class LocalTier:
         # Its files are cut as a save to where they may be uploaded would cut them.
         bound = largest_file(upload.final if upload is not None else storage.location(self.root), options)
         result = local_tier.save_local(
-            self.root, step, tree, options, replicas=self.replicas, metrics=metrics, then=then, max_file_bytes=bound
+            self.root, step, tree, options, replicas=self.replicas, metrics=metrics, then=then, max_file_bytes=bound,
+            max_to_keep=self.max_to_keep,
         )
         self.cadence.counts_from(step)
         return result
@@ -100,18 +97,31 @@ class LocalTier:
         with cluster.Coordinator(f"choose a step in {self.root}", timeout) as coord:
             return tier_restore.choose(coord, self.root, persistent, step)
 
-    def restore(self, persistent: Iterable[int], step: int | None, target: Any, options: CheckpointOptions) -> tuple[int | None, Any]:
+    def restore(self, persistent: Iterable[int], step: int | None, target: Any, options: CheckpointOptions) -> FromLocal | int | None:
         """Restores ``step`` (None: the newest) from the local tier if some tier-wide copy of
-        it is whole and no newer one is in ``persistent``: returns the step and the tree. Else
-        returns the persistent step to restore (or None) and no tree (collective)."""
-        with cluster.Coordinator(f"restore from {self.root}", options.coordination_timeout) as coord:
-            choice = tier_restore.choose(coord, self.root, persistent, step)
-            if not choice.local:
-                return choice.step, None
-            try:
-                tree, nbytes = tier_restore.restore_local(coord, self.root, choice, target, options)
-            except (CorruptCheckpointError, RemoteProcessError) as error:
-                return _fall_back(error, choice.step, persistent, step), None
-        logger.info("tpu_ckpt: restored the local step %d (%.1f MB read by this process)", choice.step, nbytes / 1e6)
-        self.cadence.counts_from(choice.step)
-        return choice.step, tree
+        it is whole and no newer one is in ``persistent``: returns the step and the tree. Else,
+        or when the local restore failed anywhere (``_fallback``), returns the persistent step
+        to restore, or None (collective)."""
+        persistent = list(persistent)
+        choice, restored, failure = None, None, None
+        try:
+            with cluster.Coordinator(f"restore from {self.root}", options.coordination_timeout) as coord:
+                try:
+                    choice = tier_restore.choose(coord, self.root, persistent, step)
+                    if choice.local_step is not None:
+                        restored = tier_restore.restore_local(coord, self.root, choice.local_step, choice.holders, target, options)
+                except Exception as error:
+                    coord.report_failure(error)  # wakes whoever waits on this process
+                    raise
+        except Exception as error:  # noqa: BLE001 - every failure goes to the agreement, then falls back or raises
+            failure = error
+        verdict = fallback.agree(self.root, failure, options.coordination_timeout)
+        if verdict.cause is not None:
+            local = None if choice is None else choice.local_step
+            return fallback.fall_back(self.root, local, verdict, failure, persistent, step)
+        if choice is None or choice.local_step is None or restored is None:
+            return None if choice is None else choice.step
+        tree, nbytes = restored
+        logger.info("tpu_ckpt: restored the local step %d (%.1f MB read by this process)", choice.local_step, nbytes / 1e6)
+        self.cadence.counts_from(choice.local_step)
+        return FromLocal(choice.local_step, tree)

@@ -1,0 +1,41 @@
+"""Slice copies in the local tier's choice (a pure function), and TPU_CKPT_SLICES."""
+
+import json
+
+import pytest
+
+from tpu_ckpt.settings import Settings
+from tpu_ckpt.tiers import Choice, decide
+
+
+def _report(*steps) -> str:
+    return json.dumps([list(s) for s in steps])
+
+
+def test_a_step_saved_as_slice_copies_is_whole_when_one_slice_survives():
+    # Processes 0-1 are slice 0, 2-3 slice 1; each slice wrote a whole copy, nothing replicated.
+    reports = {0: _report((5, "t", 4, [0], [0, 1])), 1: _report((5, "t", 4, [1], [0, 1])), 2: "[]", 3: "[]"}
+    assert decide(reports, set(), None) == Choice(5, True, {0: 0, 1: 1})
+    reports = {0: "[]", 1: "[]", 2: _report((5, "t", 4, [2], [2, 3])), 3: _report((5, "t", 4, [3], [2, 3]))}
+    assert decide(reports, set(), None) == Choice(5, True, {2: 2, 3: 3})
+
+
+def test_a_slice_copy_missing_a_part_is_not_whole():
+    reports = {0: _report((5, "t", 4, [0], [0, 1])), 1: "[]", 2: _report((5, "t", 4, [2], [2, 3])), 3: "[]"}
+    assert decide(reports, {3}, None) == Choice(3)
+
+
+def test_reports_without_copies_keep_the_rule_for_every_part():
+    reports = {0: _report((5, "t", 2, [0, 1])), 1: "[]"}
+    assert decide(reports, set(), None) == Choice(5, True, {0: 0, 1: 0})
+
+
+@pytest.mark.parametrize(("text", "slices"), [("0,0,1,1", (0, 0, 1, 1)), ("3", (3,))])
+def test_the_slices_come_from_the_environment(text, slices):
+    assert Settings.from_environment({"TPU_CKPT_SLICES": text}).slices == slices
+
+
+@pytest.mark.parametrize("text", ["a,b", "0,-1", ","])
+def test_unreadable_slices_are_refused_naming_the_variable(text):
+    with pytest.raises(ValueError, match="TPU_CKPT_SLICES"):
+        Settings.from_environment({"TPU_CKPT_SLICES": text})

@@ -1,0 +1,107 @@
+"""Multislice local tiers, run by every process (see tests/process_group.py): 4 processes as
+2 simulated slices (``TPU_CKPT_SLICES=0,0,1,1``, set by the test: CPU devices report no
+slice), with state sharded inside each slice and replicated across the two, as data
+parallelism across slices lays it out.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import tpu_ckpt as tc
+from tests.mp_scenarios import GLOBAL, _global_array, _mismatches, _targets
+from tests.tiers.tier_fallback_scenarios import _Warnings
+from tests.tiers.tier_scenarios import _enter_host, _watch_opens
+from tpu_ckpt import relay
+
+
+def _slice_mesh() -> jax.sharding.Mesh:
+    """(2 slices, 8 devices): each slice's row holds processes 0-1 or 2-3's devices."""
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    return jax.sharding.Mesh(np.array(devices).reshape(2, -1), ("slice", "model"))
+
+
+def _state(step: int) -> dict:
+    return {"w": _global_array(_slice_mesh(), P("model"), GLOBAL + step), "step": step}
+
+
+def _counting_sends() -> list[int]:
+    """Bytes this process sends to other hosts' relay servers from now on."""
+    sent = [0]
+    original = relay.RelayStore.write
+
+    def write(self, name, chunks):
+        sent[0] += sum(len(memoryview(c).cast("B")) if not hasattr(c, "nbytes") else int(c.nbytes) for c in chunks)
+        return original(self, name, chunks)
+
+    relay.RelayStore.write = write
+    return sent
+
+
+def whole_slice_lost(directory: str) -> dict:
+    """Local steps 1-3 (step 1 also persistent), then slice 1's hosts (processes 2 and 3)
+    lose their local directories: step 3 comes from slice 0's hosts, no persistent file read."""
+    me = jax.process_index()
+    persistent = _enter_host(directory)
+    sent = _counting_sends()
+    options = tc.CheckpointOptions(enable_async=False, coordination_timeout=30)
+    with tc.CheckpointManager(persistent, save_interval_steps=4, local_directory="local", local_replicas=1,
+                              options=options) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, _state(step))
+    out: dict = {"sent_per_step": sent[0] / 3, "local": sorted(os.listdir(os.path.join("local", "step_3")))}
+    with open(os.path.join("local", "step_3", "tier.json")) as f:
+        out["copy"] = json.load(f)["copy"]
+    target = _targets(_state(0), _slice_mesh())
+    out["persistent_1"] = _mismatches(tc.restore(os.path.join(persistent, "step_1"), target), {"w": GLOBAL + 1, "step": 1})
+    if me in (2, 3):
+        shutil.rmtree("local")  # the slice was recreated: its hosts' RAM disks are empty
+    opened = _watch_opens(persistent)
+    with tc.CheckpointManager(persistent, save_interval_steps=4, local_directory="local", local_replicas=1,
+                              options=options) as manager:
+        restored = manager.restore(None, target)
+    out.update(step=int(restored["step"]), mismatches=_mismatches(restored, {"w": GLOBAL + 3, "step": 3}),
+               persistent_opened=opened)
+    return out
+
+
+def one_slice_warns(directory: str) -> dict:
+    """A job on one slice: a manager with local replicas warns that they share the slice's
+    fate; local_replicas=0 is accepted, without the warning."""
+    persistent = _enter_host(directory)
+    warnings = _Warnings()
+    logging.getLogger("tpu_ckpt").addHandler(warnings)
+    out = {}
+    for replicas in (1, 0):
+        tc.CheckpointManager(persistent, local_directory="local", local_replicas=replicas).close()
+        out[str(replicas)] = [m for m in warnings.messages if "slice restart" in m]
+    return out
+
+
+def local_step_cost(directory: str, mib: str) -> dict:
+    """Time per local step and bytes this process sends to other hosts per local step, for
+    ``mib`` MiB of state laid out as ``_state``'s (scripts' benchmark row; no assertion)."""
+    import time
+
+    _enter_host(directory)
+    rows = int(mib) << 18 >> 10  # rows of 1,024 float32
+    value = np.arange(rows * 1024, dtype=np.float32).reshape(rows, 1024)
+    state = {"w": _global_array(_slice_mesh(), P("model"), value), "step": 0}
+    sent = _counting_sends()
+    options = tc.CheckpointOptions(enable_async=False, coordination_timeout=120)
+    with tc.CheckpointManager(os.path.join(directory, "persistent"), save_interval_steps=1000, local_directory="local",
+                              local_replicas=1, options=options) as manager:
+        manager.save(1, state)  # the persistent step, uploaded
+        manager.wait_until_finished()
+        before, started = sent[0], time.perf_counter()
+        for step in range(2, 6):
+            manager.save(step, state)
+        elapsed = time.perf_counter() - started
+    return {"seconds_per_step": elapsed / 4, "sent_per_step": (sent[0] - before) / 4}
