@@ -17,6 +17,12 @@ writes_in_flight, and reports each library's sync save throughput as a share of 
     python scripts/benchmark.py --workload many --reps 1 --json /tmp/bench.json
     python scripts/benchmark.py --workload cli
 
+Restores are also held to the read floor: a naive reader (NaiveReader) that np.fromfile's
+every piece of tpu_ckpt's checkpoint into fresh memory on 8 threads and builds the arrays
+with jax.make_array_from_callback, with no check at all. Its table gives, per restore, the
+median over reps of tpu_ckpt's time / the naive reader's in the same rep, wall and CPU
+(getrusage, all threads: the steadier measure on a shared machine).
+
 Every run ends with the CLI start-up row: the median of 10 `tpu-ckpt inspect` runs on a small
 checkpoint, wall time and the CPU the child used (user + system, from getrusage).
 """
@@ -53,9 +59,12 @@ from flax.training import train_state  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import tpu_ckpt as tc  # noqa: E402
+from tpu_ckpt.catalog import open_checkpoint  # noqa: E402
+from tpu_ckpt.format import dtype_from_name, extent, intersect, relative  # noqa: E402
 from tpu_ckpt.runtime import Progress  # noqa: E402
 from tpu_ckpt.saving import plan_save  # noqa: E402
 from tpu_ckpt.settings import settings  # noqa: E402
+from tpu_ckpt.sharding import index_to_slice  # noqa: E402
 
 MB = 1e6
 SAVE_MESH, RESTORE_MESH = (4, 2), (2, 4)
@@ -78,6 +87,8 @@ VALUE_TARGETS = {
 FLOOR_TARGETS = {
     ("lm", "raw_share"): 0.9,  # sync save MB/s / the same files written raw (os.write + fsync) MB/s
 }
+# metric -> largest passing tpu_ckpt/naive reader ratio (the read floor, measured in the same run).
+FLOOR_RATIO_TARGETS = {"restore_same_s": 1.1, "restore_resharded_s": 1.3}
 NO_RATIO = {"step_donated"}  # reported side by side, neither compared nor judged
 BASELINE_STEPS = 3  # steps with no save in flight per rep, their median the baseline (one is noisy)
 MIN_BANDWIDTH_SHARE = 0.8  # lm sync save throughput / fsync'd sequential write bandwidth
@@ -205,6 +216,47 @@ class Orbax:
         return jax.block_until_ready(self.ckptr.restore(path, target))
 
 
+class NaiveReader:
+    """The floor a restore is held to: every piece of tpu_ckpt's checkpoint (the manifest
+    says where) read with np.fromfile into fresh memory on 8 threads, then each leaf built
+    with jax.make_array_from_callback, a device's part being a piece as it is when it is
+    exactly that part, else copied out of the pieces overlapping it. No checksum, bounds or
+    tiling check, no batching: what a reader that trusts its files does."""
+    name = "naive"
+    reads = "tpu_ckpt"  # restores the checkpoint this library saved
+    THREADS = 8
+
+    def restore(self, path, target):
+        with open_checkpoint(path) as checkpoint:
+            checkpoint.load_all()
+            leaves = [leaf for leaf in checkpoint.manifest.leaves if leaf.kind == "array"]
+        targets, treedef = jax.tree.flatten(target)
+        assert [t.shape for t in targets] == [leaf.shape for leaf in leaves], "target is not the saved tree"
+        with concurrent.futures.ThreadPoolExecutor(self.THREADS) as pool:
+            reads = [{p.slice: pool.submit(self._piece, path, leaf.dtype, p) for p in leaf.pieces} for leaf in leaves]
+            pieces = [{s: f.result() for s, f in r.items()} for r in reads]
+        arrays = [jax.make_array_from_callback(t.shape, t.sharding, functools.partial(self._part, held, t.shape))
+                  for t, held in zip(targets, pieces)]
+        return jax.block_until_ready(treedef.unflatten(arrays))
+
+    @staticmethod
+    def _piece(path, dtype, piece):
+        data = np.fromfile(os.path.join(path, piece.file), np.uint8, piece.length, offset=piece.offset)
+        return data.view(dtype_from_name(dtype)).reshape(extent(piece.slice))
+
+    @staticmethod
+    def _part(pieces, shape, index):
+        region = index_to_slice(index, shape)
+        if region in pieces:
+            return pieces[region]
+        out = np.empty(extent(region), next(iter(pieces.values())).dtype)
+        for spec, data in pieces.items():
+            overlap = intersect(spec, region)
+            if overlap is not None:
+                out[relative(overlap, region)] = data[relative(overlap, spec)]
+        return out
+
+
 class PeakRss:
     """Samples this process's RSS every 5 ms on a thread: a checkpoint's memory cost is its
     transient high-water mark (host copies, read buffers), which before/after RSS hides.
@@ -238,13 +290,20 @@ def release_free_memory():
         libc.malloc_trim(0)
 
 
+def cpu_seconds():
+    """User + system CPU seconds of this process, all threads (getrusage)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def measure(fn, *args):
-    """Runs fn(*args), returning (its result, wall seconds, RSS peak minus RSS at start in MB)."""
+    """Runs fn(*args), returning (its result, wall seconds, RSS peak minus RSS at start in MB,
+    CPU seconds): on a shared machine the CPU time is the steadier measure."""
     with PeakRss() as rss:
-        start = time.perf_counter()
+        cpu, start = cpu_seconds(), time.perf_counter()
         result = fn(*args)
-        seconds = time.perf_counter() - start
-    return result, seconds, (rss.peak - rss.start) / MB
+        seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu
+    return result, seconds, (rss.peak - rss.start) / MB, cpu
 
 
 def disk_usage(path):
@@ -309,7 +368,7 @@ def raw_throughput(raw_files, workdir, label):
     """MB/s of writing `raw_files` raw (see raw_save), starting with no dirty pages to drain."""
     path = os.path.join(workdir, f"raw-{label}")
     os.sync()
-    _, seconds, _ = measure(raw_save, path, raw_files)
+    _, seconds, _, _ = measure(raw_save, path, raw_files)
     size = disk_usage(path)[0]
     shutil.rmtree(path)
     return size / MB / seconds
@@ -326,9 +385,10 @@ def one_rep(name, tree, targets, libs, workdir, rep, reps, log, raw_files=None):
     paths = {lib.name: os.path.join(workdir, f"{name}-{lib.name}-rep{rep}") for lib in libs}
     out = {lib.name: {} for lib in libs}
     raw_mbps = raw_throughput(raw_files, workdir, rep) if raw_files is not None else None
-    for lib in libs:
+    savers = [lib for lib in libs if hasattr(lib, "save")]
+    for lib in savers:
         os.sync()
-        _, seconds, rss = measure(lib.save, paths[lib.name], tree)
+        _, seconds, rss, _ = measure(lib.save, paths[lib.name], tree)
         size, files = disk_usage(paths[lib.name])
         out[lib.name].update(save_s=seconds, save_rss_mb=rss, bytes_mb=size / MB, files=files,
                              save_mbps=size / MB / seconds)
@@ -337,15 +397,19 @@ def one_rep(name, tree, targets, libs, workdir, rep, reps, log, raw_files=None):
     raw = f" (raw write+fsync {raw_mbps:.0f} MB/s)" if raw_mbps else ""
     for op, target in targets.items():
         for lib in libs:
-            restored, seconds, rss = measure(lib.restore, paths[lib.name], target)
+            release_free_memory()  # every reader reads into fresh memory, as a new process does
+            restored, seconds, rss, cpu = measure(lib.restore, paths[getattr(lib, "reads", lib.name)], target)
             free(restored)
             del restored
-            out[lib.name].update({f"{op}_s": seconds, f"{op}_rss_mb": rss})
-    for lib in libs:
+            out[lib.name].update({f"{op}_s": seconds, f"{op}_rss_mb": rss, f"{op}_cpu_s": cpu})
+    for lib in savers:
         shutil.rmtree(paths[lib.name])
+    for lib in libs:
         r = out[lib.name]
-        log(f"[{name} {label}] {lib.name:8s} save {r['save_s']:.3f}s restore {r['restore_same_s']:.3f}s "
-            f"restore{RESTORE_MESH} {r['restore_resharded_s']:.3f}s{raw}")
+        saved = f"save {r['save_s']:.3f}s " if "save_s" in r else ""
+        log(f"[{name} {label}] {lib.name:8s} {saved}restore {r['restore_same_s']:.3f}s "
+            f"({r['restore_same_cpu_s']:.2f}s CPU) restore{RESTORE_MESH} {r['restore_resharded_s']:.3f}s "
+            f"({r['restore_resharded_cpu_s']:.2f}s CPU){raw}")
     return out
 
 
@@ -466,6 +530,8 @@ METRICS = (  # (key, label, format)
     ("save_s", "sync save (s)", "{:.3f}"),
     ("restore_same_s", f"restore mesh {SAVE_MESH} (s)", "{:.3f}"),
     ("restore_resharded_s", f"restore mesh {RESTORE_MESH} (s)", "{:.3f}"),
+    ("restore_same_cpu_s", f"restore mesh {SAVE_MESH} (CPU s)", "{:.3f}"),
+    ("restore_resharded_cpu_s", f"restore mesh {RESTORE_MESH} (CPU s)", "{:.3f}"),
     ("save_mbps", "save throughput (MB/s)", "{:.0f}"),
     ("raw_share", "sync save vs raw write+fsync", "{:.2f}"),
     ("bytes_mb", "bytes written (MB)", "{:.1f}"),
@@ -513,19 +579,42 @@ def report(name, samples, bandwidth):
         rows.append({"metric": label, "tpu_ckpt": fmt.format(ours), "orbax": fmt.format(theirs),
                      "ratio": "-" if ratio != ratio else f"{ratio:.3f}x", "target": f"<= {limit}x" if limit else "",
                      "result": ("PASS" if ratio <= limit else "FAIL") if limit else ""})
-    share = {lib: med[lib]["save_mbps"] / bandwidth for lib in med}
+    share = {lib: med[lib]["save_mbps"] / bandwidth for lib in ("tpu_ckpt", "orbax")}
     wanted = MIN_BANDWIDTH_SHARE if name == "lm" else None
     rows.append({"metric": "save throughput / disk bw", "tpu_ckpt": f"{share['tpu_ckpt']:.0%}",
                  "orbax": f"{share['orbax']:.0%}", "ratio": "",
                  "target": f">= {wanted:.0%}" if wanted else "",
                  "result": ("PASS" if share["tpu_ckpt"] >= wanted else "FAIL") if wanted else ""})
-    columns = ("metric", "tpu_ckpt", "orbax", "ratio", "target", "result")
+    print_table(f"workload {name} (medians)", ("metric", "tpu_ckpt", "orbax", "ratio", "target", "result"), rows)
+    floor = floor_rows(samples)
+    print_table(f"workload {name}: restores vs the naive reader (medians of per-rep ratios)",
+                ("metric", "tpu_ckpt", "naive", "orbax", "ratio", "ratio cpu", "target", "result"), floor)
+    return rows + floor
+
+
+def floor_rows(samples):
+    """Each restore against the naive reader's in the same rep (wall and CPU time): the median
+    of the per-rep ratios, which a shared machine disturbs less than a ratio of medians."""
+    rows = []
+    for key, limit in FLOOR_RATIO_TARGETS.items():
+        label = next(label for k, label, _ in METRICS if k == key)
+        ours, naive, theirs = (samples[lib][key] for lib in ("tpu_ckpt", "naive", "orbax"))
+        cpu = (samples[lib][key.removesuffix("_s") + "_cpu_s"] for lib in ("tpu_ckpt", "naive"))
+        ratio = statistics.median(a / b for a, b in zip(ours, naive))
+        ratio_cpu = statistics.median(a / b for a, b in zip(*cpu))
+        rows.append({"metric": label, "tpu_ckpt": f"{statistics.median(ours):.3f}",
+                     "naive": f"{statistics.median(naive):.3f}", "orbax": f"{statistics.median(theirs):.3f}",
+                     "ratio": f"{ratio:.3f}x", "ratio cpu": f"{ratio_cpu:.3f}x", "target": f"<= {limit}x",
+                     "result": "PASS" if ratio <= limit else "FAIL"})
+    return rows
+
+
+def print_table(title, columns, rows):
     widths = [max(len(c), *(len(r[c]) for r in rows)) for c in columns]
-    print(f"\n== workload {name} (medians) ==")
+    print(f"\n== {title} ==")
     for row in [dict(zip(columns, columns)), *rows]:
         print("  ".join(row[c].ljust(w) if i == 0 else row[c].rjust(w)
                         for i, (c, w) in enumerate(zip(columns, widths))))
-    return rows
 
 
 def cli_startup(workdir):
@@ -566,7 +655,7 @@ def main():
     if args.dir and not os.path.isdir(args.dir):
         parser.error(f"--dir {args.dir} is not an existing directory")
     workdir = os.path.abspath(tempfile.mkdtemp(prefix="tpu_ckpt_bench_", dir=args.dir))
-    libs = [TpuCkpt(), Orbax()]
+    libs = [TpuCkpt(), Orbax(), NaiveReader()]
     try:
         workloads = {"all": ("lm", "many"), "cli": ()}.get(args.workload, (args.workload,))
         bandwidth = disk_bandwidth(workdir, args.scale) if workloads else None  # cli writes no data to speak of
@@ -580,11 +669,15 @@ def main():
                   file=sys.stderr, flush=True)
             samples = run_workload(name, tree, libs, workdir, args.reps)
             if name == "lm" and args.run_async:
-                tree = run_async(name, tree, libs, workdir, args.reps, samples)  # donates `tree`
+                tree = run_async(name, tree, libs[:2], workdir, args.reps, samples)  # donates `tree`
             free(tree)
             rows = report(name, samples, bandwidth)
             results["workloads"][name] = {"samples": samples, "rows": rows}
         results["cli_startup"] = cli_startup(workdir)
+        if workloads:
+            from bench_incremental import incremental_rows  # scripts/: issue #25's LoRA loop
+
+            results["incremental"] = incremental_rows(workdir)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=2)

@@ -19,6 +19,7 @@ import http.client
 import http.server
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -265,7 +266,10 @@ class FaultyProxy:
     with an error status, the way a loaded object store answers 429 or 503.
 
     ``fail(match, statuses)``: the next requests for which ``match(method, path)`` holds get
-    ``statuses`` in turn. ``requests`` records every request seen, in order of arrival.
+    ``statuses`` in turn; a status of ``DROP`` closes the connection without an answer.
+    ``storm(status, seconds)``: every matching request gets ``status`` for that long, from
+    now. ``flaky(fraction, status)``: that fraction of matching requests, drawn at random
+    (seeded), gets ``status`` until ``calm()``. ``requests`` records every request seen, in order of arrival.
     ``delay_s`` holds every request that long before it is answered (a distant store), and
     ``most_in_flight`` is the most requests it held at once.
     """
@@ -273,6 +277,9 @@ class FaultyProxy:
     def __init__(self, target: str):
         self._target = urllib.parse.urlparse(target)
         self._faults: list[tuple[Callable[[str, str], bool], int]] = []
+        self._storms: list[tuple[Callable[[str, str], bool], int, float]] = []  # match, status, until
+        self._flaky: list[tuple[Callable[[str, str], bool], int, float]] = []  # match, status, fraction
+        self._random = random.Random(23)
         self._lock = threading.Lock()
         self.requests: list[Request] = []
         self.delay_s = 0.0
@@ -287,6 +294,20 @@ class FaultyProxy:
         with self._lock:
             self._faults.extend((match, status) for status in statuses)
 
+    def storm(self, status: int, seconds: float, match: Callable[[str, str], bool] = lambda method, path: True) -> None:
+        with self._lock:
+            self._storms.append((match, status, time.monotonic() + seconds))
+
+    def flaky(self, fraction: float, status: int, match: Callable[[str, str], bool] = lambda method, path: True) -> None:
+        with self._lock:
+            self._flaky.append((match, status, fraction))
+
+    def calm(self) -> None:
+        """Ends every storm and every flaky answer."""
+        with self._lock:
+            self._storms.clear()
+            self._flaky.clear()
+
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
@@ -297,6 +318,13 @@ class FaultyProxy:
             for i, (match, status) in enumerate(self._faults):
                 if match(method, path):
                     del self._faults[i]
+                    return status
+            now = time.monotonic()
+            for match, status, until in self._storms:
+                if now < until and match(method, path):
+                    return status
+            for match, status, fraction in self._flaky:
+                if match(method, path) and self._random.random() < fraction:
                     return status
         return None
 
@@ -340,6 +368,9 @@ class FaultyProxy:
                 status, reply_headers, payload = proxy._answer(self.command, self.path, dict(self.headers.items()), body)
                 with proxy._lock:
                     proxy.requests.append(Request(self.command, self.path, status, arrived))
+                if status == DROP:
+                    self.close_connection = True
+                    return
                 self.send_response(status)
                 for name, value in reply_headers:
                     if name.lower() not in _HOP_HEADERS | {"content-length"}:
@@ -353,6 +384,10 @@ class FaultyProxy:
                 pass
 
         return Handler
+
+
+DROP = 0
+"""A FaultyProxy "status": the connection is closed with no answer (a reset, a dead front end)."""
 
 
 class _ProxyServer(http.server.ThreadingHTTPServer):

@@ -14,7 +14,8 @@ Not here, on purpose: values every process must compute identically without comm
 ``read_plan.MAX_READ_BYTES``, which also bounds the relay's wire protocol); facts of the
 format (``format.ALIGNMENT``); bounds on what a hostile file or peer may make tpu_ckpt
 allocate (``relay_wire``, ``safe_reads``, ``slices``, ``decode``); and tensorstore's retry
-policy (``object_store.RETRIES``), fixed into the process-wide tensorstore context at import.
+policy (``storage/_objects.py`` ``RETRIES``: a few quick retries, fixed into the process-wide
+tensorstore context), around which ``object_retry_seconds`` retries for as long as it says.
 """
 
 from __future__ import annotations
@@ -55,6 +56,12 @@ class Settings:
     # Ranged requests one object store keeps in flight while reading (restore, verify, export):
     # a single request reaches ~100 MB/s, a host needs dozens at once to fill its link.
     object_reads_in_flight: int = 32
+    # How long one object-store request (a write, a ranged read, a listing, a delete) is retried
+    # while the store answers 408, 429, 5xx or drops the connection, from its first attempt:
+    # a bucket ramping up throttles for minutes, which a save or restore should wait out, not
+    # fail on. Past it the operation fails with a CheckpointError naming the object and the
+    # last status (storage/_retries.py).
+    object_retry_seconds: float = 900.0  # TPU_CKPT_OBJECT_RETRY_SECONDS
     relay_connections: int = 4  # sockets a process opens to a relay server
     relay_writes_in_flight: int = 4  # files an io_device relay server holds in memory, over all clients
     relay_heartbeat_seconds: float = 5.0  # how often a relay server tells a queued write that it waits
@@ -88,6 +95,7 @@ class Settings:
             relay_ports=_port_range(environ.get("TPU_CKPT_RELAY_PORTS") or None),
             aws_endpoint_url=environ.get("AWS_ENDPOINT_URL") or None,
             slices=_slices(environ.get("TPU_CKPT_SLICES") or None),
+            object_retry_seconds=_seconds("TPU_CKPT_OBJECT_RETRY_SECONDS", environ, cls.object_retry_seconds),
         )
 
 
@@ -103,6 +111,17 @@ def _port_range(text: str | None) -> tuple[int, int] | None:
         return int(first), int(last or first)
     except ValueError:
         raise ValueError(f"TPU_CKPT_RELAY_PORTS must be a port or a range such as 50100-50199, got {text!r}") from None
+
+
+def _seconds(variable: str, environ: Mapping[str, str], default: float) -> float:
+    """A knob the environment may set too (tests and launchers outside the library do)."""
+    text = environ.get(variable) or None
+    if text is None:
+        return default
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{variable} must be a number of seconds, got {text!r}") from None
 
 
 def _slices(text: str | None) -> tuple[int, ...] | None:

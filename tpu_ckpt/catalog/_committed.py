@@ -35,6 +35,8 @@ def committed_manifest(store: storage.ReadableStore, tables: TableSource) -> Man
     manifest = decode_manifest(data, where=loc.child(MANIFEST_FILE), tables=tables)
     if manifest.source is not None and isinstance(store, storage.Backend):
         _check_link(loc, manifest.source)
+    elif loc.is_local and isinstance(store, storage.Backend):
+        _check_references(loc, manifest)
     return manifest
 
 
@@ -106,3 +108,30 @@ def _check_link(loc: storage.Location, source: dict[str, Any]) -> None:
             "was made. Export it again.",
             file=src.url,
         )
+
+
+def _check_references(loc: storage.Location, manifest: Manifest) -> None:
+    """The data files of other steps an incremental save's manifest names (``../step_<n>/<file>``,
+    FORMAT.md "References") are files of a sibling step (``storage.open_confined`` refuses
+    anything else), there with the size it recorded: one open and ``fstat`` each."""
+    root = os.path.abspath(loc.local_path)
+    for name, size in manifest.files.items():
+        if not name.startswith("../"):
+            continue
+        path = os.path.normpath(os.path.join(root, name))
+        try:
+            fd = storage.open_confined(root, name)
+        except FileNotFoundError:
+            found: int | None = None
+        else:
+            try:
+                found = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+        if found != size:
+            what = "is missing (deleted by hand?)" if found is None else f"holds {found} bytes, not the {size} recorded"
+            raise CorruptCheckpointError(
+                f"{loc.url} references data file {name} of another step, which {what}: this checkpoint cannot "
+                "be restored. Restore another step, or put the file back.",
+                file=path,
+            )

@@ -26,7 +26,7 @@ from collections.abc import Collection, Iterable
 
 from tpu_ckpt import storage
 from tpu_ckpt.errors import CheckpointError, CheckpointNotFoundError
-from tpu_ckpt.format import MANIFEST_FILE, decode_manifest
+from tpu_ckpt.format import MANIFEST_FILE, REFERENCED_FILE, decode_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -87,11 +87,31 @@ def scan(directory: str | os.PathLike[str]) -> list[Entry]:
     found = checkpoints(files, staged)
     entries = [_committed(loc, name, step, len(under[name])) for name, step in found.items()]
     entries += [_leftover(loc, name, under[name]) for name in under if name not in found and _ours(name, under[name])]
+    entries += [_leftover(loc, name, under[name]) for name in _orphans(loc, under, found)]
     return sorted(entries, key=lambda e: (e.step is None, e.step or 0, e.name))
 
 
+def _orphans(loc: storage.Location, under: dict[str, list[str]], found: Collection[str]) -> list[str]:
+    """The retired steps (``referenced.json``, no manifest) whose files no checkpoint of the
+    directory references any more: leftovers then. None while a manifest cannot be read."""
+    retired = sorted(n for n, files in under.items() if REFERENCED_FILE in files and MANIFEST_FILE not in files)
+    referenced: set[str] = set()
+    for name in found if retired else ():
+        where = storage.Location(loc.child(name))
+        try:
+            with storage.Store(where, threads=1) as store:
+                manifest = decode_manifest(store.read_file(MANIFEST_FILE) or b"", where=where.child(MANIFEST_FILE))
+        except CheckpointError:
+            return []
+        referenced.update(f.split("/")[1] for f in manifest.files if f.startswith("../"))
+    return [n for n in retired if n not in referenced]
+
+
 def _ours(name: str, files: list[str]) -> bool:
-    """Whether an uncommitted subdirectory is a leftover of ours (see module docstring)."""
+    """Whether an uncommitted subdirectory is a leftover of ours (see module docstring); a
+    retired step (``referenced.json``: data files newer steps reference) is none."""
+    if REFERENCED_FILE in files and MANIFEST_FILE not in files:
+        return False
     return storage.STAGING_MARKER in files or bool(OWN_LEFTOVER.fullmatch(name) or STAGING.fullmatch(name))
 
 
@@ -261,6 +281,7 @@ def list_run(loc: storage.Location) -> Listing:
         names = {e.name for e in entries if e.is_dir(follow_symlinks=False)}
     wanted = {n for n in names if OWN_LEFTOVER.fullmatch(n) or (len(INTEGER.findall(n)) == 1 and not STAGING.fullmatch(n))}
     with_manifest = {n for n in wanted if os.path.isfile(os.path.join(root, n, MANIFEST_FILE))}
+    names -= {n for n in wanted - with_manifest if os.path.isfile(os.path.join(root, n, REFERENCED_FILE))}
     marked = {n for n in with_manifest if STAGING.fullmatch(n) and os.path.isfile(os.path.join(root, n, storage.STAGING_MARKER))}
     return _with_busy(loc, _sort(names, with_manifest, _staged(loc, marked)))
 
@@ -276,13 +297,16 @@ def parse_listing(files: list[str], staged: Collection[str] = ()) -> Listing:
     """Sorts the files under the directory into committed steps and leftovers (see :func:`_sort`)."""
     names: set[str] = set()
     with_manifest: set[str] = set()
+    retired: set[str] = set()  # steps kept only for the data files newer steps reference
     for path in files:
         top, inside, rest = path.partition("/")
         if inside:  # files directly in the directory are not checkpoints
             names.add(top)
             if rest == MANIFEST_FILE:
                 with_manifest.add(top)
-    return _sort(names, with_manifest, staged)
+            elif rest == REFERENCED_FILE:
+                retired.add(top)
+    return _sort(names - (retired - with_manifest), with_manifest, staged)
 
 
 def _sort(names: set[str], with_manifest: set[str], staged: Collection[str]) -> Listing:

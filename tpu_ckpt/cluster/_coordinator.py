@@ -132,7 +132,7 @@ class Coordinator:
         self._closed = False
         self._progress_count = 0
         self._last_note = ""  # what the process this one waited on last said it was doing
-        self._progress_at = -_PROGRESS_EVERY_S
+        self._progress_at = time.monotonic()  # a step shorter than a second costs no call
 
     def __enter__(self) -> Coordinator:
         return self

@@ -11,6 +11,7 @@ from tpu_ckpt.format._manifest import (
     DTYPE_NAMES,
     FORMAT_VERSION,
     MANIFEST_FILE,
+    REFERENCED_FILE,
     LeafEntry,
     Manifest,
     PieceEntry,
@@ -41,4 +42,4 @@ from tpu_ckpt.format._slices import (
 )
 from tpu_ckpt.format._table_reads import ROW, ROW_BYTES, TableSource, load_rows, loaded_overlapping, prefetch
 
-__all__ = ["ALIGNMENT", "DTYPE_NAMES", "FORMAT_VERSION", "IndexPlan", "IndexRows", "LeafEntry", "MANIFEST_FILE", "MAX_GRID_CELLS", "MAX_READ_BYTES", "Manifest", "PathEntry", "PieceEntry", "PlannedPiece", "ROW", "ROW_BYTES", "Read", "SMALL_PIECE", "SliceSpec", "TableSource", "Texts", "byte_batches", "check_byte_ranges", "check_crcs", "coalesce", "contains", "cover", "crc32c", "data_file_bytes", "decode_index", "decode_manifest", "dtype_from_name", "dtype_itemsize", "dtype_name", "encode_index", "encode_manifest", "extent", "file_size", "flatten", "full_slice", "grid_of", "grids_shared", "intersect", "join", "load_rows", "loaded_overlapping", "metric_values", "normalise_subtree", "overlapping", "path_entries", "prefetch", "relative", "seal", "sharding_text", "sort_order", "tensor_name", "tiling_problem", "under", "unflatten_nested", "unseal", "volume", "write"]
+__all__ = ["ALIGNMENT", "DTYPE_NAMES", "FORMAT_VERSION", "IndexPlan", "IndexRows", "LeafEntry", "MANIFEST_FILE", "REFERENCED_FILE", "MAX_GRID_CELLS", "MAX_READ_BYTES", "Manifest", "PathEntry", "PieceEntry", "PlannedPiece", "ROW", "ROW_BYTES", "Read", "SMALL_PIECE", "SliceSpec", "TableSource", "Texts", "byte_batches", "check_byte_ranges", "check_crcs", "coalesce", "contains", "cover", "crc32c", "data_file_bytes", "decode_index", "decode_manifest", "dtype_from_name", "dtype_itemsize", "dtype_name", "encode_index", "encode_manifest", "extent", "file_size", "flatten", "full_slice", "grid_of", "grids_shared", "intersect", "join", "load_rows", "loaded_overlapping", "metric_values", "normalise_subtree", "overlapping", "path_entries", "prefetch", "relative", "seal", "sharding_text", "sort_order", "tensor_name", "tiling_problem", "under", "unflatten_nested", "unseal", "volume", "write"]

@@ -15,7 +15,8 @@ def check_layout(manifest: Manifest, where: str, complete: bool, paths: bool = T
     ``paths``: whether leaves carry their paths (an index file's carry their key only)."""
     linked = manifest.source["path"] if manifest.source else None
     for name in [*manifest.files, *manifest.tables]:
-        problem = _file_name_problem(name, linked if name in manifest.files else None)
+        data = name in manifest.files
+        problem = _file_name_problem(name, linked if data else None, references=data and linked is None)
         if problem:
             raise CorruptCheckpointError(f"{where}: data file name {name!r} {problem}", file=where)
     _check_keys(manifest, where, paths)
@@ -31,13 +32,17 @@ def check_layout(manifest: Manifest, where: str, complete: bool, paths: bool = T
                 )
 
 
-def _file_name_problem(name: str, linked: str | None) -> str | None:
+def _file_name_problem(name: str, linked: str | None, *, references: bool = False) -> str | None:
     """Names stay inside the checkpoint: plain relative paths, or, in a linked checkpoint,
-    ``../<sibling>/...`` under its source; printable text (a lone surrogate is no file
-    name the file system can be asked for: UnicodeEncodeError)."""
+    ``../<sibling>/...`` under its source, or (``references``: an incremental save's data
+    files) ``../<sibling>/<plain path>``, a file of another step of the same run directory,
+    one level up and no further; printable text (a lone surrogate is no file name the file
+    system can be asked for: UnicodeEncodeError)."""
     parts = name.split("/")
     if linked is not None and name.startswith(linked + "/"):
         parts = parts[2:]
+    elif references and len(parts) >= 3 and parts[0] == "..":
+        parts = parts[1:]  # the sibling, then its file: neither may be empty, '.' or '..'
     if not name.isprintable() or "\\" in name or any(p in ("", ".", "..") for p in parts):
         return "is not a plain relative path inside the checkpoint"
     return None

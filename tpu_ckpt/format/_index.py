@@ -175,7 +175,7 @@ def _header(text: bytes, where: str, plan: IndexPlan) -> tuple[list[str], np.nda
     files = _pairs(doc.get("files"), "files", where)
     names = [name for name, _ in files]
     for name in names:
-        problem = "is not a string" if type(name) is not str else decode_layout._file_name_problem(name, None)
+        problem = "is not a string" if type(name) is not str else decode_layout._file_name_problem(name, None, references=True)
         if problem is None and names.count(name) > 1:
             problem = "is listed twice"
         if problem is not None:

@@ -29,6 +29,8 @@ FORMAT_VERSION = "2.0"
 """The on-disk format version (``MAJOR.MINOR``, FORMAT.md) this library writes. It reads any
 minor version of a major version it knows, and refuses a newer major with FormatVersionError."""
 MANIFEST_FILE = "manifest.json"
+# A step retention let go of while newer steps still reference its data files (FORMAT.md, "References").
+REFERENCED_FILE = "referenced.json"
 MAX_METRICS = 1000  # a manifest's metrics are few numbers (a loss, an accuracy), never a log
 MIN_INT, MAX_INT = -(1 << 63), (1 << 63) - 1
 

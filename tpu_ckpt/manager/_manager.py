@@ -11,9 +11,8 @@ once its manifest exists (see storage/_stores.py), and no state file, so a new m
 restart, on another host) sees exactly the committed steps, and a crash never leaves a state
 file and the checkpoints disagreeing. Metrics live in each step's manifest for the same reason.
 
-Retention and the removal of uncommitted leftovers run as a write callback of each save,
-after its commit, on the process that commits (the leader), which is also the only one that
-lists the directory: once per manager call, for the whole job (see ``_list``).
+Retention and the removal of uncommitted leftovers run as a write callback of each save, after
+its commit, on the leader (which alone lists the directory, once per manager call: ``_list``).
 
 With ``local_directory`` a second, local tier saves often to each host's own disk and the
 persistent steps are uploaded from it in the background (``tiers/_tiers.py``); a restore takes the
@@ -34,6 +33,7 @@ from tpu_ckpt import cluster, storage, tiers
 from tpu_ckpt.catalog import Listing, remove_leftover
 from tpu_ckpt.errors import CheckpointExistsError, CheckpointNotFoundError
 from tpu_ckpt.format import MANIFEST_FILE, metric_values
+from tpu_ckpt.manager import _references as references
 from tpu_ckpt.manager import _retention as retention
 from tpu_ckpt.manager._arguments import NO_TREE, check_step, manager_options, names_a_step, refuse_orbax_keywords
 from tpu_ckpt.manager._preemption import PreemptionWatch
@@ -74,6 +74,7 @@ class CheckpointManager:
       local_interval_steps: the local tier saves every this many steps (and every persistent one).
       local_max_to_keep: how many of its newest local steps each host keeps.
       local_replicas: how many other hosts get a copy of each process's local pieces.
+      incremental: pieces equal to the last step's are referenced, not written (manager/_references.py).
 
     Raises:
       ValueError: a retention, interval or local-tier argument is out of range.
@@ -100,6 +101,7 @@ class CheckpointManager:
         local_interval_steps: int = 1,
         local_max_to_keep: int | None = 2,
         local_replicas: int = 1,
+        incremental: bool = False,
     ):
         self._location = storage.location(directory)
         self.directory = self._location.url
@@ -120,6 +122,7 @@ class CheckpointManager:
         self._tier = None if local_directory is None else tiers.LocalTier(
             local_directory, local_interval_steps, local_max_to_keep, local_replicas, self._options
         )
+        self._incremental = references.incremental_state(incremental, self._location, local_directory)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -154,7 +157,7 @@ class CheckpointManager:
         self._wait_for_save()
         if self._tier is None:
             path, options = self._persistent(step, score)
-            self._pending = save(path, tree, options=options, metrics=metrics)
+            self._pending = save(path, tree, options=options, metrics=metrics, incremental=self._incremental)
         else:
             upload = None
             if persistent:
@@ -175,6 +178,7 @@ class CheckpointManager:
                 file=self._location.child(listing.committed[step]),
             )
         name = f"step_{step}"
+        references.forget_unless(self._incremental, listing)  # its last step gone: write everything
         if name in listing.leftovers and cluster.process_index() == self._leader():
             # An interrupted save of this step, written in place (object stores): in the way.
             remove_leftover(self._location, name, "an uncommitted leftover of an earlier save of this step", even_busy=True)
@@ -331,6 +335,8 @@ class CheckpointManager:
                  f"keep_best={self._retention.keep_best}")
         for old in expired:
             self._scores.pop(committed[old], None)
+        if self._incremental is not None:  # a step whose files a kept step names is retired instead
+            expired = references.removable(self._location, committed, expired, f"retention ({rules})")
         self._run.remove([*removals, *((committed[old], f"retention ({rules})", True) for old in expired)])
         if not self._options.enable_async:
             self._run.settle()  # a synchronous save returns with the directory as retention leaves it

@@ -4,6 +4,7 @@ index to the leader -> commit (manifest last), synchronously or in the backgroun
 from tpu_ckpt.saving._background import WRITER, SaveResult
 from tpu_ckpt.saving._commit import commit, index, merge_indexes, merge_rows, uncovered
 from tpu_ckpt.saving._data_writes import Writes, snapshot, write_all
+from tpu_ckpt.saving._incremental import Incremental
 from tpu_ckpt.saving._plan import (
     DataFile,
     SavePlan,
@@ -17,4 +18,4 @@ from tpu_ckpt.saving._save import SaveJob, largest_file, save, write_budget
 from tpu_ckpt.saving._staging import Staging, prepare
 from tpu_ckpt.saving._stream_write import StreamWriter
 
-__all__ = ["DataFile", "SaveJob", "SavePlan", "SaveResult", "Staging", "StreamWriter", "WRITER", "Writes", "commit", "data_file_name", "index", "index_file", "largest_file", "merge_indexes", "merge_rows", "plan_save", "prepare", "save", "snapshot", "staged_index_file", "uncovered", "write_all", "write_budget", "written_by"]
+__all__ = ["DataFile", "Incremental", "SaveJob", "SavePlan", "SaveResult", "Staging", "StreamWriter", "WRITER", "Writes", "commit", "data_file_name", "index", "index_file", "largest_file", "merge_indexes", "merge_rows", "plan_save", "prepare", "save", "snapshot", "staged_index_file", "uncovered", "write_all", "write_budget", "written_by"]

@@ -19,7 +19,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -53,19 +53,35 @@ def index(pieces: Mapping[str, Sequence[PieceEntry]], files: Mapping[str, int]) 
 
 
 def commit(
-    store: storage.Backend, final: storage.Location, planned: Manifest, own: Manifest, others: Iterable[int]
+    store: storage.Backend, final: storage.Location, planned: Manifest, own: Manifest, others: Iterable[int],
+    progress: Callable[[str], None] = lambda note: None,
 ) -> None:
     """The leader: merges its own index with those the ``others`` processes left in the
-    staging area (read, checked and deleted ``io_threads`` at a time: at a thousand hosts
-    one at a time would cost a thousand round trips), writes the piece tables and the
-    manifest and commits the staging area as ``final``."""
+    staging area (read and checked ``io_threads`` at a time: at a thousand hosts one at a
+    time would cost a thousand round trips), writes the piece tables and the manifest and
+    commits the staging area as ``final``.
+
+    The indexes are deleted while the merge runs, on the same threads, and the manifest
+    waits for them: a committed checkpoint holds none, and a crash before its manifest
+    leaves an uncommitted prefix that the next save or ``tpu-ckpt gc`` removes.
+
+    ``progress`` hears how far it got (the coordinator's note to the processes waiting for
+    the commit, so that a long one is not taken for a dead leader)."""
+    others = list(others)
     plan = IndexPlan.of(planned)
     mine = decode_index(encode_index(own, plan), where="the leader's own index", plan=plan)
     with concurrent.futures.ThreadPoolExecutor(settings().io_threads) as pool:  # one host's latency, not N
-        indexes = [mine, *pool.map(functools.partial(_take_index, store, plan), others)]
-    with grids_shared():  # a leaf kept inline is gridded once, for its check and its encoding
-        merged, grids = merge_rows(planned, plan, indexes)
-        write_manifest(store, merged, grids)
+        indexes = [mine]
+        for index in pool.map(functools.partial(_read_index, store, plan), others):
+            indexes.append(index)
+            progress(f"committing: read {len(indexes) - 1} of {len(others)} indexes")
+        deleting = [pool.submit(store.delete, staged_index_file(process)) for process in others]
+        with grids_shared():  # a leaf kept inline is gridded once, for its check and its encoding
+            merged, grids = merge_rows(planned, plan, indexes)
+            progress(f"committing: merged {len(others) + 1} indexes, writing the piece tables and the manifest")
+            for deleted in deleting:
+                deleted.result()
+            write_manifest(store, merged, grids)
     storage.publish(store.location, final)
 
 
@@ -272,16 +288,14 @@ def write_manifest(store: storage.Backend, manifest: Manifest, grids: Sequence[G
     write(store, manifest, MANIFEST_FILE, check=every_file, grids=grids)
 
 
-def _take_index(store: storage.Backend, plan: IndexPlan, process: int) -> IndexRows:
-    """Reads another process's index, checks it and deletes it: a committed checkpoint holds none."""
+def _read_index(store: storage.Backend, plan: IndexPlan, process: int) -> IndexRows:
+    """Reads another process's index and checks it (``commit`` deletes it)."""
     name = staged_index_file(process)
     where = store.location.child(name)
     data = store.read_file(name)
     if not data:
         raise CorruptCheckpointError(f"{where}: process {process}'s index is missing or empty; the save cannot commit.", file=where)
-    rows = decode_index(data, where=where, plan=plan)
-    store.delete(name)
-    return rows
+    return decode_index(data, where=where, plan=plan)
 
 
 def merge_indexes(planned: Manifest, indexes: Sequence[Manifest], check: bool = True) -> Manifest:

@@ -17,7 +17,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -197,6 +197,13 @@ class Writes:
         self._sizes[file.name] = laid_out.size
         recycled = [p.data for p in file.pieces] if recycle else []
         self._issue(file.name, laid_out.buffers, file.nbytes + laid_out.copied, recycled)
+
+    def reference(self, pieces: Mapping[str, Sequence[PieceEntry]], files: Mapping[str, int]) -> None:
+        """Adds to the index pieces already stored in an earlier step's ``files`` (an
+        incremental save's, ``saving/_incremental.py``): nothing is written for them."""
+        for key, entries in pieces.items():
+            self._pieces[key].extend(entries)
+        self._sizes.update(files)
 
     def copy(self, name: str, buffers: Sequence[Any]) -> None:
         """Starts writing a file whose bytes are ready (e.g. a local-tier file, mapped),

@@ -31,6 +31,7 @@ from tpu_ckpt.runtime import gc_paused
 from tpu_ckpt.saving import _commit as commit
 from tpu_ckpt.saving import _data_writes as data_writes
 from tpu_ckpt.saving._background import WRITER, SaveResult
+from tpu_ckpt.saving._incremental import Incremental, Reused
 from tpu_ckpt.saving._plan import SavePlan, plan_save, staged_index_file
 from tpu_ckpt.saving._staging import Staging, prepare
 from tpu_ckpt.settings import settings
@@ -46,6 +47,7 @@ def save(
     options: CheckpointOptions | None = None,
     is_slot: SlotPredicate | None = None,
     metrics: Mapping[str, Any] | None = None,
+    incremental: Incremental | None = None,
 ) -> SaveResult:
     """Saves a pytree of arrays and small Python values as a checkpoint at ``path``.
 
@@ -62,6 +64,8 @@ def save(
         optimizer slot variables (see ``sharding/_slots.py``), for optimizers it does not recognise.
       metrics: name -> number, stored in the manifest: ``tpu-ckpt ls`` shows them and
         CheckpointManager's best-k retention ranks checkpoints by them.
+      incremental: what the last save of this run wrote (``CheckpointManager(incremental=True)``):
+        pieces whose bytes it holds are referenced, not written again (``saving/_incremental.py``).
 
     Returns:
       A :class:`SaveResult`; its ``wait()`` returns ``path`` once the save is committed.
@@ -78,12 +82,12 @@ def save(
     WRITER.settle()  # one save in flight; an unseen failure of the last one surfaces here
     if not options.enable_async:
         with gc_paused():
-            job = _start(path, tree, options, is_slot, metrics)
+            job = _start(path, tree, options, is_slot, metrics, incremental)
             job.write_and_commit()
         job.run_callbacks()
         return SaveResult(job.final.url)
     with gc_paused():
-        job = _start(path, tree, options, is_slot, metrics)
+        job = _start(path, tree, options, is_slot, metrics, incremental)
         try:
             job.snapshot()
         except BaseException as error:
@@ -95,7 +99,7 @@ def save(
 
 def _start(
     path: str | os.PathLike[str], tree: Any, options: CheckpointOptions, is_slot: SlotPredicate | None,
-    metrics: dict[str, float | int] | None,
+    metrics: dict[str, float | int] | None, incremental: Incremental | None = None,
 ) -> SaveJob:
     """Everything before the first byte is written: the plan, and the staging area."""
     final = storage.location(path)
@@ -106,6 +110,9 @@ def _start(
             tree, options, process_index=coord.me, process_count=coord.count, is_slot=is_slot, metrics=metrics,
             max_file_bytes=largest_file(final, options),
         )
+        reused = None
+        if incremental is not None:
+            plan, reused = incremental.apply(plan, tree, final)
         leader = 0 if io is None else io
         staging = prepare(final, coord, leader, options.coordination_timeout, relayed=io is not None)
     except BaseException as error:
@@ -113,7 +120,7 @@ def _start(
             coord.report_failure(error)
             _explain(coord, error)
         raise
-    return SaveJob(plan, final, coord, leader, options, staging)
+    return SaveJob(plan, final, coord, leader, options, staging, incremental, reused)
 
 
 def largest_file(final: storage.Location, options: CheckpointOptions) -> int | None:
@@ -176,7 +183,7 @@ class SaveJob:
 
     def __init__(
         self, plan: SavePlan, final: storage.Location, coord: cluster.Coordinator, leader: int,
-        options: CheckpointOptions, staging: Staging,
+        options: CheckpointOptions, staging: Staging, incremental: Incremental | None = None, reused: Reused | None = None,
     ):
         self.manifest = plan.manifest
         self.piece_count = plan.piece_count
@@ -187,6 +194,9 @@ class SaveJob:
         self.staging = staging
         self._unwritten = plan.files
         self._writes = data_writes.Writes(staging.store, write_budget(final, options))
+        self._incremental = incremental
+        if reused is not None:
+            self._writes.reference(reused.pieces, reused.files)
         self._copied = False  # whether the data to write are host copies of our own
         self._own_files = (*(f.name for f in plan.files), staged_index_file(coord.me))
 
@@ -209,7 +219,7 @@ class SaveJob:
             if coord.me == self.leader:
                 coord.collect("written", "", at=self.leader)
                 others = [p for p in range(coord.count) if p != self.leader]
-                commit.commit(self.staging.backend, self.final, self._planned(), own, others)
+                commit.commit(self.staging.backend, self.final, self._planned(), own, others, coord.progress)
                 hands_off = True  # committed
                 coord.publish("committed")
             else:
@@ -232,6 +242,8 @@ class SaveJob:
         finally:
             coord.close()
             self.staging.close()
+        if self._incremental is not None:
+            self._incremental.committed(self.final, own)
         logger.info(
             "tpu_ckpt: saved %s (%d leaves, %d pieces, %d files, %.1f MB from this process) in %.2fs",
             self.final.url, len(self.manifest.leaves), self.piece_count, len(own.files), sum(own.files.values()) / 1e6,

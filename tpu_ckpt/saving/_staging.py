@@ -11,10 +11,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
+import os
 
 from tpu_ckpt import cluster, relay, storage
 from tpu_ckpt.errors import CheckpointExistsError
 from tpu_ckpt.saving._plan import written_by
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +55,8 @@ def prepare(
     (see ``cluster/_shared_storage.py``): the leader decides when, so every process takes part."""
     if coord.me != leader:
         return _join(final, coord, leader, timeout)
+    if final.is_local:
+        warn_if_gcsfuse(final.local_path)
     if not storage.is_empty(final):
         raise CheckpointExistsError(
             f"{final.url} already exists and is not empty; tpu_ckpt never overwrites a checkpoint. "
@@ -95,3 +101,39 @@ def _sent_by_another(name: str, leader: int, count: int) -> bool:
     process of this job, nothing else."""
     process = written_by(name)
     return process is not None and process != leader and process < count
+
+
+_WARNED: set[str] = set()  # gcsfuse mount points warned about in this process
+
+
+def warn_if_gcsfuse(path: str, mounts: str = "/proc/mounts") -> None:
+    """Warns, once per mount, that ``path`` is on a gcsfuse mount: a local save commits by
+    renaming its staging directory, which gcsfuse refuses, or carries out as a copy and a
+    delete that a crash can leave half-done, unless the bucket has a hierarchical namespace."""
+    mount = gcsfuse_mount(path, mounts)
+    if mount is None or mount in _WARNED:
+        return
+    _WARNED.add(mount)
+    logger.warning(
+        "tpu_ckpt: %s is on a gcsfuse mount (%s). Its commit, a directory rename, is atomic only on a bucket "
+        "with hierarchical namespace; save to gs://<bucket>/<path> instead (docs/object_stores.md).",
+        path, mount,
+    )
+
+
+def gcsfuse_mount(path: str, mounts: str = "/proc/mounts") -> str | None:
+    """The gcsfuse mount point ``path`` lies under (the longest mount point that holds it,
+    as ``mounts`` lists them), or None."""
+    try:
+        with open(mounts, encoding="utf-8", errors="replace") as listing:
+            entries = [line.split()[1:3] for line in listing if len(line.split()) >= 3]
+    except OSError:
+        return None
+    where = os.path.realpath(os.path.abspath(path))
+    found, kind = "", ""
+    for point, fstype in entries:
+        point = point.replace("\\040", " ")
+        inside = where == point or where.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > len(found):
+            found, kind = point, fstype
+    return found if kind == "fuse.gcsfuse" else None

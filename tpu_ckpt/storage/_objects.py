@@ -14,12 +14,16 @@ request limit, below). Where settings come from:
   files, ECS, EC2 metadata); the region from the bucket itself (a HEAD request), never from
   ``AWS_REGION``.
 
-Transient failures (HTTP 408, 429, 5xx, dropped connections) are retried by tensorstore
-with exponential backoff under the policy in ``RETRIES``, which we set explicitly rather than
-rely on tensorstore's default of 32 retries (a quarter of an hour against an endpoint that is
-down): 8 retries, delays doubling from 1 s to at most 32 s plus up to 1 s of jitter, about two
-minutes in all. Then the operation fails with a ``CheckpointError`` naming the object:
-tensorstore raises ValueError, or NotImplementedError, for whatever went wrong.
+Transient failures (HTTP 408, 429, 5xx, dropped connections) are retried by tensorstore a
+few times, quickly (``RETRIES``: 2 retries after 0.1 s and 0.2 s), then issued again by
+``_retries.retrying`` with exponential backoff and jitter until the ``object_retry_seconds``
+setting (15 minutes) has passed: a throttling bucket slows a save down instead of failing it.
+Then, or at once for any other error, the operation fails with a ``CheckpointError`` naming
+the object: tensorstore raises ValueError, or NotImplementedError, for whatever went wrong.
+
+The manifest, the commit, is created only if absent (``create``): ``ifGenerationMatch=0`` on
+Cloud Storage, a check tensorstore makes before the PUT on S3; a failed precondition comes back
+from tensorstore as a success with no generation, which ``create`` turns into an error.
 
 Writes: a data file arrives as buffers, which the kvstore API takes only joined into one
 ``bytes`` value, and which tensorstore copies (twice: its binding makes a ``std::string``,
@@ -54,16 +58,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tpu_ckpt.errors import CheckpointError, CorruptCheckpointError
+from tpu_ckpt.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
+from tpu_ckpt.format import MANIFEST_FILE
 from tpu_ckpt.storage import _safe_reads as safe_reads
 from tpu_ckpt.storage._io_pool import IOPool, PooledStore
+from tpu_ckpt.storage._retries import retrying
 
 if TYPE_CHECKING:  # storage opens this backend: importing it here would be a cycle
     from tpu_ckpt.storage._location import Location
 
 logger = logging.getLogger(__name__)
 
-RETRIES = {"max_retries": 8, "initial_delay": "1s", "max_delay": "32s"}
+RETRIES = {"max_retries": 2, "initial_delay": "100ms", "max_delay": "1s"}
+_NO_VALUE = b"\x02"  # tensorstore's generation of a missing key: if_equal=_NO_VALUE writes only if absent
 
 
 @functools.cache
@@ -96,8 +103,36 @@ class ObjectStore(PooledStore):
     def write(self, name: str, buffers: Sequence[Any]) -> concurrent.futures.Future:
         """Issues the write here, so that only tensorstore's copy of the object outlives this
         call (module docstring); an IO thread waits for it."""
-        written = self._kv.write(self._prefix + name, b"".join(buffers))  # the kvstore API takes bytes only
-        return self._pool.submit(self._wait, written, "Writing", name)
+        key, where = self._prefix + name, self.location.child(name)
+        if name == MANIFEST_FILE:
+            return self._pool.submit(self.create, name, b"".join(buffers))
+        issue = lambda: self._kv.write(key, b"".join(buffers))  # noqa: E731 (the kvstore API takes bytes only)
+        # A retry joins the buffers again: the caller keeps them until the write is done.
+        return self._pool.submit(retrying, issue, "Writing", where, issue())
+
+    def create(self, name: str, data: bytes) -> None:
+        """Writes object ``name`` only if it does not exist: two saves of one checkpoint
+        commit one manifest, and the other learns that it lost. A retry of ours that finds
+        the object may have found our first attempt's, whose answer was lost: then the object
+        holds ``data`` (another save's manifest of the same tree may too, which only a first
+        attempt can tell apart). tensorstore's own retries are not seen here: one that finds
+        our object reports a loss, and leaves the checkpoint committed."""
+        key, where = self._key(name), self.location.child(name)
+        attempts: builtins.list[int] = []
+
+        def issue() -> Any:
+            attempts.append(1)
+            return self._kv.write(key, data, if_equal=_NO_VALUE)
+
+        if retrying(issue, "Writing", where).generation:
+            return
+        if len(attempts) > 1 and self._read_whole(key, where) == data:
+            return
+        raise CheckpointExistsError(
+            f"{where} already exists: another save committed {self.location.url} while this one ran "
+            "(two jobs, or a stale process, saving to the same path?). This save's manifest was not written.",
+            file=where,
+        )
 
     def read(
         self, name: str, start: int, lengths: Sequence[int], then: Callable[[list[np.ndarray]], Any] | None = None
@@ -110,13 +145,16 @@ class ObjectStore(PooledStore):
         key, where = self._key(name), self.location.child(name)
         if self._has_byte(key, max_bytes, where):
             raise CorruptCheckpointError(f"{where} is more than the {max_bytes} bytes it may be", file=where)
-        result = self._wait(self._kv.read(key), "Reading", name)
-        if result.state == "missing":
+        value = self._read_whole(key, where)
+        if value is None:
             return None
-        value = result.value  # a new copy at every access
         if len(value) > max_bytes:  # replaced since
             raise CorruptCheckpointError(f"{where} is {len(value)} bytes, more than {max_bytes}", file=where)
         return value
+
+    def _read_whole(self, key: str, where: str) -> bytes | None:
+        result = retrying(lambda: self._kv.read(key), "Reading", where)
+        return None if result.state == "missing" else result.value  # a new copy at every access
 
     def _has_byte(self, key: str, at: int, where: str) -> bool:
         """Whether the object holds byte ``at``: one request of one byte, which tells a size
@@ -124,17 +162,17 @@ class ObjectStore(PooledStore):
         416 (``OUT_OF_RANGE``), or by some GCS-compatible servers with a reply whose
         Content-Range ends before it starts, which tensorstore refuses as unexpected."""
         try:
-            result = self._kv.read(key, byte_range=slice(at, at + 1)).result()
-        except ValueError as e:
-            if "OUT_OF_RANGE" in str(e) or "Unexpected Content-Range" in str(e):
+            result = retrying(lambda: self._kv.read(key, byte_range=slice(at, at + 1)), "Reading", where)
+        except CheckpointError as e:
+            if "OUT_OF_RANGE" in str(e.__cause__) or "Unexpected Content-Range" in str(e.__cause__):
                 return False
-            raise CheckpointError(f"Reading {where} failed: {e}", file=where) from e
+            raise
         return result.state != "missing" and len(result.value) == 1
 
     def list(self) -> list[str]:
         """The names under the prefix, but for those an HTTP layer would resolve elsewhere
         (:func:`unsafe_key`): they are logged as refused, and never read nor deleted."""
-        keys = self._wait(self._kv.list(_prefix_range(self._prefix)), "Listing", "")
+        keys = retrying(lambda: self._kv.list(_prefix_range(self._prefix)), "Listing", self.location.url)
         prefix = self._prefix.encode()
         names = sorted(k[len(prefix) :].decode(errors="replace") for k in keys if k.startswith(prefix))
         refused = [name for name in names if unsafe_key(self._prefix + name)]
@@ -148,14 +186,17 @@ class ObjectStore(PooledStore):
         return [name for name in names if not unsafe_key(self._prefix + name)]
 
     def delete(self, name: str) -> None:
-        self._wait(self._kv.write(self._key(name), None), "Deleting", name)
+        self._delete(name, None)
 
     def delete_all(self) -> None:
         """Deletes the listed objects by their exact keys, never a key range: a range's
-        request may cover more than the prefix (module docstring)."""
-        deletes = [(name, self._kv.write(self._key(name), None)) for name in self.list()]
-        for name, done in deletes:
-            self._wait(done, "Deleting", name)
+        request may cover more than the prefix (module docstring). All are issued at once."""
+        for name, issued in [(name, self._kv.write(self._key(name), None)) for name in self.list()]:
+            self._delete(name, issued)
+
+    def _delete(self, name: str, issued: Any) -> None:
+        key = self._key(name)
+        retrying(lambda: self._kv.write(key, None), "Deleting", self.location.child(name), issued)
 
     def is_empty(self) -> bool:
         return not self.list()
@@ -165,14 +206,6 @@ class ObjectStore(PooledStore):
         nothing, so only absence can happen."""
         present = set(self.list())
         return [(name, None, size) for name, size in sizes.items() if name not in present]
-
-    def _wait(self, future: Any, doing: str, name: str) -> Any:
-        """The result of a kvstore operation; its failure as a CheckpointError naming the object."""
-        try:
-            return future.result()
-        except (ValueError, NotImplementedError) as e:
-            where = self.location.child(name) if name else self.location.url
-            raise CheckpointError(f"{doing} {where} failed: {e}", file=where) from e
 
     def _key(self, name: str) -> str:
         """Refuses names that lead out of the prefix, or onto another key under it: an HTTP
@@ -190,7 +223,7 @@ class ObjectStore(PooledStore):
             raise CorruptCheckpointError(f"{where} is missing, or truncated: it ends before byte {stop}", file=where)
         ranges = request_ranges(start, lengths)
         issued = [self._kv.read(key, byte_range=slice(a, b)) for a, b in ranges]
-        return _chunks(start, lengths, ranges, [_received(f, b - a, where) for f, (a, b) in zip(issued, ranges)])
+        return _chunks(start, lengths, ranges, [_range(self._kv, key, a, b, f, where) for f, (a, b) in zip(issued, ranges)])
 
 
 REQUEST_BYTES = 8 << 20
@@ -224,16 +257,18 @@ def request_ranges(start: int, lengths: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
-def _received(future: Any, size: int, where: str) -> np.ndarray:
-    """One request's bytes, as a read-only view of the ``bytes`` tensorstore made; its failure,
-    or a short or missing object, as a CheckpointError naming the object."""
+def _range(kv: Any, key: str, a: int, b: int, issued: Any, where: str) -> np.ndarray:
+    """Bytes ``a`` to ``b`` of an object (``issued``: the request's first attempt), as a
+    read-only view of the ``bytes`` tensorstore made; its failure, or a short or missing
+    object, as a CheckpointError naming the object."""
     try:
-        result = future.result()
-    except ValueError as e:
-        if "OUT_OF_RANGE" not in str(e):
-            raise CheckpointError(f"Reading {where} failed: {e}", file=where) from e
+        result = retrying(lambda: kv.read(key, byte_range=slice(a, b)), "Reading", where, issued)
+    except CheckpointError as e:
+        if "OUT_OF_RANGE" not in str(e.__cause__):
+            raise
         # The object is shorter than the manifest says.
-        raise CorruptCheckpointError(f"{where} is truncated ({e})", file=where) from None
+        raise CorruptCheckpointError(f"{where} is truncated ({e.__cause__})", file=where) from None
+    size = b - a
     if result.state == "missing":
         raise CorruptCheckpointError(f"data file {where} is missing", file=where)
     value = result.value  # a new bytes object, copied out of tensorstore's Cord, at every access

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from tpu_ckpt.errors import CheckpointError, CorruptCheckpointError
-from tpu_ckpt.format import ALIGNMENT, MANIFEST_FILE
+from tpu_ckpt.format import ALIGNMENT, MANIFEST_FILE, REFERENCED_FILE
 
 # The largest whole file (a manifest) read_whole reads by default: far beyond any real
 # manifest (a few hundred bytes per leaf), small enough to hold in memory.
@@ -55,7 +55,8 @@ def confine(root: str, name: str) -> str:
 
     The one exception is the form a linked checkpoint (``export_for_serving(link=True)``)
     uses for its source's files, ``../<sibling>/<file>``, accepted only where that sibling
-    directory holds a ``manifest.json``, i.e. is itself a checkpoint: ``../etc/passwd``
+    directory holds a ``manifest.json``, i.e. is itself a checkpoint (or ``referenced.json``,
+    a step kept for the files an incremental save references): ``../etc/passwd``
     beside a checkpoint at ``/ckpt`` is refused like ``../../x`` and ``/etc/passwd``.
     """
     return _confined(root, name)[1]
@@ -69,7 +70,7 @@ def _confined(root: str, name: str) -> tuple[str, str]:
     parts = os.path.normpath(name).split(os.sep)
     if len(parts) >= 3 and parts[0] == os.pardir and not escapes(os.path.join(*parts[2:])):
         sibling = os.path.join(os.path.dirname(root.rstrip(os.sep)), parts[1])
-        if parts[1] != os.pardir and os.path.isfile(os.path.join(sibling, MANIFEST_FILE)):
+        if parts[1] != os.pardir and any(os.path.isfile(os.path.join(sibling, f)) for f in (MANIFEST_FILE, REFERENCED_FILE)):
             return sibling, os.path.join(sibling, *parts[2:])
     raise outside_error(root, name)
 

@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterable, Mapping
 
 from tpu_ckpt.errors import CheckpointError
+from tpu_ckpt.format import MANIFEST_FILE
 from tpu_ckpt.settings import settings
 from tpu_ckpt.storage import _local as local_store
 from tpu_ckpt.storage import _objects as object_store
@@ -145,8 +146,14 @@ def _changed(loc: Location, name: str) -> float:
 
 
 def remove(loc: Location) -> None:
-    """Deletes everything at ``loc`` (a failed save's staging area)."""
+    """Deletes everything at ``loc`` (a failed save's staging area), unless it holds a
+    manifest: on an object store a save's staging area is its final prefix, where a save that
+    lost the race to commit (its manifest refused as already there) finds another's
+    checkpoint, which it must leave alone."""
     with Store(loc) as store:
+        if not loc.is_local and MANIFEST_FILE in store.list():
+            logger.warning("tpu_ckpt: %s holds another save's committed checkpoint; deleting nothing there", loc.url)
+            return
         store.delete_all()
 
 
