@@ -22,7 +22,6 @@ import tpu_ckpt as tc
 from tests.object_stores import Bucket
 from tests.saving.test_save_integrity import Sabotage, tree
 from tpu_ckpt import catalog, cli, storage
-from tpu_ckpt.manager._run_directory import RunDirectory
 
 PLACES = ["local", *(pytest.param(scheme, marks=pytest.mark.emulator) for scheme in ("gs", "s3"))]
 
@@ -94,19 +93,14 @@ def plant(url: str, name: str, started: float) -> None:
         store.write(storage.STAGING_MARKER, [json.dumps(marker).encode()]).result()
 
 
-def started_by_a_manager(url: str, name: str) -> None:
-    """What a manager records before its save of ``name`` writes (on an object store, its
-    listing reads these records, not every object of the run)."""
-    RunDirectory(storage.location(url), leader=0).started(name)
-
-
 def test_cleanups_remove_leftovers_once_their_grace_period_is_over(run_url, capsys):
+    """Leftovers found when the manager first lists the run (on an object store it then keeps
+    the listing; what others write later it sees after ``reload()``)."""
+    plant(run_url, "step_4", 0.0)  # died long ago
+    plant(run_url, "step_5", time.time())  # may be running
+    plant(run_url, "mine", 0.0)  # a plain save that died long ago: marked, so ours
     with tc.CheckpointManager(run_url, max_to_keep=None) as manager:
         manager.save(1, tree())
-        for name, started in (("step_4", 0.0), ("step_5", time.time())):  # died long ago; may be running
-            started_by_a_manager(run_url, name)
-            plant(run_url, name, started)
-        plant(run_url, "mine", 0.0)  # a plain save that died long ago: marked, so ours
         manager.save(2, tree())
         names = {e.name for e in catalog.scan(run_url)}
         assert names == {"step_1", "step_2", "step_5", "mine"}  # the manager removes its own leftovers only

@@ -293,9 +293,9 @@ class CheckpointManager:
     def reload(self) -> None:
         """Lists ``directory`` anew (collective), as after steps were deleted by other means.
 
-        On an object store the manager lists a record per step instead of every object of
-        every step (``tpu_ckpt_steps/``, kept by the leader); this lists every object once
-        and records what it finds."""
+        On an object store the leader lists every object of the run once and then keeps the
+        listing up to date with its own saves and removals (see manager/_run_directory.py);
+        what others changed since is seen after this."""
         self._run.reload(self._options.coordination_timeout)
 
     def reached_preemption(self, step: int) -> bool:

@@ -2,18 +2,15 @@
 off the caller's thread.
 
 Object stores list every key under a prefix (tensorstore has no delimiter), so listing a
-run of ten steps at 1,536 hosts reads ~500 k keys, once per save and per restore. There the
-leader keeps, beside the steps, one empty object per step under ``INDEX_PREFIX``, its state
-in its name: ``step_7.started`` before a save of ``step_7`` writes, ``step_7.committed``
-once it has committed. A listing lists those (O(steps) keys), and checks the manifest of a
-save started and not recorded as committed (a crash between the commit and the record),
-then records it. Per-step objects, not one index document: two managers on one run never
-overwrite each other's records. The first listing of a run without ``INDEXED`` lists
-every key once and records what it finds; :meth:`RunDirectory.reload` does that on request
-(after steps were deleted by hand). Local directories are listed as before: one
-``scandir`` and a stat per step.
+run of ten steps at 1,536 hosts reads ~500 k keys, and the manager lists for each save and
+each restore. There the leader lists the run once, then keeps the listing: the saves it
+starts, the steps it commits and the steps it removes update it, and it checks only the
+manifest of a save started and not seen to commit (one read each; there are few). Nothing
+is written into the run for it. What others change (``tpu-ckpt gc``, a step deleted by
+hand, another job) is seen after :meth:`RunDirectory.reload`, as Orbax's ``reload()``.
+Local directories are listed anew each time: one ``scandir`` and a stat per step.
 
-Removals (retention, leftovers) leave the records at once and their files on a thread of
+Removals (retention, leftovers) leave the listing at once and their files on a thread of
 their own: the manifest first, so a crash midway leaves an uncommitted leftover that
 ``tpu-ckpt gc`` removes. The next listing waits for them, so no listing sees a half-removed
 step.
@@ -22,9 +19,9 @@ step.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Iterable
 
@@ -35,17 +32,14 @@ from tpu_ckpt.manager._collective_listing import list_on_leader
 
 logger = logging.getLogger(__name__)
 
-INDEX_PREFIX = "tpu_ckpt_steps"
-INDEXED = "INDEXED"  # present once every step of the run is recorded
-_STARTED, _COMMITTED = ".started", ".committed"
-
-
 class RunDirectory:
     """The run directory as one manager sees it; only its leader records or removes."""
 
     def __init__(self, loc: storage.Location, leader: int):
         self.loc, self.leader = loc, leader
-        self._records = storage.Location(loc.child(INDEX_PREFIX))
+        self._committed: dict[str, int] | None = None  # an object store's steps, once listed (leader)
+        self._started: set[str] = set()  # saves started and not seen to commit
+        self._lock = threading.Lock()  # the writer thread records commits while the caller lists
         self._removals = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tpu_ckpt-removals")
         self._removing: list[concurrent.futures.Future] = []
 
@@ -55,36 +49,41 @@ class RunDirectory:
         return list_on_leader(self.loc, self.leader, timeout, self._list)
 
     def reload(self, timeout: float) -> Listing:
-        """Lists every key of the run again and records what it holds (collective)."""
+        """Lists every key of the run again (collective)."""
         self.settle()
-        return list_on_leader(self.loc, self.leader, timeout, self._rebuild)
+        with self._lock:
+            self._committed = None
+        return list_on_leader(self.loc, self.leader, timeout, self._list)
 
     def started(self, name: str) -> None:
-        """Records, before it writes, a save of ``name`` (leader only)."""
-        self._put(name + _STARTED)
+        """Notes, before it writes, a save of ``name`` (leader only)."""
+        with self._lock:
+            self._started.add(name)
 
     def committed(self, name: str) -> None:
-        """Records ``name`` as committed (leader only)."""
-        self._put(name + _COMMITTED)
-        self._delete(name + _STARTED)
+        """Notes ``name`` as committed (leader only)."""
+        with self._lock:
+            self._started.discard(name)
+            step = _step(name)
+            if self._committed is not None and step is not None:
+                self._committed[name] = step
 
     def remove(self, removals: Iterable[tuple[str, str, bool]]) -> None:
-        """Removes steps (``(name, why, committed)``) on the removal thread (leader only).
-
-        A committed step leaves the records at once. A leftover's record goes only once the
-        leftover is gone: one that committed since it was listed (another manager's save)
-        stays, with its records."""
+        """Removes steps (``(name, why, committed)``) on the removal thread (leader only),
+        taking them out of the listing at once. A leftover that committed since it was
+        listed (another manager's save) stays."""
         for name, why, committed in removals:
-            if committed:
-                self._delete(name + _COMMITTED)
-                self._delete(name + _STARTED)
+            with self._lock:
+                if self._committed is not None and committed:
+                    self._committed.pop(name, None)
+                self._started.discard(name)
             self._removing.append(self._removals.submit(self._remove, name, why, committed))
 
     def _remove(self, name: str, why: str, committed: bool) -> None:
         if committed:
             remove_step(self.loc, name, why)
-        elif remove_leftover(self.loc, name, why):
-            self._delete(name + _STARTED)
+        elif not remove_leftover(self.loc, name, why):
+            self.committed(name)  # committed since it was listed
 
     def settle(self) -> None:
         """Waits for the removals started; one that failed is logged (the step stays, as a
@@ -103,38 +102,21 @@ class RunDirectory:
     def _list(self, loc: storage.Location) -> Listing:
         if loc.is_local:
             return list_run(loc)
-        with storage.Store(self._records, threads=1) as store:
-            records = set(store.list())
-        if INDEXED not in records:
-            return self._rebuild(loc)
-        committed = {n.removesuffix(_COMMITTED) for n in records if n.endswith(_COMMITTED)}
-        started = {n.removesuffix(_STARTED) for n in records if n.endswith(_STARTED)} - committed
-        for name in sorted(started):
+        with self._lock:
+            known = self._committed
+        if known is None:
+            listing = list_run(loc)
+            with self._lock:
+                self._committed = {name: step for step, name in listing.committed.items()}
+                self._started |= set(listing.leftovers)
+            return listing
+        for name in sorted(self._started):
             if _holds_manifest(loc, name):
                 self.committed(name)
-                committed.add(name)
-        steps = {_step(name): name for name in committed if _step(name) is not None}
-        return _with_busy(loc, Listing(steps, sorted(started - committed)))  # type: ignore[arg-type]
-
-    def _rebuild(self, loc: storage.Location) -> Listing:
-        listing = list_run(loc)
-        if not loc.is_local:
-            for name in listing.committed.values():
-                self.committed(name)
-            for name in listing.leftovers:
-                self.started(name)
-            self._put(INDEXED)
-        return listing
-
-    def _put(self, record: str) -> None:
-        if not self.loc.is_local:
-            with storage.Store(self._records, threads=1) as store:
-                store.write(record, [record.encode()]).result()  # not empty: an emulator refuses empty uploads
-
-    def _delete(self, record: str) -> None:
-        if not self.loc.is_local:
-            with storage.Store(self._records, threads=1) as store, contextlib.suppress(FileNotFoundError):
-                store.delete(record)
+        with self._lock:
+            steps = {step: name for name, step in (self._committed or {}).items()}
+            leftovers = sorted(self._started)
+        return _with_busy(loc, Listing(steps, leftovers))
 
 
 def _step(name: str) -> int | None:
