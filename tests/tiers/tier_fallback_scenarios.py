@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import types
 
 import jax
 
@@ -29,6 +28,7 @@ from tpu_ckpt.tiers import _restore as tier_restore
 
 TIMEOUT = 6.0  # the restore's coordination_timeout (the saves keep 30 s)
 _ORIGINAL = tier_restore.restore_from
+_SERVER = relay.RelayServer
 
 
 class _Warnings(logging.Handler):
@@ -59,7 +59,7 @@ def _fail_on(me: int, case: str) -> None:
             return original(*args, **kwargs)
         tier_restore.restore_from = stalled
     elif case == "holder" and me == 3:
-        tier_restore.relay = types.SimpleNamespace(**{**vars(relay), "RelayServer": _VanishingServer})
+        relay.RelayServer = _VanishingServer  # every relay this process serves from now on: the host is gone
     elif case == "error" and me == 1:
         def broken(*args, **kwargs):
             raise OSError("the disk went away")
@@ -67,7 +67,7 @@ def _fail_on(me: int, case: str) -> None:
 
 
 def _undo() -> None:
-    tier_restore.relay, tier_restore.restore_from = relay, _ORIGINAL
+    relay.RelayServer, tier_restore.restore_from = _SERVER, _ORIGINAL
 
 
 def restore_fails(directory: str, case: str) -> dict:

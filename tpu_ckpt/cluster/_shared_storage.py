@@ -22,12 +22,13 @@ from typing import TypeVar
 
 from tpu_ckpt import storage
 from tpu_ckpt.cluster import _coordinator as distributed
+from tpu_ckpt.cluster._verdicts import Proved, agreed_verdict
 from tpu_ckpt.errors import CheckpointError, CheckpointNotFoundError
 
 _STAGE, _VERDICT = "shared", "shared-verdict"
 _SEEN, _UNSEEN = "seen", "unseen"
 T = TypeVar("T")
-_proved: set[str] = set()  # parent directories (on the leader) whose sharing a save proved
+_proved = Proved()  # parent directories (on the leader) whose sharing a save proved
 
 WAYS_OUT = (
     "Use storage that every process shares: a gs:// or s3:// URL, or a shared file system "
@@ -48,17 +49,15 @@ def prove_staging(coord: distributed.Coordinator, final: storage.Location, stagi
     The leader alone gathers what everyone saw and publishes the verdict: a process that
     arrives after the leader gave up waiting (and removed ``staging``) then hears why,
     rather than concluding that it cannot see the directory."""
-    views = coord.collect(_STAGE, _SEEN if os.path.isdir(staging.local_path) else _UNSEEN, at=leader)
-    if coord.me == leader:
+    def judge(views: dict[int, str]) -> str:
         blind = sorted(process for process, view in views.items() if view != _SEEN)
-        verdict = "" if not blind else (
+        return "" if not blind else (
             f"save {final.url}: {_who(blind[0], len(blind), coord.count)} cannot see the staging directory "
             f"{staging.url} that process {leader} created: this path is not one directory shared by "
             f"every process (on a pod each host's local disk is its own). Nothing was written. {WAYS_OUT}"
         )
-        coord.publish(_VERDICT, verdict)
-    else:
-        verdict = coord.receive(_VERDICT, leader)
+
+    verdict = agreed_verdict(coord, _STAGE, _SEEN if os.path.isdir(staging.local_path) else _UNSEEN, judge, leader)
     if verdict:
         raise CheckpointError(verdict, file=final.url)
     if coord.me == leader:

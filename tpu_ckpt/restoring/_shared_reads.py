@@ -102,16 +102,9 @@ class SharedReads(StoreReads):
         self.plan = the_plan
         mine = {pid: pieces[pid] for pid, reader in the_plan.readers.items() if reader == coord.me}
         self._cache = _ReadOnce(store, mine, the_plan.needers, keep_bytes)
-        self._server = relay.RelayServer(
-            store, cluster.relay_host(), coord.timeout, peers=coord.count - 1, shared=self._cache.take
-        )
+        self._server = cluster.serve(coord, f"serve{coord.me}", store, coord.count - 1, shared=self._cache.take)
         self._peers: dict[int, relay.RelayStore] = {}
         self._lock = threading.Lock()
-        try:
-            coord.publish(f"serve{coord.me}", self._server.contact())
-        except BaseException:
-            self._server.close()
-            raise
 
     def start(self, needed: Iterable[tuple[str, PieceEntry]]) -> Reads:
         own: list[tuple[str, PieceEntry]] = []
@@ -147,10 +140,8 @@ class SharedReads(StoreReads):
     def _peer(self, process: int) -> relay.RelayStore:
         with self._lock:
             if process not in self._peers:
-                contact = self.coord.receive(f"serve{process}", process)  # only of the peers it reads from
-                self._peers[process] = relay.RelayStore(
-                    self.store.location, contact, self.coord.timeout, process, connections=2
-                )
+                # only of the peers it reads from
+                self._peers[process] = cluster.connect(self.coord, f"serve{process}", process, self.store.location, connections=2)
             return self._peers[process]
 
 

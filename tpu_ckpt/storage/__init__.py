@@ -3,7 +3,7 @@
 and the only local ``open`` (confined to the checkpoint)."""
 
 from tpu_ckpt.storage._io_pool import IOPool, PooledStore
-from tpu_ckpt.storage._local import LocalStore, fsync_dir, make_directory
+from tpu_ckpt.storage._local import LocalStore, fsync_dir, make_directory, rename_durably
 from tpu_ckpt.storage._location import Location, location, new_token
 from tpu_ckpt.storage._objects import ObjectStore
 from tpu_ckpt.storage._protocols import Backend, CheckpointStore, ReadableStore
@@ -30,4 +30,4 @@ from tpu_ckpt.storage._stores import (
     remove_files,
 )
 
-__all__ = ["Backend", "CheckpointStore", "IOPool", "LocalStore", "Location", "MAX_WHOLE_FILE_BYTES", "ObjectStore", "PooledStore", "ReadableStore", "STAGING_MARKER", "Store", "aligned_empty", "byte_view", "check_written", "confine", "fsync_dir", "has_staging_leftover", "is_empty", "location", "make_directory", "new_token", "open_confined", "open_staging", "publish", "read_json", "read_marker", "read_ranges", "read_whole", "remove", "remove_files"]
+__all__ = ["Backend", "CheckpointStore", "IOPool", "LocalStore", "Location", "MAX_WHOLE_FILE_BYTES", "ObjectStore", "PooledStore", "ReadableStore", "STAGING_MARKER", "Store", "aligned_empty", "byte_view", "check_written", "confine", "fsync_dir", "has_staging_leftover", "is_empty", "location", "make_directory", "new_token", "open_confined", "open_staging", "publish", "read_json", "read_marker", "read_ranges", "read_whole", "remove", "remove_files", "rename_durably"]

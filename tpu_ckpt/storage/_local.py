@@ -124,6 +124,21 @@ def fsync_dir(path: str) -> None:
         raise failed("Syncing the directory", path, e) from e
 
 
+def rename_durably(src: str, dst: str) -> None:
+    """Renames the fully written directory ``src`` onto ``dst`` so that the rename survives a
+    power loss: its entries synced first, the parent's after (the commit of a local save and
+    of a local-tier step). A rename that fails raises OSError, for the caller to name what
+    failed to commit; a sync that fails, CheckpointError, and removes ``dst`` when it came
+    after the rename: a commit that raises leaves nothing behind."""
+    fsync_dir(src)
+    os.rename(src, dst)
+    try:
+        fsync_dir(os.path.dirname(os.path.abspath(dst)) or ".")
+    except CheckpointError:
+        shutil.rmtree(dst, ignore_errors=True)
+        raise
+
+
 def failed(doing: str, path: str, error: OSError) -> CheckpointError:
     """An OSError of a save's storage as a CheckpointError (see module docstring)."""
     reason = error.strerror or str(error)

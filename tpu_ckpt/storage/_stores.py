@@ -200,16 +200,10 @@ def publish(staging: Location, final: Location) -> None:
         _unmark(final)
         return
     src, dst = staging.local_path.rstrip("/"), final.local_path.rstrip("/")
-    local_store.fsync_dir(src)
     try:
-        os.rename(src, dst)
+        local_store.rename_durably(src, dst)
     except OSError as e:
         raise CheckpointError(f"Could not commit checkpoint {dst}: rename from {src} failed: {e}", file=dst) from e
-    try:
-        local_store.fsync_dir(os.path.dirname(os.path.abspath(dst)) or ".")
-    except CheckpointError:
-        shutil.rmtree(dst, ignore_errors=True)  # a save that raises leaves no checkpoint behind
-        raise
     _unmark(final)
 
 

@@ -58,7 +58,7 @@ TIER_FILE = "tier.json"
 PLAN_FILE = "plan.json"  # the plan's manifest: every leaf, no piece (decoded with tiled=False)
 _COMMITTED = re.compile(r"step_(\d+)")
 _LEFTOVER = re.compile(r"step_\d+\.(tmp|old)-[0-9a-f]+")
-_proved: set[str] = set()  # local directories this process has proved are its own (see _prove_private)
+_proved = cluster.Proved()  # local directories this process has proved are its own (see _prove_private)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,13 +235,9 @@ class _LocalSave:
         before the store closes."""
         server = None
         if self.keeps:
-            server = relay.RelayServer(
-                store, cluster.relay_host(), self.coord.timeout, peers=len(self.keeps),
-                accepts=lambda name: written_by(name) in self.keeps,
-            )
+            accepts = lambda name: written_by(name) in self.keeps  # noqa: E731
+            server = cluster.serve(self.coord, f"serve{self.coord.me}", store, len(self.keeps), accepts=accepts)
         try:
-            if server is not None:
-                self.coord.publish(f"serve{self.coord.me}", server.contact())
             yield
         finally:
             if server is not None:
@@ -263,8 +259,7 @@ class _LocalSave:
         peers = []
         try:
             for holder in self.sends_to:
-                contact = self.coord.receive(f"serve{holder}", holder)
-                peers.append(relay.RelayStore(storage.Location(self.root), contact, self.coord.timeout, holder, connections=2))
+                peers.append(cluster.connect(self.coord, f"serve{holder}", holder, storage.Location(self.root), connections=2))
             pending = [peer.write(name, [mapped(staging, name)]) for name in names for peer in peers]
             for future in pending:
                 future.result()
@@ -292,9 +287,7 @@ def _commit(root: str, step: int, staging: str, info: dict[str, Any]) -> None:
         final = step_dir(root, step)
         if os.path.exists(final):
             os.rename(final, f"{final}.old-{storage.new_token()}")
-        storage.fsync_dir(staging)
-        os.rename(staging, final)
-        storage.fsync_dir(root)
+        storage.rename_durably(staging, final)
     except OSError as e:
         raise CheckpointError(f"Could not commit the local step {step} in {root}: {e}", file=staging) from e
 
@@ -307,12 +300,7 @@ def _prove_private(coord: cluster.Coordinator, root: str, prefix: str, mine: str
     if root in _proved or coord.count == 1:
         return
     seen = sorted(n for n in os.listdir(root) if n.startswith(prefix) and n != os.path.basename(mine))
-    views = coord.collect("private", seen[0] if seen else "", at=0)
-    if coord.me == 0:
-        verdict = next((view for _, view in sorted(views.items()) if view), "")
-        coord.publish("shared", verdict)
-    else:
-        verdict = coord.receive("shared", 0)
+    verdict = cluster.agreed_verdict(coord, "private", seen[0] if seen else "", lambda views: next((v for _, v in sorted(views.items()) if v), ""))
     if verdict:
         raise CheckpointError(
             f"local_directory {root} is shared with other processes of this job (their staging directory "

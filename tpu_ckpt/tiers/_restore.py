@@ -151,9 +151,8 @@ def _serve(coord: cluster.Coordinator, own: storage.Backend, parts: list[int], s
     root = own.location.local_path
     names = [n for n in os.listdir(root) if written_by(n) in parts or n == local_tier.PLAN_FILE]
     serves = {n: os.lstat(os.path.join(root, n)).st_size for n in names}  # a link's own size: its reads are refused
-    server = relay.RelayServer(own, cluster.relay_host(), coord.timeout, peers=coord.count - 1, serves=serves)
+    server = cluster.serve(coord, f"serve{coord.me}", own, coord.count - 1, serves=serves)
     serving.callback(server.close)
-    coord.publish(f"serve{coord.me}", server.contact())
 
 
 def _agreed_manifest(coord: cluster.Coordinator, store: _Parts, owners: list[int], serving: contextlib.ExitStack) -> Manifest:
@@ -163,7 +162,7 @@ def _agreed_manifest(coord: cluster.Coordinator, store: _Parts, owners: list[int
     indexes once, not N times, no process fetches every piece's entry, and a process
     connects only to process 0 and the servers of the pieces it needs."""
     if coord.me != 0:
-        leader = relay.RelayStore(store.location, coord.receive("manifest", 0), coord.timeout, 0, connections=1)
+        leader = cluster.connect(coord, "manifest", 0, store.location, connections=1)
         serving.callback(leader.close)  # the tables are read while the restore plans
         data = leader.read_file(MANIFEST_FILE)
         where = f"process 0's merged manifest of {store.location.url}"
@@ -174,12 +173,8 @@ def _agreed_manifest(coord: cluster.Coordinator, store: _Parts, owners: list[int
     if coord.count > 1:
         body, tables = encode_manifest(manifest)
         merged = _InMemory(store.location, {MANIFEST_FILE: body, **tables})
-        server = relay.RelayServer(
-            merged, cluster.relay_host(), coord.timeout, peers=coord.count - 1,
-            serves={MANIFEST_FILE: None, **{name: len(data) for name, data in tables.items()}},
-        )
-        serving.callback(server.close)
-        coord.publish("manifest", server.contact())
+        serves = {MANIFEST_FILE: None, **{name: len(data) for name, data in tables.items()}}
+        serving.callback(cluster.serve(coord, "manifest", merged, coord.count - 1, serves=serves).close)
     return manifest
 
 
@@ -287,7 +282,6 @@ class _Parts(_ReadOnly):
             return self._own
         with self._lock:
             if holder not in self._peers:
-                contact = self._coord.receive(f"serve{holder}", holder)
-                self._peers[holder] = relay.RelayStore(self.location, contact, self._coord.timeout, holder, connections=2)
+                self._peers[holder] = cluster.connect(self._coord, f"serve{holder}", holder, self.location, connections=2)
             return self._peers[holder]
 
