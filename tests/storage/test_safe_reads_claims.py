@@ -25,7 +25,10 @@ def _saved(url: str) -> dict:
 
 
 def _reseal(url: str, doc: dict) -> None:
+    """Replaces the manifest: deleted first, as an object store's manifest is created only if
+    absent (the commit's guard against a second writer)."""
     with storage.Store(storage.location(url)) as store:
+        store.delete("manifest.json")
         store.write("manifest.json", [sealed(doc)]).result()
 
 
