@@ -104,3 +104,33 @@ def as_format_1_2(path) -> None:
         f.write(flat.to_json())
     for name in decoded.tables:
         os.remove(os.path.join(path, name))
+
+
+class CountingStore:
+    """A real store whose reads are counted: ``files`` names every read in order,
+    ``read_bytes`` the bytes of ranged reads per file, ``whole_reads`` the files read whole."""
+
+    def __init__(self, store):
+        self._store, self.location = store, store.location
+        self.files: list[str] = []
+        self.read_bytes: dict[str, int] = {}
+        self.whole_reads: list[str] = []
+
+    def read(self, name, start, lengths, then=None):
+        self.files.append(name)
+        self.read_bytes[name] = self.read_bytes.get(name, 0) + sum(lengths)
+        return self._store.read(name, start, lengths, then=then)
+
+    def read_file(self, name):
+        self.files.append(name)
+        self.whole_reads.append(name)
+        return self._store.read_file(name)
+
+    def close(self):
+        self._store.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -5,32 +5,9 @@ import numpy as np
 import pytest
 
 import tpu_ckpt as tc
+from tests.helpers import CountingStore
 from tpu_ckpt import catalog, restoring, storage
 from tpu_ckpt.catalog import diff, verify
-
-
-class _Counting:
-    """A real store, its reads counted by file."""
-
-    def __init__(self, store):
-        self._store, self.location, self.files = store, store.location, []
-
-    def read(self, name, start, lengths, then=None):
-        self.files.append(name)
-        return self._store.read(name, start, lengths, then=then)
-
-    def read_file(self, name):
-        self.files.append(name)
-        return self._store.read_file(name)
-
-    def close(self):
-        self._store.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 @pytest.fixture
@@ -73,7 +50,7 @@ def test_each_reader_opens_the_checkpoint_once(saved, opened):
 
 def test_every_read_goes_through_the_one_store(saved):
     loc = storage.location(saved / "a")
-    with _Counting(storage.Store(loc)) as store, catalog.open_checkpoint(store) as checkpoint:
+    with CountingStore(storage.Store(loc)) as store, catalog.open_checkpoint(store) as checkpoint:
         tree, count, _ = restoring.restore_from(checkpoint, None, tc.CheckpointOptions(), None, None)
     assert count == 3 and tree["step"] == 3
     assert store.files.count("manifest.json") == 1
@@ -88,7 +65,7 @@ def test_opening_names_what_is_missing(tmp_path, saved):
     with pytest.raises(tc.CheckpointNotFoundError):
         catalog.open_checkpoint(tmp_path / "nothing")
     (saved / "a" / "manifest.json").unlink()
-    with _Counting(storage.Store(storage.location(saved / "a"))) as relayed:  # a store that cannot list: a relay's
+    with CountingStore(storage.Store(storage.location(saved / "a"))) as relayed:  # a store that cannot list: a relay's
         with pytest.raises(tc.UncommittedCheckpointError, match="manifest.json") as e:
             catalog.open_checkpoint(relayed)
     assert e.value.file == storage.location(saved / "a").url

@@ -20,30 +20,8 @@ LEAVES, SHAPE = 3, (32, 16)
 
 def own_rows(directory: str) -> dict:
     import tpu_ckpt as tc
+    from tests.helpers import CountingStore
     from tpu_ckpt import catalog, restoring, storage
-
-    class Counting:
-        """The restore's real store, the bytes read from each file counted."""
-
-        def __init__(self, store):
-            self._store, self.location, self.read_bytes, self.manifest_reads = store, store.location, {}, 0
-
-        def read(self, name, start, lengths, then=None):
-            self.read_bytes[name] = self.read_bytes.get(name, 0) + sum(lengths)
-            return self._store.read(name, start, lengths, then=then)
-
-        def read_file(self, name):
-            self.manifest_reads += 1
-            return self._store.read_file(name)
-
-        def close(self):
-            self._store.close()
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.close()
 
     mesh = jax.make_mesh((4, 2), ("data", "model"))  # process 0 holds mesh rows 0-1: cells 0-3 of each leaf
     sharding = NamedSharding(mesh, P("data", "model"))
@@ -52,12 +30,12 @@ def own_rows(directory: str) -> dict:
     path = os.path.join(directory, "ckpt")
     tc.save(path, tree).wait()
     target = {k: jax.ShapeDtypeStruct(SHAPE, np.float32, sharding=sharding) for k in values}
-    with Counting(storage.Store(storage.location(path))) as store, catalog.open_checkpoint(store) as checkpoint:
+    with CountingStore(storage.Store(storage.location(path))) as store, catalog.open_checkpoint(store) as checkpoint:
         restored, _, _ = restoring.restore_from(checkpoint, target, tc.CheckpointOptions(), None, None)
         entries = sum(len(leaf.pieces.so_far()) for leaf in checkpoint.manifest.leaves)
     exact = all(np.array_equal(np.asarray(s.data), values[k][s.index]) for k, a in restored.items() for s in a.addressable_shards)
     table = sum(n for name, n in store.read_bytes.items() if name.startswith("pieces-"))
-    return {"exact": exact, "entries": entries, "table_bytes": table, "manifest_reads": store.manifest_reads}
+    return {"exact": exact, "entries": entries, "table_bytes": table, "manifest_reads": store.whole_reads.count("manifest.json")}
 
 
 def test_each_process_reads_only_its_own_rows(tmp_path):
