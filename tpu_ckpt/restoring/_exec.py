@@ -1,8 +1,9 @@
 """Carries out a :class:`~tpu_ckpt.restoring._plan.RestorePlan`: reads, assembly, placement.
 
 The next batch is being read while the current one is assembled and placed on its
-devices, so the host holds at most two batches of read bytes beyond the restored arrays
-themselves. Pieces are read into fresh aligned arrays (never mapped: a restored array must
+devices, and each unit of a batch goes to its devices as soon as it is assembled, so on an
+accelerator reading, assembly and host-to-device transfers overlap, while the host holds at
+most two batches of read bytes beyond the restored arrays themselves. Pieces are read into fresh aligned arrays (never mapped: a restored array must
 not follow later edits of its file); a piece a device holds whole goes to JAX as that
 array, with no further copy on CPU. From an object store a piece may instead be a read-only
 view of the bytes received: JAX copies it to its device as it would any array, and a numpy
@@ -14,7 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -56,11 +57,11 @@ def execute(plan: RestorePlan, source: shared_reads.StoreReads) -> tuple[list[An
 def _place(
     batch: Sequence[Unit], data: PieceData, results: list[Any], placed: dict[int, dict[jax.Device, jax.Array]]
 ) -> int:
-    """Assembles a batch's regions and puts them on their devices; returns the bytes read."""
-    built: list[jax.Array] = []
-    hosts: list[np.ndarray] = []
-    targets: list[tuple[int, jax.Device]] = []
-    for unit, assembled in zip(batch, _assemble_all(batch, data)):
+    """Assembles a batch's regions and puts each unit on its devices as soon as it is
+    assembled (transfers are asynchronous: on an accelerator the next unit is assembled
+    while this one travels); returns the bytes read."""
+    sent: list[Any] = []
+    for unit, assembled in zip(batch, _assembled(batch, data)):
         array = unit.array
         if array.python_type is not None:
             results[unit.position] = array.python_type(assembled[()].item())
@@ -71,16 +72,15 @@ def _place(
             results[unit.position] = jax.make_array_from_callback(
                 shape, array.sharding, functools.partial(_cut, assembled, shape)
             )
-            built.append(results[unit.position])
+            sent.append(results[unit.position])
         else:
-            for region in unit.regions:
-                hosts.extend([assembled[region.slice]] * len(region.devices))
-                targets.extend((unit.position, device) for device in region.devices)
-    transferred = jax.device_put(hosts, [d for _, d in targets])
-    for (position, device), result in zip(targets, transferred):
-        placed.setdefault(position, {})[device] = result
+            devices = [device for region in unit.regions for device in region.devices]
+            hosts = [assembled[region.slice] for region in unit.regions for _ in region.devices]
+            shards = jax.device_put(hosts, devices)
+            placed.setdefault(unit.position, {}).update(zip(devices, shards))
+            sent.append(shards)
     # Wait for the transfers so that this batch's read bytes can go before the next is read.
-    jax.block_until_ready([built, transferred])
+    jax.block_until_ready(sent)
     return sum(chunk.nbytes for chunk in data.values())
 
 
@@ -110,19 +110,22 @@ def _collect(reads: shared_reads.Reads) -> PieceData:
     return out
 
 
-def _assemble_all(batch: Sequence[Unit], data: PieceData) -> list[dict[Any, np.ndarray]]:
-    """Every unit's regions as host arrays, by slice. Regions that need a copy of a big leaf
-    are assembled on a few threads (numpy releases the GIL while copying); the rest inline,
-    where a thread costs more than it saves (a region read whole is a view, no copy)."""
-    jobs = [(unit.array, region) for unit in batch for region in unit.regions]
-    heavy = [_copies(a, r) and a.leaf.nbytes >= _PARALLEL_ASSEMBLY_BYTES for a, r in jobs]
-    if not any(heavy):
-        arrays = iter([_assemble(a, r, data) for a, r in jobs])
-    else:
-        with concurrent.futures.ThreadPoolExecutor(min(settings().copy_threads, sum(heavy))) as pool:
-            futures = [pool.submit(_assemble, a, r, data) if h else None for (a, r), h in zip(jobs, heavy)]
-            arrays = iter([f.result() if f is not None else _assemble(a, r, data) for f, (a, r) in zip(futures, jobs)])
-    return [{region.slice: next(arrays) for region in unit.regions} for unit in batch]
+def _assembled(batch: Sequence[Unit], data: PieceData) -> Iterator[dict[Any, np.ndarray]]:
+    """Every unit's regions as host arrays, by slice, unit by unit in order. Regions that
+    need a copy of a big leaf are assembled on a few threads (numpy releases the GIL while
+    copying); the rest inline, where a thread costs more than it saves (a region read whole
+    is a view, no copy)."""
+    jobs = [[(unit.array, region) for region in unit.regions] for unit in batch]
+    heavy = [[_copies(a, r) and a.leaf.nbytes >= _PARALLEL_ASSEMBLY_BYTES for a, r in unit] for unit in jobs]
+    threads = min(settings().copy_threads, sum(map(sum, heavy)))
+    with concurrent.futures.ThreadPoolExecutor(max(threads, 1)) as pool:
+        futures = [
+            [pool.submit(_assemble, a, r, data) if h else None for (a, r), h in zip(unit, flags)]
+            for unit, flags in zip(jobs, heavy)
+        ]
+        for unit, jobs_of_unit, unit_futures in zip(batch, jobs, futures):
+            arrays = [f.result() if f is not None else _assemble(a, r, data) for f, (a, r) in zip(unit_futures, jobs_of_unit)]
+            yield {region.slice: array for region, array in zip(unit.regions, arrays)}
 
 
 def _whole(region: Region) -> bool:
