@@ -21,22 +21,27 @@ def best_seconds(operation, reps: int) -> float:
     return min(times)
 
 
+def bandwidths(megabytes: int, reps: int) -> dict:
+    """Both directions' bandwidth of the default backend's first device (best of ``reps``)."""
+    device = jax.devices()[0]
+    host = np.random.default_rng(0).integers(0, 255, size=megabytes << 20, dtype=np.uint8)
+    on_device = jax.device_put(host, device).block_until_ready()
+    to_device = best_seconds(lambda: jax.device_put(host, device).block_until_ready(), reps)
+    to_host = best_seconds(lambda: np.asarray(jax.device_put(on_device, device) + 0), reps)
+    nbytes = host.nbytes
+    return {"platform": device.platform, "device": str(device), "bytes": nbytes,
+            "host_to_device_gb_s": nbytes / to_device / 1e9, "device_to_host_gb_s": nbytes / to_host / 1e9}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--megabytes", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json", help="also write the numbers to this file")
     args = parser.parse_args()
-    device = jax.devices()[0]
-    host = np.random.default_rng(0).integers(0, 255, size=args.megabytes << 20, dtype=np.uint8)
-    on_device = jax.device_put(host, device).block_until_ready()
-    to_device = best_seconds(lambda: jax.device_put(host, device).block_until_ready(), args.reps)
-    to_host = best_seconds(lambda: np.asarray(jax.device_put(on_device, device) + 0), args.reps)
-    nbytes = host.nbytes
-    out = {"platform": device.platform, "device": str(device), "bytes": nbytes,
-           "host_to_device_gb_s": nbytes / to_device / 1e9, "device_to_host_gb_s": nbytes / to_host / 1e9}
+    out = bandwidths(args.megabytes, args.reps)
     print(f"{out['platform']}: host->device {out['host_to_device_gb_s']:.1f} GB/s, "
-          f"device->host {out['device_to_host_gb_s']:.1f} GB/s ({nbytes >> 20} MiB, best of {args.reps})")
+          f"device->host {out['device_to_host_gb_s']:.1f} GB/s ({out['bytes'] >> 20} MiB, best of {args.reps})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
