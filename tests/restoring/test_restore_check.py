@@ -11,9 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
 from tests.helpers import manifest
-from tpu_ckpt import restoring, settings, storage
-from tpu_ckpt.catalog import open_checkpoint
-from tpu_ckpt.restoring import needed_slices, plan_restore
+from tests.restoring.counting_reads import restore_counting_reads
+from tpu_ckpt import settings
 
 W = np.arange(64, dtype=np.float32).reshape(8, 8)
 
@@ -118,7 +117,7 @@ def test_resharding_onto_another_mesh_counts_the_over_read_the_restore_really_re
     previous = settings.configure(settings.Settings(read_batch_bytes=64))
     try:
         report = tc.check_restore(ckpt, resharded)
-        measured = _restore_counting_reads(ckpt, resharded)
+        _, measured = restore_counting_reads(ckpt, resharded)
     finally:
         settings.configure(previous)
     assert report.ok and report.resharded == ["opt_state/mu/w", "params/w"]  # flatten order
@@ -129,25 +128,6 @@ def test_resharding_onto_another_mesh_counts_the_over_read_the_restore_really_re
     assert "data=4,model=2 P(data,model)" in w.saved and "data=2,model=4 P(data,model)" in w.restored
     # In one batch each piece is read once: the same resharding, no over-read.
     assert tc.check_restore(ckpt, resharded).over_read_per_process == {0: 0}
-
-
-def _restore_counting_reads(path, target):
-    """The bytes and requests a real restore of ``target`` issues, counted at its source."""
-
-    class Counting(restoring.StoreReads):
-        nbytes = requests = 0
-
-        def start(self, needed):
-            reads = super().start(needed)
-            Counting.requests += len(reads)
-            Counting.nbytes += sum(p.length for r, _ in reads for _, p in r.pieces)
-            return reads
-
-    with open_checkpoint(storage.location(path)) as checkpoint:
-        checkpoint.load(needed_slices(checkpoint.manifest, target, None, False))
-        plan = plan_restore(checkpoint.manifest, target, batch_bytes=settings.settings().read_batch_bytes)
-        restoring.execute(plan, Counting(checkpoint.store))
-    return Counting.nbytes, Counting.requests
 
 
 def test_processes_are_counted_from_the_target_shardings(ckpt, mesh24):

@@ -8,60 +8,32 @@ whole is checked against its crc32c in the manifest; rows read by the cell (a pa
 leaf: the crc32c covers all its rows) are checked row by row (file index, bytes inside the
 file, no two sharing a byte), and each piece's bytes against the crc32c in its row when
 read. Planning then looks pieces up in what was loaded, with no IO (``loaded_overlapping``).
+Rows read whole are kept as columns, checked a run of leaves at a time, and pieces built from
+them only when asked for: ``check_restore`` counts a pod's million in numpy (``piece_columns``).
 """
 
 from __future__ import annotations
 
 import bisect
 import concurrent.futures
-import dataclasses
 import functools
 import math
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from tpu_ckpt.errors import CheckpointError, CorruptCheckpointError
-from tpu_ckpt.format._manifest import MAX_INT, LeafEntry, PieceEntry, crc32c
+from tpu_ckpt.errors import CheckpointError
+from tpu_ckpt.format import _table_rows as table_rows
+from tpu_ckpt.format._manifest import LeafEntry, PieceEntry
 from tpu_ckpt.format._read_plan import overlapping
 from tpu_ckpt.format._slices import SliceSpec
+from tpu_ckpt.format._table_rows import ROW as ROW  # the face's and _piece_table's names, from here
+from tpu_ckpt.format._table_rows import ROW_BYTES, TableRef, axis_cuts
+from tpu_ckpt.format._table_rows import TableSource as TableSource
 
-ROW = np.dtype([("offset", "<u8"), ("file", "<u4"), ("crc32c", "<u4")])
-ROW_BYTES = ROW.itemsize  # 16
 RUN_BYTES = 8 << 20  # the most table bytes one read of several leaves' rows covers
-
-
-class TableSource:
-    """Reads byte ranges of a checkpoint's piece tables: ``read(name, start, length)``, and
-    ``where(name)`` names a table in error messages."""
-
-    def __init__(self, read: Callable[[str, int, int], bytes], where: Callable[[str], str]):
-        self.read = read
-        self.where = where
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class TableRef:
-    """What a manifest says of one gridded leaf's rows, shared by its ``LazyPieces``."""
-
-    key: str
-    table: str
-    size: int
-    row: int
-    count: int
-    crc: int
-    grid: list[int | list[int]]
-    shape: tuple[int, ...]
-    itemsize: int
-    files: tuple[list[str], list[int]]
-    source: TableSource | None
-
-
-def axis_cuts(axis: int | list[int], dim: int) -> list[int]:
-    """An axis's cut points from the manifest's step or list."""
-    return [*range(0, dim, axis), dim] if isinstance(axis, int) else axis
 
 
 class LazyPieces(Sequence[PieceEntry]):
@@ -70,7 +42,8 @@ class LazyPieces(Sequence[PieceEntry]):
 
     def __init__(self, ref: TableRef):
         self._ref = ref
-        self._pieces: tuple[PieceEntry, ...] | None = None
+        self._whole: table_rows.Columns | None = None  # every row, read and checked
+        self._pieces: tuple[PieceEntry, ...] | None = None  # built from ``_whole`` when first asked for
         self._cells: dict[int, PieceEntry] = {}
         self._lock = threading.Lock()
 
@@ -80,26 +53,52 @@ class LazyPieces(Sequence[PieceEntry]):
         alone (a hostile grid of 2^34 cells must be refused by its missing rows first)."""
         return [axis_cuts(axis, n) for axis, n in zip(self._ref.grid, self._ref.shape)]
 
+    @functools.cached_property
+    def _counts(self) -> list[int]:
+        """Every axis's cell count, from the manifest's grid (no cut list is expanded)."""
+        return [-(-n // axis) if isinstance(axis, int) else len(axis) - 1 for axis, n in zip(self._ref.grid, self._ref.shape)]
+
+    @functools.cached_property
+    def layout(self) -> tuple[Any, ...]:
+        """What decides which rows hold a slice and each row's bytes: leaves of one layout
+        share them (a caller plans such leaves once, ``restoring/_check_reads.py``)."""
+        return tuple(a if isinstance(a, int) else tuple(a) for a in self._ref.grid), self._ref.shape, self._ref.itemsize
+
     @property
     def loaded(self) -> bool:
         """Whether every row has been read (and checked against the leaf's crc32c)."""
-        return self._pieces is not None
+        return self._whole is not None
 
     def so_far(self) -> Sequence[PieceEntry]:
         """The pieces loaded so far, whole leaf or cells (no IO)."""
-        return self._pieces if self._pieces is not None else list(self._cells.values())
+        return self._all() if self._whole is not None else list(self._cells.values())
 
     def cells(self, want: SliceSpec) -> list[int]:
         """The rows (grid cells, C order) of the pieces holding any element of ``want``: from
-        the grid alone, no IO. Empty slices hold nothing."""
+        the grid alone, no IO. Empty slices hold nothing. A region of one cell (a restore onto
+        the saved layout: every region) is one index, with no array built."""
         ranges = self._cell_ranges(want)
         if ranges is None:
             return []
-        if not ranges:
-            return [0]
+        if all(stop - first == 1 for first, stop in ranges):
+            cell = 0
+            for (first, _), count in zip(ranges, self._counts):
+                cell = cell * count + first
+            return [cell]
         mesh = np.meshgrid(*(np.arange(first, stop) for first, stop in ranges), indexing="ij")
-        counts = [-(-n // axis) if isinstance(axis, int) else len(axis) - 1 for axis, n in zip(self._ref.grid, self._ref.shape)]
-        return np.ravel_multi_index(mesh, counts).reshape(-1).tolist()
+        return np.ravel_multi_index(mesh, self._counts).reshape(-1).tolist()
+
+    def columns(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+        """Every row as columns, in cell order: the data file names, and per row its file's
+        index among them, offset and length (int64); the rows are read first if need be.
+        No piece is built: what a check of a pod's million pieces needs."""
+        whole = self._load_whole()
+        return self._ref.files[0], whole.files, whole.offsets, whole.lengths
+
+    def cell_slice(self, cell: int) -> SliceSpec:
+        """The slice of the piece in ``cell`` (from the grid, no IO)."""
+        index = np.unravel_index(cell, self._counts) if self._counts else ()
+        return tuple((cuts[i], cuts[i + 1]) for cuts, i in zip(self._cuts, map(int, index)))
 
     def _cell_ranges(self, want: SliceSpec) -> list[tuple[int, int]] | None:
         """Per axis, the first and past-the-last cell holding ``want`` (None: it is empty)."""
@@ -121,8 +120,9 @@ class LazyPieces(Sequence[PieceEntry]):
         """The loaded pieces holding any element of ``want``; no IO: rows not loaded are an
         error of the caller's, who was to load them first (``load_rows``)."""
         cells = self.cells(want)
-        if self._pieces is not None:
-            return [self._pieces[c] for c in cells]
+        if self._whole is not None:
+            pieces = self._all()
+            return [pieces[c] for c in cells]
         try:
             return [self._cells[c] for c in cells]
         except KeyError:
@@ -131,12 +131,12 @@ class LazyPieces(Sequence[PieceEntry]):
     def missing(self, wants: Iterable[SliceSpec]) -> list[_Span]:
         """The spans of rows not loaded yet that hold ``wants``: the whole leaf when every
         cell is wanted (read and checked whole), else runs of consecutive cells."""
-        if self._pieces is not None:
+        if self._whole is not None:
             return []
-        wants = list(wants)
-        if any(self._covers_all(want) for want in wants):
+        needed = _needed_cells(self, wants)
+        if needed is None:
             return [_Span(self, 0, self._ref.count)]
-        wanted = sorted({c for want in wants for c in self.cells(want)} - self._cells.keys())
+        wanted = sorted(needed - self._cells.keys())
         if len(wanted) == self._ref.count:
             return [_Span(self, 0, self._ref.count)]
         spans: list[_Span] = []
@@ -147,22 +147,39 @@ class LazyPieces(Sequence[PieceEntry]):
                 spans.append(_Span(self, cell, 1))
         return spans
 
-    def _all(self) -> tuple[PieceEntry, ...]:
-        if self._pieces is None:
+    def _load_whole(self) -> table_rows.Columns:
+        if self._whole is None:
             ref = self._ref
             self._fill(0, ref.count, _read_rows(ref, ref.row, ref.count))
-        assert self._pieces is not None
-        return self._pieces
+        assert self._whole is not None
+        return self._whole
 
-    def _fill(self, first: int, count: int, data: bytes) -> None:
-        """Loads the rows of ``count`` cells from ``first`` out of ``data`` (as read), checked."""
-        entries = _entries(self._ref, self._cuts, first, count, data)
+    def _bounds(self, first: int, count: int) -> table_rows.Bounds:
+        if first == 0 and count == self._ref.count:
+            return table_rows.whole_bounds(self.layout)
+        return table_rows.cell_bounds(self._cuts, self._ref.itemsize, first, count)
+
+    def _all(self) -> tuple[PieceEntry, ...]:
+        whole = self._load_whole()
         with self._lock:
-            if len(entries) == self._ref.count:
-                self._pieces = self._pieces or entries
+            if self._pieces is None:
+                self._pieces = table_rows.entries(self._ref, whole)
+            return self._pieces
+
+    def _fill(self, first: int, count: int, data: bytes | memoryview) -> None:
+        """Loads the rows of ``count`` cells from ``first`` out of ``data`` (as read), checked;
+        a whole leaf's as columns only (its pieces are built when first asked for)."""
+        self._keep(table_rows.columns(self._ref, lambda: self._bounds(first, count), first, count, data))
+
+    def _keep(self, columns: table_rows.Columns) -> None:
+        first, count = columns.first, len(columns.files)
+        entries = () if count == self._ref.count else table_rows.entries(self._ref, columns)
+        with self._lock:
+            if count == self._ref.count:
+                self._whole = self._whole or columns
                 self._cells.clear()
-            elif self._pieces is None:
-                self._cells.update(zip(range(first, first + len(entries)), entries))
+            elif self._whole is None:
+                self._cells.update(zip(range(first, first + count), entries))
 
     def __len__(self) -> int:
         return self._ref.count
@@ -184,6 +201,31 @@ class LazyPieces(Sequence[PieceEntry]):
         return f"LazyPieces({r.key!r}: rows {r.row}..{r.row + r.count - 1} of {r.table})"
 
 
+_NEEDED: dict[tuple[Any, int], tuple[Any, frozenset[int] | None]] = {}  # (layout, id(wants)) -> (wants, cells)
+
+
+def _needed_cells(pieces: LazyPieces, wants: Iterable[SliceSpec]) -> frozenset[int] | None:
+    """The cells holding any of ``wants``; None when one want covers every cell. A tuple of
+    wants (a planner's, shared by every leaf of one target sharding, ``restoring/_plan.py``)
+    is looked at once per layout, not once per leaf: a pod's 2,200 leaves of 512 regions
+    would otherwise cost a million lookups. The tuple is kept, so its id is not reused."""
+    if not isinstance(wants, tuple):
+        return _cells_of(pieces, list(wants))
+    key = (pieces.layout, id(wants))
+    hit = _NEEDED.get(key)
+    if hit is None or hit[0] is not wants:
+        if len(_NEEDED) >= 256:
+            _NEEDED.clear()
+        hit = _NEEDED[key] = (wants, _cells_of(pieces, wants))
+    return hit[1]
+
+
+def _cells_of(pieces: LazyPieces, wants: Sequence[SliceSpec]) -> frozenset[int] | None:
+    if any(pieces._covers_all(want) for want in wants):
+        return None
+    return frozenset(c for want in wants for c in pieces.cells(want))
+
+
 class _Span(NamedTuple):
     """Cells ``first`` to ``first + length`` of one leaf: rows read together."""
 
@@ -201,6 +243,37 @@ def loaded_overlapping(leaf: LeafEntry, want: SliceSpec) -> list[PieceEntry]:
     if isinstance(leaf.pieces, LazyPieces):
         return leaf.pieces.overlapping(want)
     return overlapping(leaf, want)
+
+
+def piece_columns(leaf: LeafEntry) -> tuple[Sequence[str], np.ndarray, np.ndarray, np.ndarray]:
+    """The pieces of ``leaf`` loaded so far as columns: data file names, and per piece its
+    file's index among them, its offset and its length (int64). A gridded leaf read whole
+    gives its rows in cell order with no piece built (``check_restore`` on a million)."""
+    pieces = leaf.pieces
+    if isinstance(pieces, LazyPieces) and pieces.loaded:
+        return pieces.columns()
+    found = pieces.so_far() if isinstance(pieces, LazyPieces) else pieces
+    names = list(dict.fromkeys(p.file for p in found))
+    index = {name: i for i, name in enumerate(names)}
+    files = np.array([index[p.file] for p in found], dtype=np.int64)
+    return names, files, np.array([p.offset for p in found], dtype=np.int64), np.array([p.length for p in found], dtype=np.int64)
+
+
+def piece_layout(leaf: LeafEntry) -> Any:
+    """A key equal for leaves whose slices lie in the same rows of ``piece_columns``, rows of
+    the same lengths and slices (a gridded leaf's grid, shape and itemsize); None: its own."""
+    return leaf.pieces.layout if isinstance(leaf.pieces, LazyPieces) else None
+
+
+def piece_cells(leaf: LeafEntry, wants: Sequence[SliceSpec]) -> list[tuple[list[int], SliceSpec | None]]:
+    """Per want, the rows of ``piece_columns`` holding any element of it (a leaf read whole),
+    and the slice of the first such piece (None: no piece holds it)."""
+    pieces = leaf.pieces
+    if isinstance(pieces, LazyPieces):
+        found = [pieces.cells(want) for want in wants]
+        return [(cells, pieces.cell_slice(cells[0]) if cells else None) for cells in found]
+    index = {id(p): i for i, p in enumerate(pieces)}
+    return [([index[id(p)] for p in hold], hold[0].slice if hold else None) for hold in (overlapping(leaf, w) for w in wants)]
 
 
 def load_rows(wants: Iterable[tuple[LeafEntry, Iterable[SliceSpec]]], threads: int) -> None:
@@ -258,8 +331,17 @@ def _load_run(run: Sequence[_Span]) -> None:
     start = run[0].row
     stop = max(s.row + s.length for s in run)
     data = _read_rows(run[0].pieces._ref, start, stop - start)
+    whole = [span for span in run if span.first == 0 and span.length == span.pieces._ref.count]
+    found = None
+    if len(whole) > 1:  # checked together, in one numpy pass; else (or if one fails) leaf by leaf
+        found = table_rows.whole_columns(data, [(s.pieces._ref, functools.partial(s.pieces._bounds, 0, s.length), s.row - start) for s in whole])
+    for span, columns in zip(whole, found or ()):
+        span.pieces._keep(columns)
+    kept = {id(span) for span in whole} if found is not None else set()
+    view = memoryview(data)
     for span in run:
-        span.pieces._fill(span.first, span.length, data[(span.row - start) * ROW_BYTES : (span.row - start + span.length) * ROW_BYTES])
+        if id(span) not in kept:
+            span.pieces._fill(span.first, span.length, view[(span.row - start) * ROW_BYTES : (span.row - start + span.length) * ROW_BYTES])
 
 
 def _read_rows(ref: TableRef, start: int, count: int) -> bytes:
@@ -267,52 +349,3 @@ def _read_rows(ref: TableRef, start: int, count: int) -> bytes:
     if ref.source is None:
         raise CheckpointError(f"the pieces of key {ref.key!r} are in {ref.table}, and this manifest was read without its tables")
     return bytes(ref.source.read(ref.table, start * ROW_BYTES, count * ROW_BYTES))
-
-
-def _entries(ref: TableRef, grid: list[list[int]], first: int, count: int, data: bytes) -> tuple[PieceEntry, ...]:
-    """The pieces of ``count`` cells from ``first``, from ``data`` (their rows as read), each checked
-    before use; rows of the whole leaf also against the leaf's crc32c."""
-    where = ref.source.where(ref.table) if ref.source is not None else ref.table
-
-    def fail(problem: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(
-            f"{where}: rows {ref.row + first}..{ref.row + first + count - 1} (key {ref.key!r}) {problem}; "
-            "the checkpoint is damaged, restore another one.",
-            key=ref.key, file=where,
-        )
-
-    if len(data) != count * ROW_BYTES:
-        raise fail(f"are cut short ({len(data)} of {count * ROW_BYTES} bytes)")
-    if count == ref.count and crc32c(data) != ref.crc:
-        raise fail("do not match their crc32c in the manifest")
-    rows = np.frombuffer(data, ROW)
-    names, sizes = ref.files
-    files = rows["file"].astype(np.int64)
-    if len(files) and int(files.max()) >= len(names):
-        raise fail(f"name data file {int(files.max())}, and there are {len(names)} (file index)")
-    offsets = rows["offset"]
-    if len(offsets) and int(offsets.max()) > MAX_INT:
-        raise fail("hold an offset past 2^63 (offset)")
-    offsets = offsets.astype(np.int64)
-    cells = np.unravel_index(np.arange(first, first + count), [len(c) - 1 for c in grid]) if grid else ()
-    starts = [np.asarray(c, dtype=np.int64)[idx] for c, idx in zip(grid, cells)]
-    stops = [np.asarray(c, dtype=np.int64)[idx + 1] for c, idx in zip(grid, cells)]
-    lengths = np.full(count, ref.itemsize, dtype=np.int64)
-    for a, b in zip(starts, stops):
-        lengths *= b - a
-    room = np.asarray(sizes, dtype=np.int64)[files] - offsets
-    if (room < lengths).any():
-        i = int(np.argmax(room < lengths))
-        raise fail(f"place piece {i} at bytes [{int(offsets[i])}, {int(offsets[i]) + int(lengths[i])}) of "
-                   f"{names[files[i]]}, past its {sizes[files[i]]} bytes (offset)")
-    order = np.lexsort((offsets, files))
-    f, o, n = files[order], offsets[order], lengths[order]
-    clash = (f[1:] == f[:-1]) & (o[:-1] + n[:-1] > o[1:])
-    if clash.any():
-        raise fail(f"give two pieces overlapping bytes of {names[f[int(np.argmax(clash))]]} (offset)")
-    bounds = [list(zip(a.tolist(), b.tolist())) for a, b in zip(starts, stops)]
-    slices = zip(*bounds) if bounds else [()] * count
-    return tuple(
-        PieceEntry(tuple(spec), names[fi], off, ln, crc)
-        for spec, fi, off, ln, crc in zip(slices, files.tolist(), offsets.tolist(), lengths.tolist(), rows["crc32c"].tolist())
-    )

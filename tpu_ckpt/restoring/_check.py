@@ -2,11 +2,12 @@
 
 A restore that fails after an hour of queueing for a pod, on a key renamed in the model, or
 that reads three times the checkpoint because the new mesh cuts every piece, is better found
-on a workstation first. The check runs the restore's own planner (``restoring/_plan.py``), so
-every mismatch it reports is one ``tc.restore`` raises on, and the bytes and requests it
-counts are the planner's read batches, coalesced as ``shared_reads.StoreReads`` issues them.
-Nothing is read from the data files and no device memory is allocated (a target of
-``jax.ShapeDtypeStruct`` describes devices without using them).
+on a workstation first. The check runs the restore's own planner (``restoring/_plan.py``) leaf
+by leaf, so every mismatch it reports is one ``tc.restore`` raises on; the bytes and requests
+it counts are the planner's read batches, coalesced as ``shared_reads.StoreReads`` issues
+them, counted once per layout and in numpy over the rows (``_check_reads.py``): a pod's
+million pieces in about a second. Nothing is read from the data files and no device memory
+is allocated (a target of ``jax.ShapeDtypeStruct`` describes devices without using them).
 
 Per process: a single process reports itself. In a multi-process job (or with
 ``devices_per_process``, which models one from a single machine) each process's regions
@@ -18,9 +19,8 @@ which the report does not model: it says what each process's devices need.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -30,26 +30,19 @@ from tpu_ckpt.catalog import open_checkpoint
 from tpu_ckpt.errors import CorruptCheckpointError, TargetMismatchError
 from tpu_ckpt.format import (
     MANIFEST_FILE,
-    LeafEntry,
     Manifest,
-    PieceEntry,
-    byte_batches,
     check_byte_ranges,
-    coalesce,
     dtype_from_name,
-    extent,
-    full_slice,
     normalise_subtree,
-    overlapping,
     sharding_text,
     under,
 )
 from tpu_ckpt.options import CheckpointOptions
+from tpu_ckpt.restoring._check_reads import ReadCount
 from tpu_ckpt.restoring._mismatch import mismatches
-from tpu_ckpt.restoring._plan import ArrayRead, NoRead, RestorePlan, needed_slices, plan_restore
+from tpu_ckpt.restoring._plan import ArrayRead, NoRead, needed_slices, plan_entries
 from tpu_ckpt.runtime import plural, size, table
 from tpu_ckpt.settings import settings
-from tpu_ckpt.sharding import index_to_slice
 
 BYTES_PER_SECOND = 1e9  # one host's read throughput, for the time estimate: about a GCS bucket's
 
@@ -198,18 +191,20 @@ def check_restore(
         manifest = checkpoint.manifest
         everyone = devices_per_process is not None or jax.process_count() > 1
         checkpoint.load(needed_slices(manifest, target, subtree, skip, everyone=everyone))
-    try:
-        plan = plan_restore(manifest, target, subtree, skip, batch_bytes=read_batch_bytes(options), url=loc.url)
-    except TargetMismatchError as first:
-        problems = [str(e) for e in mismatches(manifest, target, subtree, skip, loc.url)] or [str(first)]
-        return RestoreReport(loc.url, False, problems, [], [], [], [], {}, bytes_per_second)
-    problems = _layout_problems(manifest, loc.child(MANIFEST_FILE))
-    arrays = [e for e in plan.leaves if isinstance(e, ArrayRead)]
+        try:
+            entries, _, _ = plan_entries(manifest, target, subtree, skip, loc.url, regions=False)
+        except TargetMismatchError as first:
+            problems = [str(e) for e in mismatches(manifest, target, subtree, skip, loc.url)] or [str(first)]
+            return RestoreReport(loc.url, False, problems, [], [], [], [], {}, bytes_per_second)
+        arrays = [e for e in entries if isinstance(e, ArrayRead)]
+        checkpoint.load_all([a.leaf for a in arrays])  # loaded whole already, as every device's regions cover a leaf
+    count = ReadCount(manifest, arrays, read_batch_bytes(options))
+    problems = _layout_problems(manifest, loc.child(MANIFEST_FILE), count)
     process_of = None if devices_per_process is None else (lambda d: d.id // devices_per_process)
     return RestoreReport(
-        loc.url, not problems, problems, _leaf_checks(plan), _unread(manifest, plan, subtree, target),
+        loc.url, not problems, problems, _leaf_checks(arrays, count), _unread(manifest, entries, subtree, target),
         [f"{a.key}: {a.leaf.dtype} -> {a.dtype}" for a in arrays if dtype_from_name(a.leaf.dtype) != a.dtype],
-        _skipped(manifest, plan, subtree, skip, target), _reads(plan, process_of), bytes_per_second,
+        _skipped(manifest, entries, subtree, skip, target), _reads(arrays, count, process_of), bytes_per_second,
     )
 
 
@@ -222,9 +217,10 @@ def read_batch_bytes(options: CheckpointOptions) -> int:
     return batch if limit is None else min(batch, limit // 4)
 
 
-def _layout_problems(manifest: Manifest, where: str) -> list[str]:
-    """A restore's own manifest check (format 2: the leaves read share no byte)."""
-    if not manifest.tables:
+def _layout_problems(manifest: Manifest, where: str, count: ReadCount) -> list[str]:
+    """A restore's own manifest check (format 2: the leaves read share no byte), in numpy;
+    its error, naming the piece, only when there is one."""
+    if not manifest.tables or not count.clash():
         return []
     try:
         check_byte_ranges(manifest, where, loaded_only=True)
@@ -233,31 +229,17 @@ def _layout_problems(manifest: Manifest, where: str) -> list[str]:
     return []
 
 
-def _leaf_checks(plan: RestorePlan) -> list[LeafCheck]:
-    read, over = _leaf_bytes(plan)
-    return [
-        LeafCheck(e.key, f"{e.leaf.dtype}{list(e.leaf.shape)} {sharding_text(e.leaf.sharding)}", _restored_text(e),
-                  _resharded(e), read.get(i, 0), over.get(i, 0))
-        for i, e in enumerate(plan.leaves) if isinstance(e, ArrayRead)
-    ]
-
-
-def _leaf_bytes(plan: RestorePlan) -> tuple[dict[int, int], dict[int, int]]:
-    """Per leaf position: the piece bytes its units read, and those beyond its regions."""
-    read: dict[int, int] = {}
-    over: dict[int, int] = {}
-    for batch in plan.batches:
-        for unit in batch:
-            nbytes = sum(p.length for p in unit.pieces)
-            read[unit.position] = read.get(unit.position, 0) + nbytes
-            wanted = sum(_slice_bytes(r.slice, unit.array.leaf) for r in unit.regions)
-            over[unit.position] = over.get(unit.position, 0) + nbytes - wanted
-    return read, over
-
-
-def _resharded(entry: ArrayRead) -> bool:
-    """Whether some region is not exactly one saved piece (it is cut out of pieces)."""
-    return any(len(r.pieces) != 1 or (r.slice and r.pieces[0].slice != r.slice) for r in entry.regions)
+def _leaf_checks(arrays: Sequence[ArrayRead], count: ReadCount) -> list[LeafCheck]:
+    checks = []
+    restored: dict[Any, str] = {}  # the leaves of one target sharding share its text
+    for e in arrays:
+        reads = count.own(e)
+        saved = f"{e.leaf.dtype}{list(e.leaf.shape)} {sharding_text(e.leaf.sharding)}"
+        form = (e.python_type, e.dtype, e.sharding)
+        if form not in restored:
+            restored[form] = _restored_text(e)
+        checks.append(LeafCheck(e.key, saved, restored[form], reads.resharded, reads.read, reads.over_read))
+    return checks
 
 
 def _restored_text(entry: ArrayRead) -> str:
@@ -272,76 +254,35 @@ def _restored_text(entry: ArrayRead) -> str:
     return f"{entry.dtype} {type(sharding).__name__}({len(sharding.device_set)} devices)"
 
 
-def _unread(manifest: Manifest, plan: RestorePlan, subtree: str | None, target: Any) -> list[str]:
+def _unread(manifest: Manifest, entries: Sequence[ArrayRead | NoRead], subtree: str | None, target: Any) -> list[str]:
     if target is None:
         return []
     prefix, _ = normalise_subtree(subtree)
-    named = {e.key for e in plan.leaves}
+    named = {e.key for e in entries}
     return [leaf.key for leaf in manifest.leaves if under(leaf.key, prefix) and leaf.key not in named]
 
 
-def _skipped(manifest: Manifest, plan: RestorePlan, subtree: str | None, skip: bool, target: Any) -> list[str]:
+def _skipped(manifest: Manifest, entries: Sequence[ArrayRead | NoRead], subtree: str | None, skip: bool, target: Any) -> list[str]:
     if target is not None:
-        return [e.key for e in plan.leaves if isinstance(e, NoRead) and e.skipped_slot]
+        return [e.key for e in entries if isinstance(e, NoRead) and e.skipped_slot]
     prefix, _ = normalise_subtree(subtree)
     return [leaf.key for leaf in manifest.leaves if skip and leaf.is_slot and under(leaf.key, prefix)]
 
 
-# Per-process reads. A unit: (leaf key, its pieces, the bytes of its regions).
-Unit = tuple[str, Sequence[PieceEntry], int]
-
-
-def _reads(plan: RestorePlan, process_of: Callable[[jax.Device], int] | None) -> dict[int, ProcessReads]:
+def _reads(arrays: Sequence[ArrayRead], count: ReadCount, process_of: Callable[[jax.Device], int] | None) -> dict[int, ProcessReads]:
     """This process's reads from its plan; with several processes, each one's from the
     target shardings' global device maps, batched as the planner batches them."""
     if process_of is None and jax.process_count() == 1:
-        units = ([(u.array.key, u.pieces, sum(_slice_bytes(r.slice, u.array.leaf) for r in u.regions)) for u in b] for b in plan.batches)
-        return {jax.process_index(): _account(units)}
+        return {jax.process_index(): _process_reads(count, [u for a in arrays for u in count.units(a, count.own(a))])}
     process_of = process_of or (lambda d: d.process_index)
-    by_process: dict[int, list[Unit]] = {p: [] for p in sorted({process_of(d) for d in jax.devices()})}
-    for array in (e for e in plan.leaves if isinstance(e, ArrayRead)):
-        for process, slices in _process_regions(array, process_of, list(by_process)).items():
-            by_process.setdefault(process, []).extend(_units(array, slices, plan.batch_bytes))
-    return {
-        p: _account(byte_batches(units, lambda u: sum(x.length for x in u[1]), plan.batch_bytes))
-        for p, units in sorted(by_process.items())
-    }
+    by_process: dict[int, list[Any]] = {p: [] for p in sorted({process_of(d) for d in jax.devices()})}
+    processes = list(by_process)
+    for array in arrays:
+        for process, reads in count.by_process(array, process_of, processes).items():
+            by_process.setdefault(process, []).extend(count.units(array, reads))
+    return {p: _process_reads(count, units) for p, units in sorted(by_process.items())}
 
 
-def _process_regions(array: ArrayRead, process_of: Callable[[jax.Device], int], processes: Iterable[int]) -> dict[int, list[Any]]:
-    """Each process's distinct slices of a leaf; a leaf without sharding is read whole by all."""
-    shape = array.leaf.shape
-    if array.sharding is None:
-        return {p: [full_slice(shape)] for p in processes}
-    out: dict[int, dict[Any, None]] = {}
-    for device, index in array.sharding.devices_indices_map(shape).items():
-        out.setdefault(process_of(device), {})[index_to_slice(index, shape)] = None
-    return {p: list(slices) for p, slices in out.items()}
-
-
-def _units(array: ArrayRead, slices: list[Any], batch_bytes: int) -> list[Unit]:
-    """As ``restore_plan`` groups a leaf: whole, or region by region when bigger than a batch."""
-    leaf = array.leaf
-    regions = [(s, overlapping(leaf, s)) for s in slices]
-    if leaf.nbytes <= batch_bytes or len(regions) == 1:
-        pieces = {(p.file, p.offset): p for _, found in regions for p in found}
-        return [(array.key, list(pieces.values()), sum(_slice_bytes(s, leaf) for s, _ in regions))]
-    return [(array.key, found, _slice_bytes(s, leaf)) for s, found in regions]
-
-
-def _account(batches: Iterable[Iterable[Unit]]) -> ProcessReads:
-    """Bytes and requests of read batches, each coalesced as ``StoreReads`` issues it."""
-    nbytes = requests = wanted = 0
-    for batch in batches:
-        needed: list[tuple[str, PieceEntry]] = []
-        for key, pieces, region_bytes in batch:
-            needed.extend((key, p) for p in pieces)
-            wanted += region_bytes
-        reads = coalesce(needed)
-        requests += len(reads)
-        nbytes += sum(p.length for r in reads for _, p in r.pieces)
+def _process_reads(count: ReadCount, units: Sequence[Any]) -> ProcessReads:
+    nbytes, requests, wanted = count.account(units)
     return ProcessReads(nbytes, requests, nbytes - wanted)
-
-
-def _slice_bytes(spec: Any, leaf: LeafEntry) -> int:
-    return math.prod(extent(spec)) * dtype_from_name(leaf.dtype).itemsize

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -159,34 +160,42 @@ def plan_restore(
     ``url`` names the checkpoint in errors. Raises TargetMismatchError naming the key when
     the target does not fit the checkpoint.
     """
+    entries, treedef, paths = plan_entries(manifest, target, subtree, skip_slots, url)
+    batches = tuple(map(tuple, byte_batches(_units(entries, batch_bytes), _unit_bytes, batch_bytes)))
+    return RestorePlan(tuple(entries), batches, treedef, paths, batch_bytes)
+
+
+def plan_entries(
+    manifest: Manifest, target: Any, subtree: str | None, skip_slots: bool, url: str, *, regions: bool = True
+) -> tuple[list[ArrayRead | NoRead], Any, tuple[tuple[PathEntry, ...], ...]]:
+    """Per target leaf what comes back, the treedef and (no target) the paths: the plan without
+    batches. ``regions=False`` leaves ``ArrayRead.regions`` empty: ``check_restore`` counts a
+    pod's million regions by layout (``restoring/_check_reads.py``), not one by one."""
     prefix, depth = normalise_subtree(subtree)
     leaves = {leaf.key: leaf for leaf in manifest.leaves if under(leaf.key, prefix)}
     if prefix and not leaves:
         raise missing_subtree(manifest, prefix, url)
     if target is None:
         kept = [leaf for leaf in leaves.values() if not (skip_slots and leaf.is_slot)]  # slots left out
-        entries = [_whole(leaf) for leaf in kept]
-        treedef, paths = None, tuple(tuple(leaf.path[depth:]) for leaf in kept)
-    else:
-        flat, treedef = flatten(target)
-        entries = [plan_leaf(leaves, _join(prefix, key), t, skip_slots, url) for key, _, t in flat]
-        paths = ()
-    batches = tuple(map(tuple, byte_batches(_units(entries, batch_bytes), _unit_bytes, batch_bytes)))
-    return RestorePlan(tuple(entries), batches, treedef, paths, batch_bytes)
+        return [_whole(leaf, regions) for leaf in kept], None, tuple(tuple(leaf.path[depth:]) for leaf in kept)
+    flat, treedef = flatten(target)
+    return [plan_leaf(leaves, _join(prefix, key), t, skip_slots, url, regions=regions) for key, _, t in flat], treedef, ()
 
 
 def _join(prefix: str, key: str) -> str:
     return f"{prefix}/{key}" if prefix and key else prefix or key
 
 
-def _whole(leaf: LeafEntry) -> ArrayRead | NoRead:
+def _whole(leaf: LeafEntry, regions: bool) -> ArrayRead | NoRead:
     """A leaf restored with no target: as saved, on the host."""
     if leaf.kind == "value":
         return NoRead(leaf.key, leaf.value, False)
-    return _array_read(leaf.key, leaf, dtype_from_name(leaf.dtype), None, None)
+    return _array_read(leaf.key, leaf, dtype_from_name(leaf.dtype), None, None, regions)
 
 
-def plan_leaf(leaves: dict[str, LeafEntry], key: str, target: Any, skip_slots: bool, url: str) -> ArrayRead | NoRead:
+def plan_leaf(
+    leaves: dict[str, LeafEntry], key: str, target: Any, skip_slots: bool, url: str, *, regions: bool = True
+) -> ArrayRead | NoRead:
     """What to restore for one target leaf; a TargetMismatchError when it does not fit
     (``restoring/_check.py`` calls it leaf by leaf, to list every mismatch at once)."""
     leaf = leaves.get(key)
@@ -210,7 +219,7 @@ def plan_leaf(leaves: dict[str, LeafEntry], key: str, target: Any, skip_slots: b
             "only float->float casts are done on restore (no silent int/float conversion)",
             key=key, file=url,
         )
-    return _array_read(key, leaf, dtype, sharding, python_type)
+    return _array_read(key, leaf, dtype, sharding, python_type, regions)
 
 
 def _form(
@@ -245,30 +254,45 @@ def _scalar_dtype(leaf: LeafEntry, target: bool | int | float) -> np.dtype:
 
 
 def _array_read(
-    key: str, leaf: LeafEntry, dtype: np.dtype, sharding: jax.sharding.Sharding | None, python_type: type | None
+    key: str, leaf: LeafEntry, dtype: np.dtype, sharding: jax.sharding.Sharding | None, python_type: type | None,
+    regions: bool = True,
 ) -> ArrayRead:
     """Each distinct global slice this process needs (one per addressable-device index of
     the sharding, or the whole array on the host), with its devices and pieces."""
-    devices = _devices(leaf.shape, sharding, everyone=False)
-    regions = tuple(Region(s, tuple(d), tuple(loaded_overlapping(leaf, s))) for s, d in devices.items())
-    return ArrayRead(key, leaf, np.dtype(dtype), sharding, python_type, regions)
+    found: tuple[Region, ...] = ()
+    if regions:
+        devices = slice_devices(leaf.shape, sharding, everyone=False)
+        found = tuple(Region(s, d, tuple(loaded_overlapping(leaf, s))) for s, d in devices.items())
+    return ArrayRead(key, leaf, np.dtype(dtype), sharding, python_type, found)
 
 
-def _devices(shape: tuple[int, ...], sharding: jax.sharding.Sharding | None, everyone: bool) -> dict[SliceSpec, list[jax.Device]]:
+def slice_devices(
+    shape: tuple[int, ...], sharding: jax.sharding.Sharding | None, everyone: bool
+) -> dict[SliceSpec, tuple[jax.Device, ...]]:
     """Each distinct global slice of a leaf and the devices (this process's, or with
-    ``everyone`` all) that take it; without a sharding, the whole leaf, on the host."""
+    ``everyone`` all) that take it; without a sharding, the whole leaf, on the host. Shared
+    by every leaf of one shape and sharding (computed once: a pod's 2,200 leaves over 512
+    devices would be a million index conversions), so not to be changed."""
     if sharding is None:
-        return {full_slice(shape): []}
+        return {full_slice(shape): ()}
+    return sharded_slices(shape, sharding, everyone)[0]
+
+
+@functools.lru_cache(maxsize=256)
+def sharded_slices(
+    shape: tuple[int, ...], sharding: jax.sharding.Sharding, everyone: bool
+) -> tuple[dict[SliceSpec, tuple[jax.Device, ...]], tuple[SliceSpec, ...]]:
+    """:func:`slice_devices`, and its slices as one tuple (``load_rows`` looks a tuple up once per layout)."""
     devices: dict[SliceSpec, list[jax.Device]] = {}
     indices = sharding.devices_indices_map(shape) if everyone else sharding.addressable_devices_indices_map(shape)
     for device, index in indices.items():
         devices.setdefault(full_slice(shape) if index is None else index_to_slice(index, shape), []).append(device)
-    return devices
+    return {s: tuple(d) for s, d in devices.items()}, tuple(devices)
 
 
 def needed_slices(
     manifest: Manifest, target: Any, subtree: str | None, skip_slots: bool, *, everyone: bool = False
-) -> list[tuple[LeafEntry, list[SliceSpec]]]:
+) -> list[tuple[LeafEntry, Sequence[SliceSpec]]]:
     """The saved array leaves a restore of ``target`` reads and, of each, the slices this
     process's devices take (``everyone``: every process's, as ``load_and_broadcast`` and a
     multi-process ``check_restore`` plan): the piece-table rows to load before planning.
@@ -276,7 +300,7 @@ def needed_slices(
     prefix, _ = normalise_subtree(subtree)
     leaves = {leaf.key: leaf for leaf in manifest.leaves if under(leaf.key, prefix) and leaf.kind == "array"}
     wanted = {key: None for key in leaves} if target is None else {_join(prefix, key): t for key, _, t in flatten(target)[0]}
-    out = []
+    out: list[tuple[LeafEntry, Sequence[SliceSpec]]] = []
     for key, leaf_target in wanted.items():
         leaf = leaves.get(key)
         if leaf is None or (skip_slots and leaf.is_slot):
@@ -289,7 +313,7 @@ def needed_slices(
         except TargetMismatchError:
             continue
         if shape == leaf.shape:
-            out.append((leaf, list(_devices(leaf.shape, sharding, everyone))))
+            out.append((leaf, (full_slice(shape),) if sharding is None else sharded_slices(shape, sharding, everyone)[1]))
     return out
 
 
