@@ -23,6 +23,12 @@ memory, as a save does. Then, each in a fresh interpreter (nothing of the setup 
 
 The indexes are copied aside before the commit (which deletes them) and put back for the
 stages. CPU time is this process's (all threads): on a shared machine it is the steadier number.
+
+``--tier`` measures process 0's merge at a local-tier restore instead, on the same synthetic
+parts laid out as a local step (``plan.json`` and every part's ``index-<p>.bin``): ``tier``
+reads them and runs ``tiers.merge_parts`` (decode and check every index, ``merge_rows``, the
+format 2 manifest and its tables), then decodes that manifest as process 0 does (one entry per
+leaf; the tables are read lazily).
 """
 
 from __future__ import annotations
@@ -36,11 +42,13 @@ import subprocess
 import sys
 import tempfile
 
+import tier_phases  # scripts/tier_phases.py
 import workers  # scripts/workers.py
 
 MB = 1e6
 PIECE_BYTES = 16  # float32 x 4
 PHASES = ("setup", "commit", "stages")
+TIER_PHASES = ("tier_setup", "tier")
 
 
 def main() -> int:
@@ -51,7 +59,8 @@ def main() -> int:
     parser.add_argument("--dir", default=None, help="where the scratch directory goes (default: the system's temp dir)")
     parser.add_argument("--json", default=None, help="also write the results here, as JSON")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds each phase may take")
-    parser.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)
+    parser.add_argument("--tier", action="store_true", help="time a local-tier restore's merge on process 0")
+    parser.add_argument("--phase", choices=(*PHASES, *TIER_PHASES), help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.phase:
@@ -59,11 +68,12 @@ def main() -> int:
         return 0
     scratch = tempfile.mkdtemp(prefix="tpu_ckpt_leader_commit_", dir=args.dir)
     try:
-        results = {phase: _child(args, phase, scratch) for phase in PHASES}
+        phases = TIER_PHASES if args.tier else PHASES
+        results = {phase: _child(args, phase, scratch) for phase in phases}
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    summary = _summary(args, results)
-    _report(summary)
+    summary = _tier_summary(args, results) if args.tier else _summary(args, results)
+    (_tier_report if args.tier else _report)(summary)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(summary, indent=1))
     return 0
@@ -83,6 +93,8 @@ def _child(args: argparse.Namespace, phase: str, scratch: str) -> dict:
 
 def _run_phase(args: argparse.Namespace) -> dict:
     staging, saved = os.path.join(args.path, "ckpt.tmp-bench"), os.path.join(args.path, "indexes")
+    if args.phase in TIER_PHASES:
+        return tier_phases.run(args, os.path.join(args.path, "step_1"), _planned, _index, _pieces)
     if args.phase == "setup":
         return _setup(args, staging, saved)
     if args.phase == "commit":
@@ -241,6 +253,25 @@ def _report(summary: dict) -> None:
     print(f"{'stage':<18}{'wall s':>8}{'CPU s':>8}{'us/piece':>10}{'RSS MB':>8}")
     for name, s in summary["stages"].items():
         print(f"{name:<18}{s['wall_s']:>8.2f}{s['cpu_s']:>8.2f}{s['us_per_piece_cpu']:>10.2f}{s['rss_growth_mb']:>8.0f}")
+
+
+def _tier_summary(args: argparse.Namespace, results: dict) -> dict:
+    pieces = args.processes * args.devices_per_process * args.leaves
+    timed = {phase: stages for phase, stages in results.items() if phase != "tier_setup"}
+    return {
+        "processes": args.processes, "devices_per_process": args.devices_per_process, "leaves": args.leaves,
+        "pieces": pieces, **results["tier_setup"],
+        **{phase: {name: {**s, "us_per_piece_cpu": s["cpu_s"] / pieces * 1e6} for name, s in stages.items()}
+           for phase, stages in timed.items()},
+    }
+
+
+def _tier_report(summary: dict) -> None:
+    print(f"local-tier restore, process 0's merge: {summary['processes']} processes x {summary['devices_per_process']}"
+          f" devices x {summary['leaves']} leaves = {summary['pieces']:,} pieces")
+    print(f"{'path':<12}{'stage':<10}{'wall s':>8}{'CPU s':>8}{'us/piece':>10}{'RSS MB':>8}")
+    for name, s in summary.get("tier", {}).items():
+        print(f"{'tier':<12}{name:<10}{s['wall_s']:>8.2f}{s['cpu_s']:>8.2f}{s['us_per_piece_cpu']:>10.2f}{s['rss_growth_mb']:>8.0f}")
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def _manager(tmp_path) -> tc.CheckpointManager:
 
 @pytest.mark.timeout(30, method="thread")
 @pytest.mark.parametrize("hazard", HAZARDS)
-@pytest.mark.parametrize("name", ["tier.json", "plan.json", "index-00000.json", "d00000-00000.safetensors"])
+@pytest.mark.parametrize("name", ["tier.json", "plan.json", "index-00000.bin", "d00000-00000.safetensors"])
 def test_a_spoiled_local_tier_file_is_a_typed_error(tmp_path, local_step, name, hazard):
     """A bad tier.json makes the step unknown (nothing else to restore); the others refuse it."""
     _spoil(local_step / name, hazard)

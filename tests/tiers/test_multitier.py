@@ -28,7 +28,7 @@ def test_local_tier_survives_lost_hosts_and_falls_back_to_the_persistent_tier(tm
         assert sorted(res["local"]) == ["step_6", "step_7", "step_8"], res
         owners = sorted({me, (me - 1) % 4})
         for files in res["local"].values():
-            assert [f for f in files if f.startswith("index-")] == [f"index-{p:05d}.json" for p in owners], files
+            assert [f for f in files if f.startswith("index-")] == [f"index-{p:05d}.bin" for p in owners], files
         # (a) all alive, (b) process 2's disk wiped: the local step, no persistent file opened.
         for case in ("all_alive", "one_lost"):
             assert res[case]["step"] == 8 and res[case]["mismatches"] == [], (case, res)
@@ -67,15 +67,15 @@ def test_a_local_directory_shared_by_the_processes_is_refused(tmp_path):
 def test_a_local_step_restores_onto_another_process_count(tmp_path):
     saved = _ok(process_group.run("tiers.tier_scenarios.another_process_count", 4, str(tmp_path), "save"))
     assert [f for f in saved[0]["local"]["step_2"] if f.startswith("index-")] == [
-        "index-00000.json", "index-00002.json", "index-00003.json"]
+        "index-00000.bin", "index-00002.bin", "index-00003.bin"]
     for res in _ok(process_group.run("tiers.tier_scenarios.another_process_count", 2, str(tmp_path), "restore")):
         assert res["step"] == 2 and res["mismatches"] == [] and res["persistent_opened"] == [], res
 
 
 def test_a_damaged_part_fails_the_restore_on_every_process(tmp_path):
     merging, other = _ok(process_group.run("tiers.tier_scenarios.damaged_index", 2, str(tmp_path)))
-    assert merging["error"] == "CorruptCheckpointError" and "index-00001.json" in merging["message"], merging
-    assert other["error"] == "RemoteProcessError" and "index-00001.json" in other["message"], other
+    assert merging["error"] == "CorruptCheckpointError" and "index-00001.bin" in merging["message"], merging
+    assert other["error"] == "RemoteProcessError" and "index-00001.bin" in other["message"], other
 
 
 def test_async_local_saves_keep_host_memory_limit_on_every_process(tmp_path):
@@ -102,7 +102,7 @@ def test_a_whole_slice_lost_restores_from_the_other_slice_with_nothing_sent_at_s
     for me, res in enumerate(_ok(process_group.run("tiers.tier_slice_scenarios.whole_slice_lost", 4, str(tmp_path)))):
         assert res["sent_per_step"] == 0, res  # each slice's own copy is the replica
         assert res["copy"] == ([0, 1] if me < 2 else [2, 3]), res
-        assert [n for n in res["local"] if n.startswith("index-")] == [f"index-{me:05d}.json"], res
+        assert [n for n in res["local"] if n.startswith("index-")] == [f"index-{me:05d}.bin"], res
         assert res["persistent_1"] == [], res  # slice 0's copy was uploaded, once
         assert res["step"] == 3 and res["mismatches"] == [] and res["persistent_opened"] == [], res
 

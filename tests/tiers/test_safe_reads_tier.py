@@ -65,10 +65,6 @@ def _w(doc) -> dict:
 @pytest.mark.parametrize("file, change", [
     ("plan.json", lambda d: _w(d).update(dtype="int8")),
     ("plan.json", lambda d: _w(d).update(dtype="float64")),
-    ("index-00000.json", lambda d: _w(d)["pieces"][0].__setitem__(3, 64)),
-    ("index-00000.json", lambda d: _w(d)["pieces"][0].__setitem__(0, [[0, 8], [0, 2]])),
-    ("index-00000.json", lambda d: _w(d)["pieces"][0].__setitem__(0, [[0, 80], [0, 4]])),
-    ("index-00000.json", lambda d: _w(d)["pieces"][0].__setitem__(2, 1 << 40)),
 ])
 def test_a_resealed_local_plan_or_index_that_disagrees_is_refused(tmp_path, step, file, change):
     _edit(step / file, change)
@@ -78,7 +74,7 @@ def test_a_resealed_local_plan_or_index_that_disagrees_is_refused(tmp_path, step
     assert "step_3" in str(e.value)
 
 
-@pytest.mark.parametrize("file", ["plan.json", "index-00000.json", "d00000-00000.safetensors"])
+@pytest.mark.parametrize("file", ["plan.json", "index-00000.bin", "d00000-00000.safetensors"])
 def test_a_local_file_linked_outside_is_refused(tmp_path, step, file):
     outside = tmp_path / "outside"
     outside.write_bytes((step / file).read_bytes())

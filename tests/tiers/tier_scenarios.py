@@ -206,7 +206,7 @@ def damaged_index(directory: str) -> dict:
     if me == 0:
         shutil.rmtree(os.path.join(persistent, "step_1"))  # process 0 lists for both
     if me == 1:
-        with open(os.path.join("local", "step_1", "index-00001.json"), "r+b") as f:
+        with open(os.path.join("local", "step_1", "index-00001.bin"), "r+b") as f:
             f.seek(10)
             f.write(b"#")
     try:

@@ -32,7 +32,7 @@ import numpy as np
 
 from tpu_ckpt.errors import CheckpointError, CorruptCheckpointError
 from tpu_ckpt.format import _decode_layout as decode_layout
-from tpu_ckpt.format._manifest import MAX_INT, Manifest, crc32c, dtype_itemsize
+from tpu_ckpt.format._manifest import MAX_INT, LeafEntry, Manifest, PieceEntry, crc32c, dtype_itemsize
 
 MAGIC = b"TPUCKIX1"
 _PREFIX = struct.Struct("<8sII")  # magic, header length, crc32c of the rest
@@ -109,6 +109,20 @@ def encode_index(index: Manifest, plan: IndexPlan) -> bytes:
     }, separators=(",", ":")).encode()
     body = b"".join([header, *(rows.tobytes() for rows in groups)])
     return _PREFIX.pack(MAGIC, len(header), crc32c(body)) + body
+
+
+def index_manifest(rows: IndexRows, plan: IndexPlan) -> Manifest:
+    """``rows`` back in manifest form (``saving.index``'s, the inverse of ``encode_index``):
+    a Python object per piece, so for one process's own part (a local step's upload), never
+    the job's pieces on one host."""
+    pieces: dict[int, list[PieceEntry]] = {}
+    for group in rows.groups.values():
+        spans = np.stack([group["start"], group["stop"]], axis=-1).tolist()  # [row][axis][start, stop]
+        columns = zip(*(group[field].tolist() for field in ("leaf", "file", "offset", "length", "crc32c")))
+        for (leaf, file, offset, length, crc), span in zip(columns, spans):
+            pieces.setdefault(leaf, []).append(PieceEntry(tuple(map(tuple, span)), rows.names[file], offset, length, crc))
+    leaves = tuple(LeafEntry(plan.keys[n], [], "array", pieces=tuple(p)) for n, p in sorted(pieces.items()))
+    return Manifest(leaves, dict(zip(rows.names, rows.sizes.tolist())), 0, "")
 
 
 def _rows(rank: int, items: list[tuple[Any, ...]]) -> np.ndarray:

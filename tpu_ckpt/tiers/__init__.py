@@ -5,7 +5,7 @@ from tpu_ckpt.tiers._cadence import Cadence
 from tpu_ckpt.tiers._local_tier import held_steps
 from tpu_ckpt.tiers._promote import Upload
 from tpu_ckpt.tiers._replicas import replica_roles
-from tpu_ckpt.tiers._restore import Choice, decide
+from tpu_ckpt.tiers._restore import Choice, decide, merge_parts
 from tpu_ckpt.tiers._tiers import FromLocal, LocalTier
 
-__all__ = ["Cadence", "Choice", "FromLocal", "LocalTier", "Upload", "decide", "held_steps", "replica_roles"]
+__all__ = ["Cadence", "Choice", "FromLocal", "LocalTier", "Upload", "decide", "held_steps", "merge_parts", "replica_roles"]

@@ -13,13 +13,13 @@ piece. What each host's disk holds:
                                                processes of this host's slice when each slice
                                                wrote a whole copy (``_slices``), else null}
         plan.json                             the save's manifest without pieces (every leaf)
-        d<p>-<n>.safetensors, index-<p>.json  the part of each process p this host holds: its
+        d<p>-<n>.safetensors, index-<p>.bin   the part of each process p this host holds: its
                                               own, and those it keeps as a replica
     <local_directory>/step_<s>.tmp-<hex>/     a local save in progress (or interrupted)
 
-A part's index is what an ordinary save's process writes (its pieces and data files), so the
-plan and parts covering every process merge into a full manifest as a commit merges them
-(``commit.merge_indexes``). A host
+A part's index is what an ordinary save's process leaves for the leader (binary rows,
+``format.encode_index``), so the plan and parts covering every process merge into a full
+manifest as a commit merges them (``saving.merge_rows``). A host
 renames its step into place only after a barrier says that every process has written its
 part and its replicas durably: a directory ``step_<s>`` holds complete parts only, and a step
 can be restored when the parts on the hosts still alive cover every process
@@ -45,9 +45,10 @@ import numpy as np
 
 from tpu_ckpt import cluster, relay, saving, storage
 from tpu_ckpt.errors import CheckpointError
+from tpu_ckpt.format import IndexPlan, encode_index
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.runtime import gc_paused
-from tpu_ckpt.saving import WRITER, SavePlan, SaveResult, index_file, plan_save, written_by
+from tpu_ckpt.saving import WRITER, SavePlan, SaveResult, plan_save, staged_index_file, written_by
 from tpu_ckpt.tiers._placement import check_size
 from tpu_ckpt.tiers._replicas import replica_roles
 from tpu_ckpt.tiers._slices import copy_group, job_slices
@@ -59,6 +60,7 @@ PLAN_FILE = "plan.json"  # the plan's manifest: every leaf, no piece (decoded wi
 _COMMITTED = re.compile(r"step_(\d+)")
 _LEFTOVER = re.compile(r"step_\d+\.(tmp|old)-[0-9a-f]+")
 _proved = cluster.Proved()  # local directories this process has proved are its own (see _prove_private)
+_old_warned: set[str] = set()  # local steps of JSON indexes this process has warned of (``_owners``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +92,7 @@ def held_steps(root: str) -> list[LocalStep]:
         path = os.path.join(root, name)
         try:
             info = storage.read_json(path, TIER_FILE, 1 << 16)  # no FIFO, device, link out or deep nesting
-            owners = {owner for n in os.listdir(path) if n.startswith("index-") and (owner := written_by(n)) is not None}
+            owners = _owners(path)
             count = info["count"]
             if type(count) is not int or count < 1:
                 raise ValueError(f"{TIER_FILE} gives a process count of {count!r}")
@@ -100,6 +102,21 @@ def held_steps(root: str) -> list[LocalStep]:
         except (OSError, ValueError, KeyError, TypeError, CheckpointError) as e:
             logger.warning("tpu_ckpt: ignoring the local step %s: %s", path, e)
     return sorted(found, key=lambda s: s.step)
+
+
+def _owners(path: str) -> set[int]:
+    """The processes whose parts the step ``path`` holds: its binary indexes. A step saved
+    before parts kept them binary (``index-<p>.json``) holds none a restore reads: it is
+    warned of (once), never chosen (the persistent tier serves), and pruned like any other."""
+    names = os.listdir(path)
+    if path not in _old_warned and any(n.endswith(".json") and written_by(n) is not None for n in names):
+        _old_warned.add(path)
+        logger.warning(
+            "tpu_ckpt: the local step %s was saved by an earlier tpu_ckpt, whose parts' indexes are JSON: "
+            "it is not restored from the local tier (a restore takes the persistent tier's steps), and goes "
+            "as newer local steps are saved", path,
+        )
+    return {owner for n in names if (owner := written_by(n)) is not None and n == staged_index_file(owner)}
 
 
 def save_local(
@@ -248,8 +265,9 @@ class _LocalSave:
         its part (the plan is the same on every process: each host keeps its own copy)."""
         files, self._files = collections.deque(self._files), ()
         index = saving.write_all(writes, files, recycle=self._copied)
-        name = index_file(self.coord.me)
-        for future in (store.write(name, [index.to_json()]), store.write(PLAN_FILE, [self.planned.to_json()])):
+        name = staged_index_file(self.coord.me)  # binary rows: the tier restore merges them as a commit does
+        rows = encode_index(index, IndexPlan.of(self.planned))
+        for future in (store.write(name, [rows]), store.write(PLAN_FILE, [self.planned.to_json()])):
             future.result()
         return [*index.files, name]
 

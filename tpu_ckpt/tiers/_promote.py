@@ -23,9 +23,9 @@ import numpy as np
 
 from tpu_ckpt import cluster, saving, storage
 from tpu_ckpt.errors import CorruptCheckpointError
-from tpu_ckpt.format import Manifest, PieceEntry, crc32c, decode_manifest
+from tpu_ckpt.format import IndexPlan, Manifest, PieceEntry, crc32c, decode_index, decode_manifest, index_manifest
 from tpu_ckpt.options import CheckpointOptions
-from tpu_ckpt.saving import SaveJob, SavePlan, Staging, index_file, prepare, staged_index_file, write_budget
+from tpu_ckpt.saving import SaveJob, SavePlan, Staging, prepare, staged_index_file, write_budget
 from tpu_ckpt.tiers import _local_tier as local_tier
 
 logger = logging.getLogger(__name__)
@@ -50,8 +50,9 @@ class Upload:
         coord = self.coord
         try:
             source = local_tier.step_dir(root, self.step)
-            plan = _decoded(source, local_tier.PLAN_FILE, tiled=False)
-            index = _uploaded(source, _decoded(source, index_file(coord.me), complete=False))
+            data, where = _read(source, local_tier.PLAN_FILE)
+            plan = decode_manifest(data, where=where, tiled=False)
+            index = _uploaded(source, _own_index(source, plan, coord.me))
             staging = prepare(self.final, coord, 0, self.options.coordination_timeout, relayed=False)
         except BaseException as error:
             with coord:
@@ -60,11 +61,18 @@ class Upload:
         _FromLocalFiles(plan, index, source, self.final, coord, self.options, staging).run()
 
 
-def _decoded(source: str, name: str, *, complete: bool = True, tiled: bool = True) -> Manifest:
+def _read(source: str, name: str) -> tuple[bytes, str]:
     data, where = storage.read_whole(source, name), os.path.join(source, name)
     if data is None:
         raise CorruptCheckpointError(f"{where} is missing", file=where)
-    return decode_manifest(data, where=where, complete=complete, tiled=tiled)
+    return data, where
+
+
+def _own_index(source: str, plan: Manifest, me: int) -> Manifest:
+    """This process's part's index (binary rows, checked against the plan), in manifest form."""
+    data, where = _read(source, staged_index_file(me))
+    rows_plan = IndexPlan.of(plan)
+    return index_manifest(decode_index(data, where=where, plan=rows_plan), rows_plan)
 
 
 def _uploaded(source: str, index: Manifest) -> Manifest:
@@ -88,7 +96,7 @@ class _FromLocalFiles(SaveJob):
         super().__init__(SavePlan(coord.me, plan, (), pieces), final, coord, 0, options, staging)
         self._index = index
         self._source = source
-        self._own_files = (*index.files, staged_index_file(coord.me))
+        self._own_files = (*index.files, staged_index_file(coord.me, staging.token))
 
     def write_own(self, store: storage.CheckpointStore) -> Manifest:
         """Copies this process's data files, ``writes_in_flight`` at a time (and within
