@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(PY) scripts/demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 	$(MAKE) test-compat
 	$(MAKE) docs
 	$(MAKE) lint
@@ -49,8 +49,9 @@ test-compat: $(COMPAT_STAMP)
 bench: $(STAMP)
 	$(PY) scripts/benchmark.py
 
-# Issue 12's pod-scale targets at 1.1 M pieces (docs/scaling.md): minutes, ~6.3 GB peak RSS.
-# Exits 1 while a target fails. Another size: make pod-scale POD_SCALE_ARGS="--devices 2048 --leaves 220"
+# The pod-scale targets at 1.1 M pieces in one process (docs/scaling.md): minutes, ~6.3 GB peak RSS.
+# Exits 1 while a target fails. Another size: make pod-scale POD_SCALE_ARGS="--devices 2048 --leaves 220";
+# the per-host run, 8 real processes x 64 devices beside 1 x 64: POD_SCALE_ARGS="--processes 8"
 pod-scale: $(STAMP)
 	$(PY) scripts/pod_scale.py $(POD_SCALE_ARGS)
 

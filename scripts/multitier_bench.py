@@ -44,7 +44,7 @@ def main() -> int:
         env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
         persistent = os.path.join(directory, "persistent")
         if args.s3:
-            moto, endpoint = _moto(directory)
+            moto, endpoint = start_moto(directory)
             env.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
                        AWS_REGION="us-east-1")
             persistent = "s3://bench/run"
@@ -58,7 +58,7 @@ def main() -> int:
     return 0
 
 
-def _moto(directory: str) -> tuple[subprocess.Popen, str]:
+def start_moto(directory: str) -> tuple[subprocess.Popen, str]:
     port = workers.free_port()
     server = os.path.join(os.path.dirname(sys.executable), "moto_server")
     log = open(os.path.join(directory, "moto.log"), "w")  # noqa: SIM115 - lives as long as the server

@@ -16,7 +16,14 @@ for the save, the state included: what decides whether a larger run fits). Then 
 bytes (every file but the safetensors data), the data files' bytes against the arrays'
 bytes, and PASS/FAIL against issue 12's targets: metadata and one-leaf restore each <= 1 s
 and <= 150 MB RSS growth, save <= 20 s (at 1.1 M pieces; in proportion to the pieces at
-other sizes), control bytes <= 24 per piece. It exits 1 when a target fails.
+other sizes), control bytes <= 24 per piece; and ``tc.check_restore`` (issue 25): <= 1 s,
+no data byte read. It exits 1 when a target fails.
+
+The restore check is measured twice in its phase: onto the saved sharding, and onto another
+mesh (the devices reversed, in pairs: every region is two saved pieces). What it reads is
+counted by wrapping the local readers (``storage.read_ranges`` and ``read_whole``: bytes per
+file) and the one opener of a checkpoint's files (``open_regular``: every file opened, for a
+size check too), so "no data byte read" means no ``*.safetensors`` file was even opened.
 
     python scripts/pod_scale.py --processes 8 [--devices-per-process 64] [--leaves 2200] [--json OUT]
 
@@ -29,13 +36,17 @@ peak RSS growth and the bytes it sent the leader (its index file); the leader's 
 and RSS growth; per process on restore: time, piece-table bytes read, piece entries built, RSS
 growth, and a bit-exact check of the first, middle and last leaves' local shards; and the
 listing cost (``CheckpointManager.all_steps`` on the directory, plus the object count and
-parse an object store's listing would cost). Then the same at 1 x D x L, the same share per
-host, and the ratios P vs 1. Times are wall and CPU (getrusage: all of a process's threads).
+parse an object store's listing would cost). Before that restore, each process runs
+``tc.check_restore`` on both targets (which plans every process's reads from the global
+shardings: all 1.1 M pieces, on every process), measured and counted as above; a report
+that is not ok, or a data file opened, fails the run. Then the same at 1 x D x L, the same
+share per host, and the ratios P vs 1. Times are wall and CPU (getrusage: all of a process's threads).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -48,7 +59,7 @@ import workers  # scripts/workers.py
 
 MB = 1e6
 PIECE_ELEMENTS = 4  # float32: 16 bytes a piece
-PHASES = ("save", "metadata", "restore_one", "restore_all")
+PHASES = ("save", "metadata", "restore_one", "check_restore", "restore_all")
 STAGES = ("save", "restore")  # of --processes: each in fresh processes
 ISSUE_PIECES = 512 * 2200  # the size issue 12 sets its targets at
 # metric -> (largest passing value, unit); issue 12 items 7 and 8. The save's limit grows
@@ -60,7 +71,10 @@ TARGETS = {
     "restore_one_s": (1.0, "s"),
     "restore_one_rss_mb": (150.0, "MB"),
     "control_bytes_per_piece": (24.0, "B"),
+    "check_restore_s": (1.0, "s"),  # issue 25, onto the saved sharding
+    "check_restore_data_bytes": (0.0, "B"),  # both targets together
 }
+DATA_SUFFIX = ".safetensors"
 
 
 def main() -> int:
@@ -142,6 +156,8 @@ def _run_phase(args: argparse.Namespace) -> dict:
         return _timed(lambda: save(args.path, state).wait())
     if args.phase == "metadata":
         return _timed(lambda: metadata(args.path), check=lambda tree: len(tree) == args.leaves)
+    if args.phase == "check_restore":
+        return _check_phase(args, shape, sharding)
     names = [_name(i) for i in range(args.leaves)] if args.phase == "restore_all" else [_name(args.leaves // 2)]
     target = {name: jax.ShapeDtypeStruct(shape, "float32", sharding=sharding) for name in names}
     return _timed(lambda: restore(args.path, target), check=lambda tree: _holds_what_was_saved(tree, shape))
@@ -176,6 +192,102 @@ def _timed(call, check=lambda _: True) -> dict:
     return {"seconds": measured["wall_s"], "rss_growth_mb": measured["rss_growth_mb"], "peak_rss_mb": measured["peak_rss_mb"]}
 
 
+def _check_phase(args: argparse.Namespace, shape: tuple[int], sharding) -> dict:
+    """The restore check onto the saved sharding (the phase's time and RSS), then onto another mesh."""
+    same = _checked(args.path, _target(args.leaves, shape, sharding))
+    other = _checked(args.path, _target(args.leaves, shape, _other_sharding()))
+    return {"seconds": same["wall_s"], "rss_growth_mb": same["rss_growth_mb"], "peak_rss_mb": same["peak_rss_mb"],
+            "same": same, "other": other}
+
+
+def _target(leaves: int, shape: tuple[int], sharding) -> dict:
+    import jax
+    import numpy as np
+
+    return {_name(i): jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding) for i in range(leaves)}
+
+
+def _other_sharding():
+    """The devices reversed, in pairs, the leaves split over the pairs: every region is two
+    saved pieces, and (with several processes) pieces that other processes saved."""
+    import jax
+    import numpy as np
+
+    devices = np.array(jax.devices()[::-1])
+    mesh = jax.sharding.Mesh(devices.reshape(-1, 2 if devices.size % 2 == 0 else 1), ("d", "pair"))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+
+
+def _checked(path: str, target: dict) -> dict:
+    """``tc.check_restore(path, target)``, measured, with what it read (``_file_reads``); a
+    report that is not ok ends the run (the saved checkpoint fits either target)."""
+    import jax
+
+    import tpu_ckpt as tc
+
+    with _file_reads() as seen:
+        report, measured = workers.measured(lambda: tc.check_restore(path, target))
+    if not report.ok:
+        raise SystemExit(f"check_restore reports problems: {report.problems[:3]}")
+    data = sum(n for name, n in seen["bytes"].items() if name.endswith(DATA_SUFFIX))
+    return {**measured, "data_bytes_read": data, "control_bytes_read": sum(seen["bytes"].values()) - data,
+            "files_opened": len(seen["opened"]), "data_files_opened": sum(p.endswith(DATA_SUFFIX) for p in seen["opened"]),
+            "planned_bytes": report.bytes_per_process.get(jax.process_index(), 0),
+            "processes_reported": len(report.reads), "resharded_leaves": len(report.resharded)}
+
+
+@contextlib.contextmanager
+def _file_reads():
+    """Counts, while entered, the bytes read per checkpoint file through the two local
+    readers (under both of their names: the storage face's and its module's, so whoever calls
+    them is counted) and the path of every file opened for reading (``open_regular``)."""
+    import threading
+
+    from tpu_ckpt import storage
+    from tpu_ckpt.storage import _safe_reads as safe_reads
+
+    seen, lock = {"bytes": {}, "opened": set()}, threading.Lock()
+    real = {name: getattr(safe_reads, name) for name in ("read_ranges", "read_whole", "open_regular")}
+
+    def count(name: str, nbytes: int) -> None:
+        with lock:
+            seen["bytes"][name] = seen["bytes"].get(name, 0) + nbytes
+
+    def read_ranges(root, name, start, lengths):
+        count(name, sum(lengths))
+        return real["read_ranges"](root, name, start, lengths)
+
+    def read_whole(root, name, *rest, **kwargs):
+        data = real["read_whole"](root, name, *rest, **kwargs)
+        count(name, len(data or b""))
+        return data
+
+    def open_regular(path, **kwargs):
+        with lock:
+            seen["opened"].add(path)
+        return real["open_regular"](path, **kwargs)
+
+    wrappers = {"read_ranges": read_ranges, "read_whole": read_whole, "open_regular": open_regular}
+    patched = [(module, name) for module in (storage, safe_reads) for name in wrappers if hasattr(module, name)]
+    for module, name in patched:
+        setattr(module, name, wrappers[name])
+    try:
+        yield seen
+    finally:
+        for module, name in patched:
+            setattr(module, name, real[name])
+
+
+_TARGET_NAMES = {"same": "the saved sharding", "other": "another mesh"}
+
+
+def _check_text(check: dict) -> str:
+    return (f"{check['wall_s']:.2f} s (CPU {check['cpu_s']:.2f} s), peak RSS growth {check['rss_growth_mb']:.0f} MB;"
+            f" read {check['control_bytes_read']:,} control bytes from {check['files_opened']} files,"
+            f" {check['data_bytes_read']:,} data bytes ({check['data_files_opened']} data files opened);"
+            f" plans {check['planned_bytes']:,} bytes for this process, {check['resharded_leaves']} leaves resharded")
+
+
 def _report(args: argparse.Namespace, results: dict[str, dict]) -> int:
     pieces = args.devices * args.leaves
     files = results["files"]
@@ -187,12 +299,17 @@ def _report(args: argparse.Namespace, results: dict[str, dict]) -> int:
         "restore_one_s": results["restore_one"]["seconds"],
         "restore_one_rss_mb": results["restore_one"]["rss_growth_mb"],
         "control_bytes_per_piece": files["control"] / pieces,
+        "check_restore_s": results["check_restore"]["same"]["wall_s"],
+        "check_restore_data_bytes": sum(results["check_restore"][t]["data_bytes_read"] for t in ("same", "other")),
     }
     print(f"\n{args.devices} devices x {args.leaves} leaves = {pieces:,} pieces of {PIECE_ELEMENTS * 4} bytes")
     print(f"save: {pieces / results['save']['seconds']:,.0f} pieces/s, peak RSS growth {results['save']['rss_growth_mb']:.0f} MB")
     print(f"full restore: {results['restore_all']['seconds']:.2f} s, peak RSS growth {results['restore_all']['rss_growth_mb']:.0f} MB")
     print(f"files: {files['count']}; control bytes {files['control']:,} (manifest {files['manifest']:,})")
     print(f"data files: {files['data']:,} bytes for {array_bytes:,} bytes of arrays ({files['data'] / array_bytes:.1f}x)")
+    for target, check in results["check_restore"].items():
+        if target in ("same", "other"):
+            print(f"check_restore ({_TARGET_NAMES[target]}): {_check_text(check)}")
     print(f"\n{'metric':<26}{'measured':>12}{'target':>12}")
     failed = 0
     for metric, (limit, unit) in TARGETS.items():
@@ -212,15 +329,17 @@ def _multi(args: argparse.Namespace) -> int:
     runs = {processes: _multi_run(args, processes) for processes in dict.fromkeys((args.processes, 1))}
     summary = {"devices_per_process": args.devices_per_process, "leaves": args.leaves, "runs": runs,
                "ratios": _ratios(runs[args.processes], runs[1]) if args.processes != 1 else {}}
+    failed = 0
     for run in runs.values():
         _multi_report(run)
+        failed += _multi_check_report(run)
     if summary["ratios"]:
         print(f"\nP={args.processes} vs P=1 (largest over the processes; the leader's for its commit):")
         for name, ratio in summary["ratios"].items():
             print(f"  {name:<28}{ratio:>8.2f}x")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(summary, indent=1))
-    return 0
+    return 1 if failed else 0
 
 
 def _multi_run(args: argparse.Namespace, processes: int) -> dict:
@@ -251,7 +370,7 @@ def _worker(args: argparse.Namespace, port: int, index: int) -> dict:
 
     import tpu_ckpt as tc
 
-    for name in ("save", "restore", "CheckpointManager"):  # the package loads them on first use: now, not measured
+    for name in ("save", "restore", "check_restore", "CheckpointManager"):  # loaded on first use: now, not measured
         getattr(tc, name)
     mesh = jax.sharding.Mesh(jax.devices(), ("d",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
@@ -293,26 +412,31 @@ def _save_stage(args: argparse.Namespace, sharding, shape: tuple[int]) -> dict:
         _, saving = workers.measured(lambda: tc.save(args.path, state).wait())
     finally:
         commit.commit, save.encode_index = real_commit, real_encode
-    saving["rss_growth_mb"] = max(saving["rss_growth_mb"], seen.pop("peak_before_commit_mb") - saving["rss_before_mb"])
+    before_commit = seen.pop("peak_before_commit_mb") - saving["rss_before_mb"]
+    saving["rss_growth_mb"] = max(saving["rss_growth_mb"], before_commit)
+    # The leader's share of the save, its commit aside (the commit is the leader's own metric).
+    commit_cpu = seen["commit"]["cpu_s"] if seen["commit"] else 0.0
+    saving["own_share_cpu_s"] = saving["cpu_s"] - commit_cpu
+    saving["own_share_rss_growth_mb"] = before_commit if seen["commit"] else saving["rss_growth_mb"]
     return {"pieces": plan.piece_count, "planning": planning, "save": saving, **seen}
 
 
 def _restore_stage(args: argparse.Namespace, sharding, shape: tuple[int]) -> dict:
-    """A full restore onto the saved sharding, counting the piece-table bytes read and the
-    piece entries built (by wrapping ``table_reads._read_rows`` and ``_entries``); then the
-    manager's listing of the directory."""
+    """The restore check onto the saved sharding and onto another mesh; then a full restore
+    onto the saved sharding, counting the piece-table bytes read and the piece entries built
+    (by wrapping ``table_reads._read_rows`` and ``table_rows.entries``); then the manager's listing of
+    the directory."""
     import threading
-
-    import jax
-    import numpy as np
 
     import tpu_ckpt as tc
     from tpu_ckpt import catalog
     from tpu_ckpt.format import _table_reads as table_reads
+    from tpu_ckpt.format import _table_rows as table_rows
 
-    target = {_name(i): jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding) for i in range(args.leaves)}
+    target = _target(args.leaves, shape, sharding)
+    checks = {"same": _checked(args.path, target), "other": _checked(args.path, _target(args.leaves, shape, _other_sharding()))}
     counts, lock = {"table_bytes": 0, "entries": 0}, threading.Lock()
-    real_read, real_load = table_reads._read_rows, table_reads._entries
+    real_read, real_load = table_reads._read_rows, table_rows.entries
 
     def read_rows(*call_args) -> bytes:
         data = real_read(*call_args)
@@ -326,11 +450,11 @@ def _restore_stage(args: argparse.Namespace, sharding, shape: tuple[int]) -> dic
             counts["entries"] += len(pieces)
         return pieces
 
-    table_reads._read_rows, table_reads._entries = read_rows, load
+    table_reads._read_rows, table_rows.entries = read_rows, load
     try:
         restored, restoring = workers.measured(lambda: tc.restore(args.path, target))
     finally:
-        table_reads._read_rows, table_reads._entries = real_read, real_load
+        table_reads._read_rows, table_rows.entries = real_read, real_load
     checked = _check_shards(restored, shape)
     manager = tc.CheckpointManager(os.path.dirname(args.path))
     steps, listed = workers.measured(manager.all_steps)
@@ -338,7 +462,7 @@ def _restore_stage(args: argparse.Namespace, sharding, shape: tuple[int]) -> dic
         raise SystemExit(f"the manager lists steps {steps}, not [0]")
     keys = [f"0/{name}" for name in os.listdir(args.path)]  # what an object store's listing returns
     _, parsed = workers.measured(lambda: catalog.parse_listing(keys))
-    return {"restore": restoring, **counts, "checked_shards": checked, "manager_all_steps": listed,
+    return {"check_restore": checks, "restore": restoring, **counts, "checked_shards": checked, "manager_all_steps": listed,
             "objects": len(keys), "object_listing_parse": parsed}
 
 
@@ -369,9 +493,12 @@ def _ratios(many: dict, one: dict) -> dict[str, float]:
     metrics = {
         "planning_cpu_s": ("save", lambda r: r["planning"]["cpu_s"]),
         "save_blocking_s": ("save", lambda r: r["save"]["wall_s"]),
+        "save_blocking_cpu_s": ("save", lambda r: r["save"]["own_share_cpu_s"]),
         "save_rss_growth_mb": ("save", lambda r: r["save"]["rss_growth_mb"]),
+        "save_rss_growth_but_commit_mb": ("save", lambda r: r["save"]["own_share_rss_growth_mb"]),
         "commit_cpu_s": ("save", lambda r: r["commit"]["cpu_s"] if r["commit"] else 0.0),
         "commit_rss_growth_mb": ("save", lambda r: r["commit"]["rss_growth_mb"] if r["commit"] else 0.0),
+        "check_restore_cpu_s": ("restore", lambda r: r["check_restore"]["same"]["cpu_s"]),
         "restore_cpu_s": ("restore", lambda r: r["restore"]["cpu_s"]),
         "restore_rss_growth_mb": ("restore", lambda r: r["restore"]["rss_growth_mb"]),
         "table_bytes_read": ("restore", lambda r: r["table_bytes"]),
@@ -402,6 +529,25 @@ def _multi_report(run: dict) -> None:
           f" an object store's listing would return {lead['objects']} objects, parsed in"
           f" {lead['object_listing_parse']['cpu_s'] * 1e3:.1f} ms CPU")
     print(f"restored shards compared bit for bit: {sum(r['checked_shards'] for r in run['restore'])}")
+
+
+def _multi_check_report(run: dict) -> int:
+    """Each process's restore checks, then issue 25's targets over the processes: the slowest
+    check onto the saved sharding against 1 s (at 1.1 M pieces), the data bytes of all of
+    them against 0. Returns how many failed: only a data byte read does (times are the
+    machine's, reported, not judged in the exit status)."""
+    for target, name in _TARGET_NAMES.items():
+        print(f"check_restore onto {name}, per process:")
+        for restored in run["restore"]:
+            print(f"  {restored['process']:>3}: {_check_text(restored['check_restore'][target])}")
+    slowest = max(r["check_restore"]["same"]["wall_s"] for r in run["restore"])
+    data = sum(r["check_restore"][t]["data_bytes_read"] + r["check_restore"][t]["data_files_opened"]
+               for r in run["restore"] for t in _TARGET_NAMES)
+    limit = TARGETS["check_restore_s"][0]
+    print(f"check_restore: slowest {slowest:.2f} s (target <= {limit:g} s at {ISSUE_PIECES:,} pieces;"
+          f" {run['pieces']:,} here) {'PASS' if slowest <= limit else 'FAIL'};"
+          f" data bytes read and data files opened, all processes: {data} (target 0) {'PASS' if not data else 'FAIL'}")
+    return 1 if data else 0
 
 
 if __name__ == "__main__":

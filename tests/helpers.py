@@ -134,3 +134,40 @@ class CountingStore:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def merge_indexes(planned, indexes, check: bool = True):
+    """``planned`` completed by indexes in manifest form, a Python object per piece: the
+    reference model the vectorized merge (``saving.merge_rows``) is tested against. Raises
+    ``CheckpointError`` naming the leaf whose merged pieces miss or repeat a block."""
+    import dataclasses
+
+    from tpu_ckpt.errors import CheckpointError
+    from tpu_ckpt.format import tiling_problem
+
+    pieces: dict = {}
+    files: dict = {}
+    for one in indexes:
+        files.update(one.files)
+        for entry in one.leaves:
+            pieces.setdefault(entry.key, []).extend(entry.pieces)
+    leaves = tuple(dataclasses.replace(e, pieces=tuple(sorted(pieces.get(e.key, ()), key=lambda p: p.slice))) for e in planned.leaves)
+    merged = dataclasses.replace(planned, leaves=leaves, files=dict(sorted(files.items())))
+    for entry in merged.leaves if check else ():
+        problem = None if entry.kind != "array" else tiling_problem(entry.shape, [p.slice for p in entry.pieces])
+        if problem:
+            raise CheckpointError(
+                f"Leaf {entry.key!r}: {problem}; refusing to commit an inconsistent checkpoint. Are all processes saving the same tree?", key=entry.key
+            )
+    return merged
+
+
+def binary_merge(planned, indexes):
+    """Indexes in manifest form merged as the leader's commit merges them: each encoded to
+    binary rows and decoded (``format.encode_index``), then ``saving.merge_rows``."""
+    from tpu_ckpt.format import IndexPlan, decode_index, encode_index
+    from tpu_ckpt.saving import merge_rows
+
+    plan = IndexPlan.of(planned)
+    rows = [decode_index(encode_index(one, plan), where=f"index-{p}", plan=plan) for p, one in enumerate(indexes)]
+    return merge_rows(planned, plan, rows)

@@ -62,6 +62,10 @@ class Settings:
     # fail on. Past it the operation fails with a CheckpointError naming the object and the
     # last status (storage/_retries.py).
     object_retry_seconds: float = 900.0  # TPU_CKPT_OBJECT_RETRY_SECONDS
+    # The most object-store requests a second this process issues, over all its stores (0: no
+    # limit): the bucket's request rate divided by the number of hosts keeps a pod under it
+    # together instead of throttled together (storage/_request_rate.py, docs/object_stores.md).
+    object_requests_per_second: float = 0.0  # TPU_CKPT_OBJECT_REQUESTS_PER_SECOND
     relay_connections: int = 4  # sockets a process opens to a relay server
     relay_writes_in_flight: int = 4  # files an io_device relay server holds in memory, over all clients
     relay_heartbeat_seconds: float = 5.0  # how often a relay server tells a queued write that it waits
@@ -95,12 +99,17 @@ class Settings:
             relay_ports=_port_range(environ.get("TPU_CKPT_RELAY_PORTS") or None),
             aws_endpoint_url=environ.get("AWS_ENDPOINT_URL") or None,
             slices=_slices(environ.get("TPU_CKPT_SLICES") or None),
-            object_retry_seconds=_seconds("TPU_CKPT_OBJECT_RETRY_SECONDS", environ, cls.object_retry_seconds),
+            object_retry_seconds=_number(
+                "TPU_CKPT_OBJECT_RETRY_SECONDS", environ, cls.object_retry_seconds, "a number of seconds"
+            ),
+            object_requests_per_second=_number(
+                "TPU_CKPT_OBJECT_REQUESTS_PER_SECOND", environ, cls.object_requests_per_second, "a number of requests a second"
+            ),
         )
 
 
 _FROM_ENVIRONMENT = ("relay_host", "relay_ports", "aws_endpoint_url", "slices")
-_MAY_BE_ZERO = ("relay_socket_buffer_bytes", "reuse_snapshot_buffers")
+_MAY_BE_ZERO = ("relay_socket_buffer_bytes", "reuse_snapshot_buffers", "object_requests_per_second")
 
 
 def _port_range(text: str | None) -> tuple[int, int] | None:
@@ -113,7 +122,7 @@ def _port_range(text: str | None) -> tuple[int, int] | None:
         raise ValueError(f"TPU_CKPT_RELAY_PORTS must be a port or a range such as 50100-50199, got {text!r}") from None
 
 
-def _seconds(variable: str, environ: Mapping[str, str], default: float) -> float:
+def _number(variable: str, environ: Mapping[str, str], default: float, what: str) -> float:
     """A knob the environment may set too (tests and launchers outside the library do)."""
     text = environ.get(variable) or None
     if text is None:
@@ -121,7 +130,7 @@ def _seconds(variable: str, environ: Mapping[str, str], default: float) -> float
     try:
         return float(text)
     except ValueError:
-        raise ValueError(f"{variable} must be a number of seconds, got {text!r}") from None
+        raise ValueError(f"{variable} must be {what}, got {text!r}") from None
 
 
 def _slices(text: str | None) -> tuple[int, ...] | None:

@@ -40,7 +40,7 @@ def data_written(url: str) -> Callable[[], bool]:
 
     def written() -> bool:
         with storage.Store(storage.location(url), threads=1) as store:
-            return any(name.rpartition("/")[2].startswith("d0") for name in store.list())
+            return any(name.endswith(".safetensors") for name in store.list())
 
     return written
 

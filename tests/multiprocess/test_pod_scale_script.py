@@ -50,11 +50,16 @@ def test_pod_scale_runs_several_processes_and_checks_the_restore(tmp_path):
             assert restored["checked_shards"] == 3 * 2  # first, middle, last leaf: each of its 2 local shards
             assert restored["objects"] == run["files"]["count"]
             assert {"wall_s", "cpu_s", "rss_growth_mb"} <= set(restored["restore"])
+            for target, check in restored["check_restore"].items():  # issue 25: from the manifest and tables alone
+                assert check["data_bytes_read"] == check["data_files_opened"] == 0 < check["control_bytes_read"], check
+                assert check["processes_reported"] == int(processes) and check["planned_bytes"] == 16 * own
+                assert check["resharded_leaves"] == (8 if target == "other" else 0)
     senders = [r for r in runs["2"]["save"] if r["sent_to_leader_bytes"]]
     assert [r["process"] for r in senders] == [1]  # only the non-leader sends an index
     assert set(summary["ratios"]) >= {"planning_cpu_s", "commit_cpu_s", "restore_cpu_s", "table_bytes_read", "entries_built"}
     assert summary["ratios"]["entries_built"] == 1.0
     assert "restored shards compared bit for bit: 12" in stdout
+    assert "data bytes read and data files opened, all processes: 0 (target 0) PASS" in stdout
 
 
 def test_leader_commit_bench_commits_synthetic_indexes(tmp_path):

@@ -4,6 +4,7 @@ manifest-form indexes, and every inconsistency refused, without a Python object 
 import pytest
 
 import tpu_ckpt as tc
+from tests.helpers import binary_merge, merge_indexes
 from tpu_ckpt import storage
 from tpu_ckpt.format import (
     IndexPlan,
@@ -15,7 +16,7 @@ from tpu_ckpt.format import (
     encode_index,
     encode_manifest,
 )
-from tpu_ckpt.saving import commit, index, merge_indexes, merge_rows, staged_index_file
+from tpu_ckpt.saving import commit, index, merge_rows, staged_index_file
 
 FILE_BYTES = 1 << 20
 
@@ -69,9 +70,7 @@ def _indexes(slices_of=_slices, processes=3):
 
 
 def _binary_merge(indexes, planned=PLANNED):
-    plan = IndexPlan.of(planned)
-    rows = [decode_index(encode_index(one, plan), where=f"index-{p}", plan=plan) for p, one in enumerate(indexes)]
-    return merge_rows(planned, plan, rows)
+    return binary_merge(planned, indexes)
 
 
 def test_binary_merge_commits_the_same_manifest_and_tables_as_the_manifest_form_merge():

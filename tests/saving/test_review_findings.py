@@ -119,8 +119,9 @@ def test_a_local_steps_plan_from_another_save_is_named_as_corrupt(tmp_path, othe
 
 
 def test_a_commit_of_a_leaf_no_process_wrote_is_refused_with_a_checkpoint_error():
-    from tpu_ckpt.saving import merge_indexes, plan_save
+    from tests.helpers import binary_merge
+    from tpu_ckpt.saving import plan_save
 
     plan = plan_save({"w": np.ones((8, 4), np.float32)}, tc.CheckpointOptions(), process_index=0, process_count=1)
     with pytest.raises(tc.CheckpointError, match="'w'.*leaving a gap"):
-        merge_indexes(plan.manifest, [])  # every index lacks the leaf (processes saving different trees)
+        binary_merge(plan.manifest, [])  # every index lacks the leaf (processes saving different trees)

@@ -12,8 +12,9 @@ from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
 from tests import helpers, process_group
-from tpu_ckpt.format import PieceEntry
-from tpu_ckpt.saving import index, merge_indexes, plan_save, written_by
+from tests.helpers import binary_merge
+from tpu_ckpt.format import PieceEntry, TableSource, decode_manifest, encode_manifest
+from tpu_ckpt.saving import index, plan_save, written_by
 
 
 def written(plan):
@@ -183,7 +184,7 @@ def test_file_names_tell_their_process():
 
 
 def piece(spec, file):
-    return PieceEntry(spec, file, 0, 8, 0)
+    return PieceEntry(spec, file, 0, 32, 0)  # a (2, 2) block of float64
 
 
 def test_merging_indexes_makes_a_new_manifest_and_changes_no_input():
@@ -191,7 +192,9 @@ def test_merging_indexes_makes_a_new_manifest_and_changes_no_input():
     own = index({"w": [piece(((2, 4), (0, 2)), "d00000-00000.safetensors")]}, {"d00000-00000.safetensors": 100})
     theirs = index({"w": [piece(((0, 2), (0, 2)), "d00001-00000.safetensors")]}, {"d00001-00000.safetensors": 90})
     before = (plan.manifest, dict(own.files), own.leaves, dict(theirs.files))
-    merged = merge_indexes(plan.manifest, [own, theirs])
+    body, tables = encode_manifest(*binary_merge(plan.manifest, [own, theirs]))
+    source = TableSource(lambda name, start, length: tables[name][start : start + length], lambda name: name)
+    merged = decode_manifest(body, where="the merged manifest", tables=source)
     assert merged.files == {"d00000-00000.safetensors": 100, "d00001-00000.safetensors": 90}
     assert [p.slice for p in next(e for e in merged.leaves if e.key == "w").pieces] == [((0, 2), (0, 2)), ((2, 4), (0, 2))]
     assert (merged.process_count, merged.sharding_callback) == (2, plan.manifest.sharding_callback)
@@ -202,7 +205,7 @@ def test_merging_indexes_that_miss_a_block_refuses_to_commit():
     plan = plan_save({"w": np.ones((4, 2))}, process_index=0, process_count=2)
     own = index({"w": [piece(((2, 4), (0, 2)), "d00000-00000.safetensors")]}, {"d00000-00000.safetensors": 100})
     with pytest.raises(tc.CheckpointError, match="'w'.*refusing to commit"):
-        merge_indexes(plan.manifest, [own])
+        binary_merge(plan.manifest, [own])
 
 
 @pytest.mark.multiprocess

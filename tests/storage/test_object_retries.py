@@ -127,14 +127,14 @@ def test_a_restore_refused_past_the_budget_fails_in_time_naming_the_object(fault
 def test_the_manifest_is_created_only_if_absent(faulty):
     proxy, bucket = faulty
     with storage.Store(storage.Location(bucket.url("c"))) as store:
-        store.write("manifest.json", [b"first"]).result()
+        store.create("manifest.json", b"first")  # what a save's commit asks for (saving/_commit.py)
         if bucket.scheme == "gs":
             # gcp-storage-emulator ignores ifGenerationMatch; Cloud Storage refuses the second
             # write with 412. What is verified here: the precondition is asked for.
             assert all("ifGenerationMatch=0" in r.path for r in proxy.requests if is_manifest_upload(r.method, r.path))
             return
         with pytest.raises(tc.CheckpointExistsError, match="another save committed"):
-            store.write("manifest.json", [b"second"]).result()
+            store.create("manifest.json", b"second")
     assert bucket.get("c/manifest.json") == b"first"
     # tensorstore checks with a HEAD before the PUT on a non-AWS endpoint (on AWS it sends
     # If-None-Match): the second write never reached the server.

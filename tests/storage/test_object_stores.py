@@ -238,7 +238,7 @@ def test_a_permanent_error_is_not_retried_and_nothing_is_left_behind(faulty):
     options = tc.CheckpointOptions(sharding_callback=tc.MaxShardSizePolicy(24))  # two files
     with pytest.raises(tc.CheckpointError, match="403") as raised:
         tc.save(bucket.url("c"), {"x": np.ones(3), "y": np.ones(2)}, options=options).wait()
-    assert raised.value.file == bucket.url("c/d00000-00001.safetensors")
+    assert raised.value.file.startswith(bucket.url("c/")) and raised.value.file.endswith("-d00000-00001.safetensors")  # <hash>-<token>-
     assert [r.status for r in proxy.requests if second_file(r.method, r.path)] == [403]
     assert bucket.keys("c/") == []  # the file that was written is removed again
 

@@ -17,6 +17,7 @@ from tpu_ckpt.catalog._listing import (
     scan,
 )
 from tpu_ckpt.catalog._open import OpenCheckpoint, open_checkpoint
+from tpu_ckpt.catalog._strays import Strays, remove_strays, strays
 from tpu_ckpt.catalog._verify import verify
 
-__all__ = ["Change", "Entry", "Listing", "OpenCheckpoint", "busy", "checkpoints_in", "diff", "list_run", "nested", "open_checkpoint", "parse_listing", "read_manifest", "remove_leftover", "remove_leftovers", "remove_step", "scan", "store_tables", "table_source", "verify"]
+__all__ = ["Change", "Entry", "Listing", "OpenCheckpoint", "Strays", "busy", "checkpoints_in", "diff", "list_run", "nested", "open_checkpoint", "parse_listing", "read_manifest", "remove_leftover", "remove_leftovers", "remove_step", "remove_strays", "scan", "store_tables", "strays", "table_source", "verify"]

@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 from tpu_ckpt import storage
 from tpu_ckpt.catalog import _listing as listing
 from tpu_ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UncommittedCheckpointError
-from tpu_ckpt.format import MANIFEST_FILE, Manifest, TableSource, crc32c, decode_manifest
+from tpu_ckpt.format import MANIFEST_FILE, REFERENCED_FILE, Manifest, TableSource, crc32c, decode_manifest
 
 
 def read_manifest(loc: storage.Location) -> Manifest:
@@ -35,8 +35,8 @@ def committed_manifest(store: storage.ReadableStore, tables: TableSource) -> Man
     manifest = decode_manifest(data, where=loc.child(MANIFEST_FILE), tables=tables)
     if manifest.source is not None and isinstance(store, storage.Backend):
         _check_link(loc, manifest.source)
-    elif loc.is_local and isinstance(store, storage.Backend):
-        _check_references(loc, manifest)
+    elif isinstance(store, storage.Backend):
+        _check_references(store, manifest)
     return manifest
 
 
@@ -110,28 +110,54 @@ def _check_link(loc: storage.Location, source: dict[str, Any]) -> None:
         )
 
 
-def _check_references(loc: storage.Location, manifest: Manifest) -> None:
+def _check_references(store: storage.Backend, manifest: Manifest) -> None:
     """The data files of other steps an incremental save's manifest names (``../step_<n>/<file>``,
-    FORMAT.md "References") are files of a sibling step (``storage.open_confined`` refuses
-    anything else), there with the size it recorded: one open and ``fstat`` each."""
-    root = os.path.abspath(loc.local_path)
-    for name, size in manifest.files.items():
-        if not name.startswith("../"):
-            continue
-        path = os.path.normpath(os.path.join(root, name))
-        try:
-            fd = storage.open_confined(root, name)
-        except FileNotFoundError:
-            found: int | None = None
-        else:
-            try:
-                found = os.fstat(fd).st_size
-            finally:
-                os.close(fd)
-        if found != size:
-            what = "is missing (deleted by hand?)" if found is None else f"holds {found} bytes, not the {size} recorded"
+    FORMAT.md "References") are files of a sibling step, there with the size it recorded.
+    Locally ``storage.open_confined`` refuses anything else, and one ``fstat`` each tells the
+    size; on an object store only ``../step_<digits>/<file>`` is read at all, each sibling is
+    listed once, and one-byte reads tell a file's size (``ObjectStore.sized_unlike``)."""
+    loc = store.location
+    references = {name: size for name, size in manifest.files.items() if name.startswith("../")}
+    if not references:
+        return
+    wrong: list[tuple[str, str, str | None]] = []
+    if isinstance(store, storage.ObjectStore):
+        wrong += _objects_unlike(store, references)
+    else:
+        wrong += [(name, *_local_unlike(loc, name, size)) for name, size in references.items()]
+    for name, where, what in wrong:
+        if what is not None:
             raise CorruptCheckpointError(
                 f"{loc.url} references data file {name} of another step, which {what}: this checkpoint cannot "
                 "be restored. Restore another step, or put the file back.",
-                file=path,
+                file=where,
             )
+
+
+def _local_unlike(loc: storage.Location, name: str, size: int) -> tuple[str, str | None]:
+    """The path of a local reference, and what is wrong with it (None: nothing)."""
+    root = os.path.abspath(loc.local_path)
+    path = os.path.normpath(os.path.join(root, name))
+    try:
+        fd = storage.open_confined(root, name)
+    except FileNotFoundError:
+        return path, "is missing (deleted by hand?)"
+    try:
+        found = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    return path, None if found == size else f"holds {found} bytes, not the {size} recorded"
+
+
+def _objects_unlike(store: storage.ObjectStore, references: dict[str, int]) -> list[tuple[str, str, str]]:
+    """What is wrong with an object store's references: a sibling that is no step (neither a
+    manifest nor ``referenced.json``, FORMAT.md "References": one listing of each), a file
+    missing there or of another size (``sized_unlike``, which refuses every other name)."""
+    loc, wrong = store.location, store.sized_unlike(references)
+    for step in sorted({name.split("/")[1] for name in references}):
+        with storage.Store(loc.sibling(step), threads=1) as sibling:
+            if set(sibling.list()) & {MANIFEST_FILE, REFERENCED_FILE}:
+                continue
+        name = min(n for n in references if n.split("/")[1] == step)
+        wrong.insert(0, (name, loc.sibling(step).child(name.split("/")[2]), "lies in no step of the run"))
+    return wrong

@@ -43,6 +43,7 @@ class Listing:
     committed: dict[int, str]  # step -> directory name
     leftovers: list[str]
     busy: list[str] = dataclasses.field(default_factory=list)  # leftovers that may be saves running
+    retired: list[str] = dataclasses.field(default_factory=list)  # steps kept for files others reference
 
     def to_json(self) -> str:
         """What a CheckpointManager's leader tells the other processes (small: names only)."""
@@ -52,7 +53,7 @@ class Listing:
     def from_json(cls, text: str) -> Listing:
         listing = json.loads(text)
         committed = {int(step): name for step, name in listing["committed"].items()}
-        return cls(committed, listing["leftovers"], listing["busy"])
+        return cls(committed, listing["leftovers"], listing["busy"], listing["retired"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,9 +282,9 @@ def list_run(loc: storage.Location) -> Listing:
         names = {e.name for e in entries if e.is_dir(follow_symlinks=False)}
     wanted = {n for n in names if OWN_LEFTOVER.fullmatch(n) or (len(INTEGER.findall(n)) == 1 and not STAGING.fullmatch(n))}
     with_manifest = {n for n in wanted if os.path.isfile(os.path.join(root, n, MANIFEST_FILE))}
-    names -= {n for n in wanted - with_manifest if os.path.isfile(os.path.join(root, n, REFERENCED_FILE))}
+    retired = {n for n in wanted - with_manifest if os.path.isfile(os.path.join(root, n, REFERENCED_FILE))}
     marked = {n for n in with_manifest if STAGING.fullmatch(n) and os.path.isfile(os.path.join(root, n, storage.STAGING_MARKER))}
-    return _with_busy(loc, _sort(names, with_manifest, _staged(loc, marked)))
+    return _with_busy(loc, _sort(names - retired, with_manifest, _staged(loc, marked), retired))
 
 
 def _with_busy(loc: storage.Location, listing: Listing) -> Listing:
@@ -306,10 +307,10 @@ def parse_listing(files: list[str], staged: Collection[str] = ()) -> Listing:
                 with_manifest.add(top)
             elif rest == REFERENCED_FILE:
                 retired.add(top)
-    return _sort(names - (retired - with_manifest), with_manifest, staged)
+    return _sort(names - (retired - with_manifest), with_manifest, staged, retired - with_manifest)
 
 
-def _sort(names: set[str], with_manifest: set[str], staged: Collection[str]) -> Listing:
+def _sort(names: set[str], with_manifest: set[str], staged: Collection[str], retired: Collection[str] = ()) -> Listing:
     """The subdirectories ``names``, those in ``with_manifest`` holding one and those of them
     in ``staged`` staging areas nonetheless (:func:`_staged`), as steps and leftovers.
 
@@ -324,7 +325,7 @@ def _sort(names: set[str], with_manifest: set[str], staged: Collection[str]) -> 
         if len(numbers) == 1 and not STAGING.fullmatch(name):
             committed.setdefault(int(numbers[0]), name)
     leftovers = sorted(n for n in names if OWN_LEFTOVER.fullmatch(n) and (n not in with_manifest or n in staged))
-    return Listing(committed, leftovers)
+    return Listing(committed, leftovers, retired=sorted(retired))
 
 
 def remove_step(loc: storage.Location, name: str, why: str) -> None:

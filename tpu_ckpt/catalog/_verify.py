@@ -137,7 +137,9 @@ def _missing_files(store: storage.Backend, manifest: Manifest) -> set[str]:
         if not directory:
             present = set(store.list())
         else:
-            with storage.Store(storage.Location(os.path.normpath(os.path.join(loc.local_path, directory))), threads=1) as other:
+            beside = directory.startswith("../")  # a sibling step's, or a linked checkpoint's source
+            where = loc.sibling(directory[3:]) if beside else storage.Location(loc.child(directory))
+            with storage.Store(where, threads=1) as other:
                 present = set(other.list())
         missing.update(n for n in names if posixpath.basename(n) not in present)
     return missing

@@ -249,9 +249,12 @@ def add_gc(commands: Any) -> None:
         commands, "gc", "remove the leftovers of interrupted saves",
         "Remove the uncommitted leftovers of interrupted saves under DIR: directories holding a save's "
         "staging marker, step_<n> directories without a manifest and <name>.tmp-<hex> staging directories "
-        "without one. A directory with a manifest is a checkpoint, whatever its name, and is never touched, "
-        "nor is anything else the library did not write. A leftover whose save started less than its "
-        "grace period (an hour) ago may still be running: it is kept, and said so.",
+        "without one. A directory with a manifest is a checkpoint, whatever its name, and is never removed, "
+        "nor is anything else the library did not write. On gs:// and s3:// it also removes, from each "
+        "checkpoint, the stray objects of a save that never committed it (a stalled writer's: named with "
+        "its token, named by no manifest of DIR). A leftover whose save started less than its grace period "
+        "(an hour) ago may still be running: it is kept, and said so; so are the strays of a checkpoint "
+        "holding such a save's staging marker.",
         "0 removed (or nothing to remove); 2 DIR does not exist or is a checkpoint itself.",
     )
     p.add_argument("dir", metavar="DIR", help="a directory or gs:// / s3:// prefix")
@@ -262,7 +265,8 @@ def add_gc(commands: Any) -> None:
 def _gc(args: argparse.Namespace) -> int:
     now = time.time()
     leftovers = [e for e in catalog.scan(args.dir) if not e.committed]
-    if not leftovers:
+    strays = catalog.strays(args.dir)
+    if not leftovers and not strays:
         print(f"no leftovers in {args.dir}")
         return 0
     removable = [e.name for e in leftovers if not catalog.busy(e, now)]
@@ -276,4 +280,20 @@ def _gc(args: argparse.Namespace) -> int:
             print(f"kept {e.name} (a save started or committed it since it was listed)")
         else:
             print(f"kept {e.name} (a save that may still be running; removable in {cli_format.age((e.held_until or now) - now)})")
+    _gc_strays(args, strays, now)
     return 0
+
+
+def _gc_strays(args: argparse.Namespace, strays: list[catalog.Strays], now: float) -> None:
+    """Removes (or lists) the stray objects of the checkpoints, as ``_gc`` does the leftovers."""
+    removable = [s for s in strays if s.held_until is None or now >= s.held_until]
+    removed = removable if args.dry_run else catalog.remove_strays(args.dir, removable)
+    verb = "would remove" if args.dry_run else "removed"
+    for s in strays:
+        what = f"{cli_format.plural(len(s.files), 'stray object')} in {s.name}"
+        if s in removed:
+            print(f"{verb} {what} (written by {'saves' if len(s.tokens) > 1 else 'a save'} {', '.join(s.tokens)} that never committed it)")
+        elif s in removable:
+            print(f"kept {what} (the checkpoint changed since it was listed)")
+        else:
+            print(f"kept {what} (a save that may still be running; removable in {cli_format.age((s.held_until or now) - now)})")

@@ -31,8 +31,21 @@ minor version of a major version it knows, and refuses a newer major with Format
 MANIFEST_FILE = "manifest.json"
 # A step retention let go of while newer steps still reference its data files (FORMAT.md, "References").
 REFERENCED_FILE = "referenced.json"
+# What a save into an object store puts before each name it writes there but the manifest
+# (``saving.spread``, FORMAT.md "File names"): ``<hash>-<token>-``.
+TOKENED = r"[0-9a-f]{4}-(?P<token>[0-9a-f]{1,32})-"
+_TOKENED_NAME = re.compile(TOKENED + ".+")
 MAX_METRICS = 1000  # a manifest's metrics are few numbers (a loss, an accuracy), never a log
 MIN_INT, MAX_INT = -(1 << 63), (1 << 63) - 1
+
+
+def token_of(name: str) -> str | None:
+    """The token of the save that wrote ``name`` (any name ``saving.spread`` made): which
+    save's objects a name is, in a prefix several saves of one checkpoint may share; None
+    for a name that carries none."""
+    match = _TOKENED_NAME.fullmatch(name)
+    return None if match is None else match["token"]
+
 
 _ML_ITEMSIZES = {  # ml_dtypes' names and sizes, known without importing it (see dtype_itemsize)
     "bfloat16": 2,

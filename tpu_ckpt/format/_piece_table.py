@@ -39,8 +39,8 @@ from tpu_ckpt.format._table_reads import ROW, ROW_BYTES, LazyPieces, TableRef, T
 MAX_TABLE_ROWS = 1 << 22  # a new table starts past this many rows (64 MiB); a leaf is never split
 
 
-def table_file(number: int) -> str:
-    return f"pieces-{number:05d}.bin"
+def table_file(number: int, prefix: str = "") -> str:
+    return f"{prefix}pieces-{number:05d}.bin"
 
 
 # -- writing ----------------------------------------------------------------------------
@@ -77,13 +77,14 @@ def _axis_json(cuts: Sequence[int] | np.ndarray, dim: int) -> int | list[int]:
 
 
 def encode_manifest(
-    manifest: Manifest, grids: Sequence[tuple[Sequence[Any], np.ndarray] | None] | None = None
+    manifest: Manifest, grids: Sequence[tuple[Sequence[Any], np.ndarray] | None] | None = None, table_prefix: str = ""
 ) -> tuple[bytes, dict[str, bytes]]:
     """The sealed format 2 manifest of ``manifest``, and its piece tables by file name (the
     twin of ``decode_manifest``): the tables go first, the manifest (the commit) last. Leaves
     whose pieces form a grid keep their pieces in a table; the others (rare) keep them inline.
     ``grids``: per leaf, its cut points and rows (``ROW``, in cell order) when the caller has
-    them already (the leader's merge of binary indexes); such a leaf's ``pieces`` are unused."""
+    them already (the leader's merge of binary indexes); such a leaf's ``pieces`` are unused.
+    ``table_prefix`` starts the tables' names (a save's token: FORMAT.md, "File names")."""
     file_index = {name: i for i, name in enumerate(manifest.files)}
     tables: list[list[Any]] = []
     sizes: list[int] = []
@@ -103,7 +104,7 @@ def encode_manifest(
             tables[-1].append(data)
             sizes[-1] += data.nbytes
         leaves.append(doc)
-    names = [table_file(i) for i in range(len(tables))]
+    names = [table_file(i, table_prefix) for i in range(len(tables))]
     doc = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -122,16 +123,21 @@ def encode_manifest(
 
 def write(
     store: Any, manifest: Manifest, manifest_file: str, check: Callable[[dict[str, int]], None] | None = None,
-    grids: Sequence[tuple[Sequence[Any], np.ndarray] | None] | None = None,
+    grids: Sequence[tuple[Sequence[Any], np.ndarray] | None] | None = None, table_prefix: str = "",
+    commit: Callable[[str, bytes], None] | None = None,
 ) -> None:
     """Writes ``manifest``'s piece tables, then (once they are durable, and ``check`` of
-    their sizes by name has passed) the manifest itself. ``grids``: as ``encode_manifest``'s."""
-    body, tables = encode_manifest(manifest, grids)
+    their sizes by name has passed) the manifest itself, with ``commit`` if given (a save's
+    exclusive create) or as a plain write. ``grids``, ``table_prefix``: as ``encode_manifest``'s."""
+    body, tables = encode_manifest(manifest, grids, table_prefix)
     for future in [store.write(name, [data]) for name, data in tables.items()]:
         future.result()
     if check is not None:
         check({name: len(data) for name, data in tables.items()})
-    store.write(manifest_file, [body]).result()
+    if commit is not None:
+        commit(manifest_file, body)
+    else:
+        store.write(manifest_file, [body]).result()
 
 
 # -- reading ----------------------------------------------------------------------------

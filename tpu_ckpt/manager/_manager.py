@@ -122,7 +122,7 @@ class CheckpointManager:
         self._tier = None if local_directory is None else tiers.LocalTier(
             local_directory, local_interval_steps, local_max_to_keep, local_replicas, self._options
         )
-        self._incremental = references.incremental_state(incremental, self._location, local_directory)
+        self._incremental = references.incremental_state(incremental, local_directory)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -178,7 +178,7 @@ class CheckpointManager:
                 file=self._location.child(listing.committed[step]),
             )
         name = f"step_{step}"
-        references.forget_unless(self._incremental, listing)  # its last step gone: write everything
+        references.before_save(self._incremental, listing, self._location.child(name))  # never into a retired step
         if name in listing.leftovers and cluster.process_index() == self._leader():
             # An interrupted save of this step, written in place (object stores): in the way.
             remove_leftover(self._location, name, "an uncommitted leftover of an earlier save of this step", even_busy=True)
@@ -336,7 +336,7 @@ class CheckpointManager:
         for old in expired:
             self._scores.pop(committed[old], None)
         if self._incremental is not None:  # a step whose files a kept step names is retired instead
-            expired = references.removable(self._location, committed, expired, f"retention ({rules})")
+            expired = references.retain(self._run, before, committed, expired, f"retention ({rules})")
         self._run.remove([*removals, *((committed[old], f"retention ({rules})", True) for old in expired)])
         if not self._options.enable_async:
             self._run.settle()  # a synchronous save returns with the directory as retention leaves it

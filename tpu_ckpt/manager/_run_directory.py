@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from tpu_ckpt import storage
 from tpu_ckpt.catalog import Listing, list_run, remove_leftover, remove_step
@@ -39,6 +39,9 @@ class RunDirectory:
         self.loc, self.leader = loc, leader
         self._committed: dict[str, int] | None = None  # an object store's steps, once listed (leader)
         self._started: set[str] = set()  # saves started and not seen to commit
+        self._retired: set[str] = set()  # an object store's retired steps (manager/_references.py)
+        self.named: dict[str, dict[str, set[str]]] = {}  # per step, its references, as retention read them
+        self.trimmed: dict[str, set[str]] = {}  # per retired step, the files retention left in it
         self._lock = threading.Lock()  # the writer thread records commits while the caller lists
         self._removals = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tpu_ckpt-removals")
         self._removing: list[concurrent.futures.Future] = []
@@ -53,6 +56,7 @@ class RunDirectory:
         self.settle()
         with self._lock:
             self._committed = None
+            self.named, self.trimmed = {}, {}
         return list_on_leader(self.loc, self.leader, timeout, self._list)
 
     def started(self, name: str) -> None:
@@ -78,6 +82,16 @@ class RunDirectory:
                     self._committed.pop(name, None)
                 self._started.discard(name)
             self._removing.append(self._removals.submit(self._remove, name, why, committed))
+
+    def retire(self, retiring: Iterable[str], gone: Iterable[str], work: Callable[[], None]) -> None:
+        """Runs an incremental run's retention ``work`` on the removal thread (leader only), the
+        committed steps ``retiring`` counting as retired at once and the retired ``gone`` as gone."""
+        with self._lock:
+            for name in retiring:
+                if self._committed is not None:
+                    self._committed.pop(name, None)
+            self._retired = (self._retired | set(retiring)) - set(gone)
+        self._removing.append(self._removals.submit(work))
 
     def _remove(self, name: str, why: str, committed: bool) -> None:
         if committed:
@@ -109,14 +123,15 @@ class RunDirectory:
             with self._lock:
                 self._committed = {name: step for step, name in listing.committed.items()}
                 self._started |= set(listing.leftovers)
+                self._retired = set(listing.retired)
             return listing
         for name in sorted(self._started):
             if _holds_manifest(loc, name):
                 self.committed(name)
         with self._lock:
             steps = {step: name for name, step in (self._committed or {}).items()}
-            leftovers = sorted(self._started)
-        return _with_busy(loc, Listing(steps, leftovers))
+            leftovers, retired = sorted(self._started), sorted(self._retired)
+        return _with_busy(loc, Listing(steps, leftovers, retired=retired))
 
 
 def _step(name: str) -> int | None:

@@ -9,8 +9,6 @@ pieces form no grid (rare: an uneven cut) or do not tile it falls back to the pe
 check (``tiling_problem``), which names what is wrong. ``commit`` adds the IO around the
 merge: collect the others' indexes, check the staging area holds the files they claim and
 the piece tables, write the manifest, make the checkpoint visible.
-
-``merge_indexes`` merges indexes in manifest form (the local tier's JSON parts).
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ from tpu_ckpt.format import (
     tiling_problem,
     write,
 )
-from tpu_ckpt.saving._plan import staged_index_file
+from tpu_ckpt.saving._plan import spread, staged_index_file
 from tpu_ckpt.settings import settings
 
 _BY_SLICE = operator.itemgetter(0)  # a PieceEntry's slice
@@ -54,7 +52,7 @@ def index(pieces: Mapping[str, Sequence[PieceEntry]], files: Mapping[str, int]) 
 
 def commit(
     store: storage.Backend, final: storage.Location, planned: Manifest, own: Manifest, others: Iterable[int],
-    progress: Callable[[str], None] = lambda note: None,
+    progress: Callable[[str], None] = lambda note: None, token: str = "",
 ) -> None:
     """The leader: merges its own index with those the ``others`` processes left in the
     staging area (read and checked ``io_threads`` at a time: at a thousand hosts one at a
@@ -66,22 +64,23 @@ def commit(
     leaves an uncommitted prefix that the next save or ``tpu-ckpt gc`` removes.
 
     ``progress`` hears how far it got (the coordinator's note to the processes waiting for
-    the commit, so that a long one is not taken for a dead leader)."""
+    the commit, so that a long one is not taken for a dead leader). ``token``: the one this
+    save's object names carry (``Staging.token``)."""
     others = list(others)
     plan = IndexPlan.of(planned)
     mine = decode_index(encode_index(own, plan), where="the leader's own index", plan=plan)
     with concurrent.futures.ThreadPoolExecutor(settings().io_threads) as pool:  # one host's latency, not N
         indexes = [mine]
-        for index in pool.map(functools.partial(_read_index, store, plan), others):
+        for index in pool.map(functools.partial(_read_index, store, plan, token), others):
             indexes.append(index)
             progress(f"committing: read {len(indexes) - 1} of {len(others)} indexes")
-        deleting = [pool.submit(store.delete, staged_index_file(process)) for process in others]
+        deleting = [pool.submit(store.delete, staged_index_file(process, token)) for process in others]
         with grids_shared():  # a leaf kept inline is gridded once, for its check and its encoding
             merged, grids = merge_rows(planned, plan, indexes)
             progress(f"committing: merged {len(others) + 1} indexes, writing the piece tables and the manifest")
             for deleted in deleting:
                 deleted.result()
-            write_manifest(store, merged, grids)
+            write_manifest(store, merged, grids, token)
     storage.publish(store.location, final)
 
 
@@ -275,22 +274,31 @@ class _Rows:
         return np.where(self.start[:, d] == self.start[at, d], upper, -1)
 
 
-def write_manifest(store: storage.Backend, manifest: Manifest, grids: Sequence[Grid | None] | None = None) -> None:
+def write_manifest(
+    store: storage.Backend, manifest: Manifest, grids: Sequence[Grid | None] | None = None, token: str = ""
+) -> None:
     """Writes ``manifest``'s piece tables, then the manifest, only once every file it names,
     data files and tables alike, is in the staging area: a commit never names a missing file.
     The data files are checked first too, so no table is written into a staging area that is
-    gone (a leader that gave up removed it). ``grids``: per leaf, its rows ready (``merge_rows``)."""
+    gone (a leader that gave up removed it). ``grids``: per leaf, its rows ready (``merge_rows``);
+    ``token``: the one the tables' names carry, like the data files' (``spread``).
+
+    On an object store the manifest is created only if absent (``ObjectStore.create``): the
+    save's staging area is the final prefix, which another save of the same checkpoint may
+    share, and of two such saves exactly one commits; the other gets CheckpointExistsError.
+    A local staging directory is the save's own, committed by its rename (``storage.publish``)."""
     storage.check_written(store, manifest.files)
 
     def every_file(tables: dict[str, int]) -> None:
         storage.check_written(store, {**manifest.files, **tables})
 
-    write(store, manifest, MANIFEST_FILE, check=every_file, grids=grids)
+    create = store.create if isinstance(store, storage.ObjectStore) else None
+    write(store, manifest, MANIFEST_FILE, check=every_file, grids=grids, table_prefix=spread(token, ""), commit=create)
 
 
-def _read_index(store: storage.Backend, plan: IndexPlan, process: int) -> IndexRows:
+def _read_index(store: storage.Backend, plan: IndexPlan, token: str, process: int) -> IndexRows:
     """Reads another process's index and checks it (``commit`` deletes it)."""
-    name = staged_index_file(process)
+    name = staged_index_file(process, token)
     where = store.location.child(name)
     data = store.read_file(name)
     if not data:
@@ -298,37 +306,8 @@ def _read_index(store: storage.Backend, plan: IndexPlan, process: int) -> IndexR
     return decode_index(data, where=where, plan=plan)
 
 
-def merge_indexes(planned: Manifest, indexes: Sequence[Manifest], check: bool = True) -> Manifest:
-    """``planned`` completed by indexes in manifest form (a local tier's parts): each leaf's
-    pieces (sorted by slice) and every data file. Raises if a leaf's merged pieces miss or
-    repeat a block (unless ``check`` is False: the caller asks :func:`uncovered` itself)."""
-    pieces: dict[str, list[PieceEntry]] = {}
-    files: dict[str, int] = {}
-    for one in indexes:
-        files.update(one.files)
-        for leaf in one.leaves:
-            pieces.setdefault(leaf.key, []).extend(leaf.pieces)
-    leaves = tuple(
-        dataclasses.replace(e, pieces=tuple(sorted(pieces.get(e.key, ()), key=_BY_SLICE))) for e in planned.leaves
-    )
-    merged = dataclasses.replace(planned, leaves=leaves, files=dict(sorted(files.items())))
-    problem = uncovered(merged) if check else None
-    if problem is not None:
-        raise _inconsistent(*problem)
-    return merged
-
-
 def _inconsistent(key: str, problem: str) -> CheckpointError:
     return CheckpointError(
         f"Leaf {key!r}: {problem}; refusing to commit an inconsistent checkpoint. Are all processes saving the same tree?",
         key=key,
     )
-
-
-def uncovered(manifest: Manifest) -> tuple[str, str] | None:
-    """The first array leaf whose pieces miss or repeat a block, and what is wrong, or None."""
-    for leaf in manifest.leaves:
-        problem = None if leaf.kind != "array" else tiling_problem(leaf.shape, [p.slice for p in leaf.pieces])
-        if problem:
-            return leaf.key, problem
-    return None

@@ -13,12 +13,14 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 
-from tpu_ckpt.format import LeafEntry, Manifest, PlannedPiece, dtype_name, flatten, metric_values
+from tpu_ckpt.format import TOKENED, LeafEntry, Manifest, PlannedPiece, dtype_name, flatten, metric_values
+from tpu_ckpt.format import token_of as token_of  # the naming rule is the format's; saving's modules take it from here
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.sharding import (
     BUILT_IN_POLICIES,
@@ -66,6 +68,11 @@ class SavePlan:
     @property
     def nbytes(self) -> int:
         return sum(f.nbytes for f in self.files)
+
+    def named(self, token: str) -> SavePlan:
+        """This plan with its data files named for the save with ``token`` (:func:`spread`),
+        which the plan, made before the staging area, does not know."""
+        return dataclasses.replace(self, files=tuple(dataclasses.replace(f, name=spread(token, f.name)) for f in self.files))
 
     def __repr__(self) -> str:
         written = sum(len(f.pieces) for f in self.files)
@@ -194,25 +201,35 @@ def _leaf_text(leaf: LeafEntry) -> str:
     return text + f"  {sharding['type']} over {sharding['num_devices']} devices"
 
 
-def data_file_name(process: int, number: int) -> str:
-    return f"d{process:05d}-{number:05d}.safetensors"
+def data_file_name(process: int, number: int, token: str = "") -> str:
+    """Data file ``number`` of ``process``; a save into an object store passes its token,
+    which the name then carries after a short hash (:func:`spread`)."""
+    return spread(token, f"d{process:05d}-{number:05d}.safetensors")
 
 
-def index_file(process: int) -> str:
-    """Where a local tier's part keeps its piece locations (JSON, a manifest's form)."""
-    return f"index-{process:05d}.json"
+def spread(token: str, name: str) -> str:
+    """``name`` as a save with ``token`` writes it into an object store's prefix, which it may
+    share with another save of the same checkpoint (a stale process, a second job):
+    ``<hash>-<token>-<name>``, so that two saves never write the same name, and, the hash
+    (4 hex digits of crc32 of token and name) first, one save's objects spread over the
+    prefix's key range instead of a run of neighbouring keys (FORMAT.md, "File names").
+    Unchanged without a token (a local save, whose staging directory is its own)."""
+    return f"{zlib.crc32(f'{token}/{name}'.encode()) & 0xFFFF:04x}-{token}-{name}" if token else name
 
 
-def staged_index_file(process: int) -> str:
+def staged_index_file(process: int, token: str = "") -> str:
     """Where a process other than the leader leaves its piece locations for the commit
-    (binary rows: ``format.encode_index``); the commit deletes it."""
-    return f"index-{process:05d}.bin"
+    (binary rows: ``format.encode_index``); the commit deletes it. A local tier's part keeps
+    its own under this name, merged at a tier restore. ``token``: as for :func:`data_file_name`."""
+    return spread(token, f"index-{process:05d}.bin")
 
 
-_OWNED_FILE = re.compile(r"d(\d{5,9})-\d{5,9}\.safetensors|index-(\d{5,9})\.(?:json|bin)")
+_OWNED_FILE = re.compile(rf"(?:{TOKENED})?(?:d(\d{{5,9}})-\d{{5,9}}\.safetensors|index-(\d{{5,9}})\.(?:json|bin))")
 
 
 def written_by(name: str) -> int | None:
-    """The process whose data file or index ``name`` is (as named above); None for any other name."""
+    """The process whose data file or index ``name`` is (as named above, with or without a
+    token: checkpoints saved before names carried one name them ``dPPPPP-NNNNN.safetensors``);
+    None for any other name."""
     match = _OWNED_FILE.fullmatch(name)
-    return None if match is None else int(match[1] or match[2])
+    return None if match is None else int(match[2] or match[3])

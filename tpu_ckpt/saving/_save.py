@@ -33,7 +33,7 @@ from tpu_ckpt.saving import _data_writes as data_writes
 from tpu_ckpt.saving._background import WRITER, SaveResult
 from tpu_ckpt.saving._incremental import Incremental, Reused
 from tpu_ckpt.saving._plan import SavePlan, plan_save, staged_index_file
-from tpu_ckpt.saving._staging import Staging, prepare
+from tpu_ckpt.saving._staging import Staging, prepare, remove_staging
 from tpu_ckpt.settings import settings
 from tpu_ckpt.sharding import SlotPredicate
 
@@ -120,7 +120,7 @@ def _start(
             coord.report_failure(error)
             _explain(coord, error)
         raise
-    return SaveJob(plan, final, coord, leader, options, staging, incremental, reused)
+    return SaveJob(plan.named(staging.token), final, coord, leader, options, staging, incremental, reused)
 
 
 def largest_file(final: storage.Location, options: CheckpointOptions) -> int | None:
@@ -151,7 +151,7 @@ def _explain(coord: cluster.Coordinator, error: BaseException, leader: int | Non
         coord.raise_if_another_failed("save")  # e.g. the leader gave up and removed the staging area
 
 
-def _remove_staging(staging: storage.Location, final: storage.Location) -> None:
+def _remove_staging(staging: storage.Location, final: storage.Location, token: str = "") -> None:
     """Removes an abandoned save's staging area, whole, however late the others are.
 
     A process that learned its name before the leader gave up may write into it at any time
@@ -169,7 +169,7 @@ def _remove_staging(staging: storage.Location, final: storage.Location) -> None:
             return  # removed already
         except OSError as error:  # then removed where it is
             logger.warning("tpu_ckpt: could not move the staging area %s aside to remove it: %s", staging.url, error)
-    storage.remove(staging)
+    remove_staging(staging, token)  # on an object store: only this save's objects (``token``)
 
 
 class SaveJob:
@@ -198,7 +198,7 @@ class SaveJob:
         if reused is not None:
             self._writes.reference(reused.pieces, reused.files)
         self._copied = False  # whether the data to write are host copies of our own
-        self._own_files = (*(f.name for f in plan.files), staged_index_file(coord.me))
+        self._own_files = (*(f.name for f in plan.files), staged_index_file(coord.me, staging.token))
 
     def snapshot(self) -> None:
         """Replaces the data to write by host copies, within ``host_memory_limit``
@@ -219,11 +219,11 @@ class SaveJob:
             if coord.me == self.leader:
                 coord.collect("written", "", at=self.leader)
                 others = [p for p in range(coord.count) if p != self.leader]
-                commit.commit(self.staging.backend, self.final, self._planned(), own, others, coord.progress)
+                commit.commit(self.staging.backend, self.final, self._planned(), own, others, coord.progress, self.staging.token)
                 hands_off = True  # committed
                 coord.publish("committed")
             else:
-                store.write(staged_index_file(coord.me), [encode_index(own, IndexPlan.of(self.manifest))]).result()
+                store.write(staged_index_file(coord.me, self.staging.token), [encode_index(own, IndexPlan.of(self.manifest))]).result()
                 coord.collect("written", "", at=self.leader)
                 # This process has written: the staging area is the leader's to commit or
                 # remove. On an object store it is the final prefix, which a late removal here
@@ -277,7 +277,7 @@ class SaveJob:
             self.staging.close()
         elif self.coord.me == self.leader:
             self.staging.close()
-            _remove_staging(self.staging.location, self.final)
+            _remove_staging(self.staging.location, self.final, self.staging.token)
         else:
             storage.remove_files(self.staging.backend, self._own_files)
             self.staging.close()

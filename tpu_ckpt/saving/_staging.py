@@ -15,8 +15,8 @@ import logging
 import os
 
 from tpu_ckpt import cluster, relay, storage
-from tpu_ckpt.errors import CheckpointExistsError
-from tpu_ckpt.saving._plan import written_by
+from tpu_ckpt.errors import CheckpointError, CheckpointExistsError
+from tpu_ckpt.saving._plan import token_of, written_by
 
 logger = logging.getLogger(__name__)
 
@@ -24,12 +24,16 @@ logger = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class Staging:
     """Where this process writes: the staging area, its store (the backend itself, or, for a
-    process writing through the io_device leader, the leader's relay) and, on that leader,
-    the relay serving the staging area to the others."""
+    process writing through the io_device leader, the leader's relay), on that leader the
+    relay serving the staging area to the others, and the token the save's object names
+    carry (``spread``): on an object store, where the staging area is the final prefix that
+    another save of the same checkpoint may share; empty for a local staging directory,
+    the save's own."""
 
     location: storage.Location
     store: storage.Backend | relay.RelayStore
     server: relay.RelayServer | None = None
+    token: str = ""
 
     @property
     def backend(self) -> storage.Backend:
@@ -57,15 +61,10 @@ def prepare(
         return _join(final, coord, leader, timeout)
     if final.is_local:
         warn_if_gcsfuse(final.local_path)
-    if not storage.is_empty(final):
-        raise CheckpointExistsError(
-            f"{final.url} already exists and is not empty; tpu_ckpt never overwrites a checkpoint. "
-            "Save to a new path, or delete the old one first.",
-            file=final.url,
-        )
+    _check_free(final)
     token = storage.new_token()
     location = final.staging(token)
-    staging = Staging(location, storage.open_staging(location, final, token))
+    staging = Staging(location, storage.open_staging(location, final, token), token=_names_token(final, token))
     prove = not relayed and cluster.unproved(final, coord.count)
     try:
         contact = ""
@@ -79,7 +78,7 @@ def prepare(
             cluster.prove_staging(coord, final, location, leader)
     except BaseException:
         staging.close()
-        storage.remove(location)  # nobody else knows its name: nobody else would remove it
+        remove_staging(location, staging.token)  # nobody else knows its name: nobody else would remove it
         raise
     return staging
 
@@ -88,12 +87,59 @@ def _join(final: storage.Location, coord: cluster.Coordinator, leader: int, time
     """A process other than the leader: the staging area the leader named, written directly
     or through the leader's relay."""
     start = json.loads(coord.receive("start", leader))
-    location = final.staging(start["token"])
+    location, token = final.staging(start["token"]), _names_token(final, start["token"])
     if start["prove_shared"]:
         cluster.prove_staging(coord, final, location, leader)
     if start["contact"]:
-        return Staging(location, relay.RelayStore(location, start["contact"], timeout, leader))
-    return Staging(location, storage.Store(location))
+        return Staging(location, relay.RelayStore(location, start["contact"], timeout, leader), token=token)
+    return Staging(location, storage.Store(location), token=token)
+
+
+def _names_token(final: storage.Location, token: str) -> str:
+    return "" if final.is_local else token
+
+
+def _check_free(final: storage.Location) -> None:
+    """Refuses a destination that holds a checkpoint, or anything but what saves leave
+    while they run: on an object store, where a save writes into the final prefix, the
+    objects of a save that crashed or stalled there (no manifest) do not block a new one,
+    whose names carry its own token (``spread``) and whose manifest is created only if
+    absent (``write_manifest``). A local destination must be empty (its save renames onto it)."""
+    with storage.Store(final, threads=1) as store:
+        names = store.list()
+    if any(final.is_local or not _left_by_a_save(name) for name in names):
+        raise CheckpointExistsError(
+            f"{final.url} already exists and is not empty; tpu_ckpt never overwrites a checkpoint. "
+            "Save to a new path, or delete the old one first.",
+            file=final.url,
+        )
+
+
+def _left_by_a_save(name: str) -> bool:
+    """Whether object ``name`` is one an uncommitted save leaves in its final prefix."""
+    return name == storage.STAGING_MARKER or token_of(name) is not None or written_by(name) is not None
+
+
+def remove_staging(location: storage.Location, token: str) -> None:
+    """Deletes an abandoned save's staging area: a local directory whole (``storage.remove``);
+    in an object store's prefix, which another save of the same checkpoint may share
+    (committed, or still writing), only the objects named with this save's ``token``, and
+    its staging marker while it is still its own."""
+    if not token:
+        storage.remove(location)
+        return
+    with storage.Store(location) as store:
+        names = [name for name in store.list() if token_of(name) == token]
+        storage.remove_files(store, [*names, *_own_marker(store, token)])
+
+
+def _own_marker(store: storage.Backend, token: str) -> list[str]:
+    """The staging marker, if the save with ``token`` wrote the one there now."""
+    try:
+        marker = json.loads(store.read_file(storage.STAGING_MARKER, 1 << 16) or b"{}")
+    except (CheckpointError, ValueError):
+        return []
+    return [storage.STAGING_MARKER] if isinstance(marker, dict) and marker.get("token") == token else []
 
 
 def _sent_by_another(name: str, leader: int, count: int) -> bool:

@@ -20,6 +20,7 @@ from tpu_ckpt import storage
 from tpu_ckpt.errors import CheckpointError, CheckpointExistsError
 from tpu_ckpt.format import LeafEntry, Manifest, PieceEntry, PlannedPiece, data_file_bytes, dtype_from_name, full_slice
 from tpu_ckpt.saving._commit import write_manifest
+from tpu_ckpt.saving._plan import data_file_name
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class StreamWriter:
 
     def write(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Writes whole array leaves, by key, as the next data file, and waits until it is durable."""
-        name = f"d00000-{len(self._files):05d}.safetensors"
+        name = data_file_name(0, len(self._files))
         items = [(key, np.asarray(array, order="C")) for key, array in arrays.items()]  # 0-d stays 0-d
         for key, array in items:
             self._check(key, array)

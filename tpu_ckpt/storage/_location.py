@@ -46,6 +46,16 @@ class Location:
     def child(self, name: str) -> str:
         return f"{self.url.rstrip('/')}/{name}"
 
+    def sibling(self, name: str) -> Location:
+        """The location beside this one called ``name``: another step of the same run
+        directory (an incremental save's references, FORMAT.md "References")."""
+        if self.is_local:
+            return Location(os.path.normpath(os.path.join(self.local_path, os.pardir, name)))
+        parent, _, own = self.url.rstrip("/").rpartition("/")
+        if not own or parent.endswith(":/"):  # a bucket itself
+            raise ValueError(f"{self.url} is the root of its store: nothing lies beside it")
+        return Location(f"{parent}/{name}")
+
     def staging(self, token: str) -> Location:
         """Where a save writes before committing (see module docstring)."""
         if self.is_local:

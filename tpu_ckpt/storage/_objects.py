@@ -18,12 +18,14 @@ Transient failures (HTTP 408, 429, 5xx, dropped connections) are retried by tens
 few times, quickly (``RETRIES``: 2 retries after 0.1 s and 0.2 s), then issued again by
 ``_retries.retrying`` with exponential backoff and jitter until the ``object_retry_seconds``
 setting (15 minutes) has passed: a throttling bucket slows a save down instead of failing it.
+Each request waits first for its turn under ``object_requests_per_second`` (``_request_rate``).
 Then, or at once for any other error, the operation fails with a ``CheckpointError`` naming
 the object: tensorstore raises ValueError, or NotImplementedError, for whatever went wrong.
 
-The manifest, the commit, is created only if absent (``create``): ``ifGenerationMatch=0`` on
-Cloud Storage, a check tensorstore makes before the PUT on S3; a failed precondition comes back
-from tensorstore as a success with no generation, which ``create`` turns into an error.
+``write`` replaces an object; ``create`` writes one only if it is absent, which a save's commit
+asks for when it writes its manifest (``saving/_commit.py``): ``ifGenerationMatch=0`` on Cloud
+Storage, a check tensorstore makes before the PUT on S3; a failed precondition comes back from
+tensorstore as a success with no generation, which ``create`` turns into an error.
 
 Writes: a data file arrives as buffers, which the kvstore API takes only joined into one
 ``bytes`` value, and which tensorstore copies (twice: its binding makes a ``std::string``,
@@ -38,7 +40,8 @@ threads (or ``io_threads``, if more), each issuing one read's requests together,
 request limit as high of its own in tensorstore, whose default limit (32) is shared by every
 store of the process. A range comes back as a numpy view into the ``bytes`` tensorstore
 returned, copied only when it spans several requests (``_chunks``). Sizes a manifest claims
-are checked against the object's real size first (``PROBE_FROM_BYTES``, ``read_file``).
+are checked against the object's real size first (``PROBE_FROM_BYTES``, ``read_file``). Reads
+may name a sibling step's ``../step_<n>/<file>``, and nothing else out of the prefix (``_read_key``).
 
 Listing a prefix is filtered here as well as by the server: the ``gcs`` driver asks for a key
 range (``startOffset``/``endOffset``) and trusts the reply, so a GCS-compatible server that
@@ -59,9 +62,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tpu_ckpt.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
-from tpu_ckpt.format import MANIFEST_FILE
 from tpu_ckpt.storage import _safe_reads as safe_reads
 from tpu_ckpt.storage._io_pool import IOPool, PooledStore
+from tpu_ckpt.storage._request_rate import paced
 from tpu_ckpt.storage._retries import retrying
 
 if TYPE_CHECKING:  # storage opens this backend: importing it here would be a cycle
@@ -93,10 +96,11 @@ class ObjectStore(PooledStore):
         self._pool = IOPool(max(threads, reads_in_flight))  # a thread waits on each read or write
         spec = loc.kvstore_spec()
         self._prefix = spec.pop("path").lstrip("/")
+        self._referenced: set[bytes] = set()  # sibling steps' keys ``unwritten`` found
         if spec["driver"] in ("gcs", "s3"):  # memory:// has no requests
             spec[f"{spec['driver']}_request_concurrency"] = {"limit": max(threads, reads_in_flight)}
         try:
-            self._kv = ts.KvStore.open(spec, context=_context()).result()  # the bucket's root (module docstring)
+            self._kv = paced(ts.KvStore.open(spec, context=_context()).result())  # the bucket's root (module docstring)
         except ValueError as e:
             raise CheckpointError(f"Could not open {loc.url}: {e}", file=loc.url) from e
 
@@ -104,8 +108,6 @@ class ObjectStore(PooledStore):
         """Issues the write here, so that only tensorstore's copy of the object outlives this
         call (module docstring); an IO thread waits for it."""
         key, where = self._prefix + name, self.location.child(name)
-        if name == MANIFEST_FILE:
-            return self._pool.submit(self.create, name, b"".join(buffers))
         issue = lambda: self._kv.write(key, b"".join(buffers))  # noqa: E731 (the kvstore API takes bytes only)
         # A retry joins the buffers again: the caller keeps them until the write is done.
         return self._pool.submit(retrying, issue, "Writing", where, issue())
@@ -203,9 +205,13 @@ class ObjectStore(PooledStore):
 
     def unwritten(self, sizes: Mapping[str, int]) -> builtins.list[tuple[str, int | None, int]]:
         """One listing, which carries no sizes: a kvstore write stores the whole object or
-        nothing, so only absence can happen."""
-        present = set(self.list())
-        return [(name, None, size) for name, size in sizes.items() if name not in present]
+        nothing, so only absence can happen; and one of each sibling step referenced (``_read_key``)."""
+        keys = {name: self._read_key(name)[0].encode() for name in sizes}
+        listed, own = set(self._referenced), self._prefix.encode()
+        for prefix in {key[: key.rfind(b"/") + 1] for key in keys.values() if key not in listed}:
+            listed.update(retrying(functools.partial(self._kv.list, _prefix_range(prefix.decode())), "Listing", self.location.url))
+        self._referenced.update(key for key in listed if not key.startswith(own))  # a commit checks twice: listed once
+        return [(name, None, size) for name, size in sizes.items() if keys[name] not in listed]
 
     def _key(self, name: str) -> str:
         """Refuses names that lead out of the prefix, or onto another key under it: an HTTP
@@ -214,10 +220,42 @@ class ObjectStore(PooledStore):
             raise safe_reads.outside_error(self.location.url, name)
         return self._prefix + name
 
+    def _read_key(self, name: str) -> tuple[str, str]:
+        """The key of a data file a read may name, and the URL errors name: the checkpoint's
+        own, or a sibling step's that an incremental save references (``../step_<n>/<file>``,
+        FORMAT.md "References"): the key beside the prefix, never further out."""
+        reference = safe_reads.step_reference(name)
+        if reference is None:
+            return self._key(name), self.location.child(name)
+        parent = self._prefix.rstrip("/").rpartition("/")[0]
+        key = "/".join(filter(None, (parent, *reference)))
+        if not self._prefix or unsafe_key(key):
+            raise safe_reads.outside_error(self.location.url, name)
+        return key, self.location.sibling(reference[0]).child(reference[1])
+
+    def sized_unlike(self, sizes: Mapping[str, int]) -> builtins.list[tuple[str, str, str]]:
+        """The data files of ``sizes`` (``_read_key``) not stored with that many bytes: (name,
+        URL, what is wrong). A kvstore lists no sizes: one-byte reads tell one (``_unlike``),
+        every file's at once; never a whole object."""
+        keys = {name: self._read_key(name) for name in sizes}
+        probes = {name: self._pool.submit(self._unlike, *keys[name], sizes[name]) for name in sizes}
+        return [(name, keys[name][1], what) for name, probe in probes.items() if (what := probe.result()) is not None]
+
+    def _unlike(self, key: str, where: str, size: int) -> str | None:
+        """What is wrong with object ``key`` unless it holds ``size`` bytes: its byte ``size`` is not
+        there, its byte ``size - 1`` is (a third request, of no bytes, tells missing from shorter)."""
+        if self._has_byte(key, size, where):
+            return f"holds more than the {size} bytes recorded"
+        if size and self._has_byte(key, size - 1, where):
+            return None
+        if retrying(lambda: self._kv.read(key, byte_range=slice(0, 0)), "Reading", where).state == "missing":
+            return "is missing"
+        return f"holds fewer than the {size} bytes recorded" if size else None
+
     def _read_ranges(self, name: str, start: int, lengths: Sequence[int]) -> builtins.list[np.ndarray]:
         """All requests of one read are issued at once (tensorstore queues those beyond the
         store's request limit), then awaited."""
-        key, where = self._key(name), self.location.child(name)
+        key, where = self._read_key(name)
         stop = start + sum(lengths)
         if stop - start > PROBE_FROM_BYTES and not self._has_byte(key, stop - 1, where):
             raise CorruptCheckpointError(f"{where} is missing, or truncated: it ends before byte {stop}", file=where)

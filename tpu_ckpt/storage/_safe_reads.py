@@ -25,6 +25,7 @@ import errno
 import json
 import mmap
 import os
+import re
 import stat
 from collections.abc import Sequence
 from typing import Any
@@ -47,6 +48,19 @@ def escapes(name: str) -> bool:
     """Whether a file name, once normalised, is absolute or leads out of its directory."""
     normal = os.path.normpath(name) if name else os.curdir
     return os.path.isabs(normal) or normal == os.curdir or os.pardir in normal.split(os.sep)
+
+
+_STEP_REFERENCE = re.compile(r"\.\./(step_[0-9]+)/([^/\\]+)")
+
+
+def step_reference(name: str) -> tuple[str, str] | None:
+    """The sibling step and file an object store's checkpoint may name besides its own files:
+    ``../step_<digits>/<plain file name>`` (an incremental save's reference, FORMAT.md
+    "References"), and nothing else that leads out of it. None for any other name."""
+    match = _STEP_REFERENCE.fullmatch(name)
+    if match is None or match.group(2) in (os.curdir, os.pardir):
+        return None
+    return match.group(1), match.group(2)
 
 
 def confine(root: str, name: str) -> str:
