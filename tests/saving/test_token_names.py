@@ -15,7 +15,8 @@ import pytest
 import tpu_ckpt as tc
 from tests.object_stores import Bucket
 from tpu_ckpt import storage
-from tpu_ckpt.saving._plan import data_file_name, staged_index_file, token_of, written_by
+from tpu_ckpt.format import token_of
+from tpu_ckpt.saving._plan import data_file_name, staged_index_file, written_by
 
 SEVERAL_FILES = tc.CheckpointOptions(sharding_callback=tc.MaxShardSizePolicy(4096))
 

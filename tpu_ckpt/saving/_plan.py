@@ -20,7 +20,6 @@ from typing import Any
 import jax
 
 from tpu_ckpt.format import TOKENED, LeafEntry, Manifest, PlannedPiece, dtype_name, flatten, metric_values
-from tpu_ckpt.format import token_of as token_of  # the naming rule is the format's; saving's modules take it from here
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.sharding import (
     BUILT_IN_POLICIES,

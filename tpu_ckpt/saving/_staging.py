@@ -16,7 +16,8 @@ import os
 
 from tpu_ckpt import cluster, relay, storage
 from tpu_ckpt.errors import CheckpointError, CheckpointExistsError
-from tpu_ckpt.saving._plan import token_of, written_by
+from tpu_ckpt.format import token_of
+from tpu_ckpt.saving._plan import written_by
 
 logger = logging.getLogger(__name__)
 
