@@ -40,7 +40,9 @@ parse an object store's listing would cost). Before that restore, each process r
 ``tc.check_restore`` on both targets (which plans every process's reads from the global
 shardings: all 1.1 M pieces, on every process), measured and counted as above; a report
 that is not ok, or a data file opened, fails the run. Then the same at 1 x D x L, the same
-share per host, and the ratios P vs 1. Times are wall and CPU (getrusage: all of a process's threads).
+share per host, as P such one-process jobs side by side (``--baseline alone``: one), and the
+ratios P vs 1: with P processes sharing this machine's cores in both runs, a ratio compares
+the work each process does, not the share of a core it got. Times are wall and CPU (getrusage: all of a process's threads).
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds each phase may take (with --processes: each stage, all its processes)")
     parser.add_argument("--processes", type=int, help="run P real JAX processes (then --devices-per-process, not --devices)")
     parser.add_argument("--devices-per-process", type=int, default=64)
+    parser.add_argument("--baseline", choices=("concurrent", "alone"), default="concurrent",
+                        help="with --processes P: the 1-process baseline as P such jobs side by side (default), or one alone")
     parser.add_argument("--json", default=None, help="with --processes: also write the results here, as JSON")
     parser.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
@@ -343,20 +347,29 @@ def _multi(args: argparse.Namespace) -> int:
 
 
 def _multi_run(args: argparse.Namespace, processes: int) -> dict:
-    """Saves in ``processes`` fresh processes, restores in as many others."""
+    """Saves in ``processes`` fresh processes, restores in as many others. The one-process
+    baseline of a P-process run is P independent one-process jobs run side by side (unless
+    ``--baseline alone``): each process then shares the cores with as many others doing the
+    same work as in the P-process job, so the ratios compare the work, not how many
+    processes this machine's cores were shared by."""
+    copies = args.processes if processes == 1 and args.baseline == "concurrent" else 1
     scratch = tempfile.mkdtemp(prefix="tpu_ckpt_pod_scale_mp_", dir=args.dir)
-    path = os.path.join(scratch, "0")  # step 0 of a CheckpointManager's directory
+    paths = [os.path.join(scratch, str(copy), "0") for copy in range(copies)]  # step 0 of a manager's directory
+    for path in paths:
+        os.makedirs(os.path.dirname(path))
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices_per_process}"}
     command = [sys.executable, __file__, "--processes", str(processes), "--devices-per-process",
-               str(args.devices_per_process), "--leaves", str(args.leaves), "--path", path]
+               str(args.devices_per_process), "--leaves", str(args.leaves)]
     try:
-        run = {stage: workers.launch([*command, "--stage", stage], processes, [], env, args.timeout) for stage in STAGES}
-        run["files"] = _file_bytes(path)
+        run = {stage: [result for job in workers.launch_jobs([[*command, "--path", path, "--stage", stage] for path in paths],
+                                                            processes, [], env, args.timeout) for result in job]
+               for stage in STAGES}
+        run["files"] = _file_bytes(paths[0])
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     run.update(processes=processes, devices_per_process=args.devices_per_process, leaves=args.leaves,
-               pieces=processes * args.devices_per_process * args.leaves)
+               pieces=processes * args.devices_per_process * args.leaves, concurrent_jobs=copies)
     return run
 
 
@@ -489,31 +502,37 @@ def _check_shards(tree: dict, shape: tuple[int]) -> int:
 
 
 def _ratios(many: dict, one: dict) -> dict[str, float]:
-    """P processes against 1: the largest value over the processes of each."""
+    """P processes against 1: the largest value over the processes of each. A ``leader``
+    metric takes the P-process run's leader alone, an ``others`` one every other process
+    (their whole save, index included, against the one-process save, whose commit is of its
+    own share); the one-process run's processes are all leaders of their own jobs."""
     metrics = {
-        "planning_cpu_s": ("save", lambda r: r["planning"]["cpu_s"]),
-        "save_blocking_s": ("save", lambda r: r["save"]["wall_s"]),
-        "save_blocking_cpu_s": ("save", lambda r: r["save"]["own_share_cpu_s"]),
-        "save_rss_growth_mb": ("save", lambda r: r["save"]["rss_growth_mb"]),
-        "save_rss_growth_but_commit_mb": ("save", lambda r: r["save"]["own_share_rss_growth_mb"]),
-        "commit_cpu_s": ("save", lambda r: r["commit"]["cpu_s"] if r["commit"] else 0.0),
-        "commit_rss_growth_mb": ("save", lambda r: r["commit"]["rss_growth_mb"] if r["commit"] else 0.0),
-        "check_restore_cpu_s": ("restore", lambda r: r["check_restore"]["same"]["cpu_s"]),
-        "restore_cpu_s": ("restore", lambda r: r["restore"]["cpu_s"]),
-        "restore_rss_growth_mb": ("restore", lambda r: r["restore"]["rss_growth_mb"]),
-        "table_bytes_read": ("restore", lambda r: r["table_bytes"]),
-        "entries_built": ("restore", lambda r: r["entries"]),
+        "planning_cpu_s": ("save", "all", lambda r: r["planning"]["cpu_s"]),
+        "save_blocking_s": ("save", "all", lambda r: r["save"]["wall_s"]),
+        "save_blocking_cpu_s": ("save", "all", lambda r: r["save"]["own_share_cpu_s"]),
+        "save_rss_growth_mb": ("save", "all", lambda r: r["save"]["rss_growth_mb"]),
+        "save_rss_growth_others_mb": ("save", "others", lambda r: r["save"]["rss_growth_mb"]),
+        "save_rss_growth_leader_but_commit_mb": ("save", "leader", lambda r: r["save"]["own_share_rss_growth_mb"]),
+        "commit_cpu_s": ("save", "leader", lambda r: r["commit"]["cpu_s"]),
+        "commit_rss_growth_mb": ("save", "leader", lambda r: r["commit"]["rss_growth_mb"]),
+        "check_restore_cpu_s": ("restore", "all", lambda r: r["check_restore"]["same"]["cpu_s"]),
+        "restore_cpu_s": ("restore", "all", lambda r: r["restore"]["cpu_s"]),
+        "restore_rss_growth_mb": ("restore", "all", lambda r: r["restore"]["rss_growth_mb"]),
+        "table_bytes_read": ("restore", "all", lambda r: r["table_bytes"]),
+        "entries_built": ("restore", "all", lambda r: r["entries"]),
     }
+    chosen = {"all": lambda r: True, "leader": lambda r: bool(r.get("commit")), "others": lambda r: not r.get("commit")}
     ratios = {}
-    for name, (stage, value) in metrics.items():
+    for name, (stage, which, value) in metrics.items():
         base = max(map(value, one[stage]))
-        ratios[name] = max(map(value, many[stage])) / base if base else float("nan")
+        ratios[name] = max(value(r) for r in many[stage] if chosen[which](r)) / base if base else float("nan")
     return ratios
 
 
 def _multi_report(run: dict) -> None:
     files = run["files"]
-    print(f"\n{run['processes']} processes x {run['devices_per_process']} devices x {run['leaves']} leaves = {run['pieces']:,} pieces; {files['count']} files,"
+    jobs = f" ({run['concurrent_jobs']} such jobs side by side)" if run["concurrent_jobs"] > 1 else ""
+    print(f"\n{run['processes']} processes x {run['devices_per_process']} devices x {run['leaves']} leaves = {run['pieces']:,} pieces{jobs}; {files['count']} files,"
           f" control bytes {files['control']:,} (manifest {files['manifest']:,})")
     print(f"{'process':>7} {'plan s/cpu':>11} {'save s/cpu':>11} {'save MB':>8} {'sent B':>10}"
           f" {'restore s/cpu':>14} {'table B':>10} {'entries':>9} {'rest. MB':>8}")

@@ -22,21 +22,34 @@ def launch(command: list[str], processes: int, extra: list[str], env: dict, time
     """Runs ``command --worker PORT INDEX *extra`` for INDEX in 0..processes-1, against one
     coordinator port; returns each worker's last line, parsed. A failed worker ends the run,
     as does one still running ``timeout`` seconds after the start."""
-    port = free_port()
-    procs = [
-        subprocess.Popen([*command, "--worker", str(port), str(i), *extra], stdout=subprocess.PIPE, text=True, env=env)
-        for i in range(processes)
-    ]
+    return launch_jobs([command], processes, extra, env, timeout)[0]
+
+
+def launch_jobs(commands: list[list[str]], processes: int, extra: list[str], env: dict, timeout: float = 900) -> list[list[dict]]:
+    """:func:`launch` of several independent jobs at once, one per command, each with its own
+    coordinator port: the workers of every job run side by side, so that jobs of one process
+    each share the machine's cores as the processes of one larger job would."""
+    jobs, ports = [], set()
+    for command in commands:
+        port = free_port()
+        while port in ports:  # a port just released may come back
+            port = free_port()
+        ports.add(port)
+        jobs.append([
+            subprocess.Popen([*command, "--worker", str(port), str(i), *extra], stdout=subprocess.PIPE, text=True, env=env)
+            for i in range(processes)
+        ])
+    procs = [p for job in jobs for p in job]
     try:
         deadline = time.monotonic() + timeout
-        outputs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in procs]
+        outputs = {p: p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in procs}
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
     if any(p.returncode for p in procs):
         raise SystemExit(f"a worker failed: exit codes {[p.returncode for p in procs]}")
-    return [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    return [[json.loads(outputs[p].strip().splitlines()[-1]) for p in job] for job in jobs]
 
 
 if __name__ == "__main__":

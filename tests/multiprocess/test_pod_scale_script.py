@@ -31,15 +31,18 @@ def test_pod_scale_runs_several_processes_and_checks_the_restore(tmp_path):
     stdout, summary = _run("pod_scale.py", "--processes", "2", "--devices-per-process", "2", "--leaves", "8", tmp_path=tmp_path)
     runs = summary["runs"]
     assert sorted(runs) == ["1", "2"]
+    # the one-process baseline runs as 2 one-process jobs side by side, sharing the cores as the 2 processes did
+    assert runs["1"]["concurrent_jobs"] == 2 and runs["2"]["concurrent_jobs"] == 1
     for processes, run in runs.items():
         assert run["pieces"] == int(processes) * 2 * 8
-        assert [r["process"] for r in run["save"]] == [r["process"] for r in run["restore"]] == list(range(int(processes)))
+        jobs = run["concurrent_jobs"]
+        assert [r["process"] for r in run["save"]] == [r["process"] for r in run["restore"]] == list(range(int(processes))) * jobs
         for saved in run["save"]:
             assert saved["pieces"] == 2 * 8  # this process's devices' pieces
             for stage in ("planning", "save"):
                 assert {"wall_s", "cpu_s", "rss_growth_mb"} <= set(saved[stage])
         leaders = [r for r in run["save"] if r["commit"]]
-        assert [r["process"] for r in leaders] == [0]
+        assert [r["process"] for r in leaders] == [0] * jobs
         assert {"wall_s", "cpu_s", "rss_growth_mb"} <= set(leaders[0]["commit"])
         for restored in run["restore"]:
             # each restoring host reads the rows of its own cells (in runs: at most twice their
@@ -56,9 +59,12 @@ def test_pod_scale_runs_several_processes_and_checks_the_restore(tmp_path):
                 assert check["resharded_leaves"] == (8 if target == "other" else 0)
     senders = [r for r in runs["2"]["save"] if r["sent_to_leader_bytes"]]
     assert [r["process"] for r in senders] == [1]  # only the non-leader sends an index
-    assert set(summary["ratios"]) >= {"planning_cpu_s", "commit_cpu_s", "restore_cpu_s", "table_bytes_read", "entries_built"}
+    assert set(summary["ratios"]) >= {"planning_cpu_s", "save_blocking_cpu_s", "save_rss_growth_others_mb",
+                                      "save_rss_growth_leader_but_commit_mb", "commit_cpu_s", "restore_cpu_s",
+                                      "table_bytes_read", "entries_built"}
     assert summary["ratios"]["entries_built"] == 1.0
-    assert "restored shards compared bit for bit: 12" in stdout
+    assert "restored shards compared bit for bit: 12" in stdout  # the 2-process job; each baseline job compares 6
+    assert "(2 such jobs side by side)" in stdout
     assert "data bytes read and data files opened, all processes: 0 (target 0) PASS" in stdout
 
 

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
 from tests.helpers import bits
+from tpu_ckpt.format import token_of as format_token_of
 
 pytestmark = [pytest.mark.emulator]
 
@@ -173,6 +174,20 @@ def test_a_multi_tier_manager_uploads_its_persistent_steps_from_the_local_tier(b
     with tc.CheckpointManager(bucket.url("run"), **tiers) as manager:
         assert manager.latest_step() == 3
         np.testing.assert_array_equal(manager.restore()["w"], tree(3)["w"])  # the bucket
+
+
+def test_an_upload_from_the_local_tier_names_its_objects_as_any_save_there(bucket, tmp_path):
+    """An upload shares the step's prefix with any other save of that step, so its data
+    files carry its token (FORMAT.md "File names"), as a tc.save's do."""
+    tiers = dict(save_interval_steps=2, local_directory=str(tmp_path / "local"))
+    with tc.CheckpointManager(bucket.url("run"), **tiers) as manager:
+        manager.save(1, tree(1))
+    names = [key.split("/", 2)[2] for key in bucket.keys("run/step_1/")]
+    data = [name for name in names if name.endswith(".safetensors")]
+    assert data and all(format_token_of(name) is not None for name in data), names
+    assert len({format_token_of(name) for name in names if format_token_of(name)}) == 1  # one upload's token
+    assert all(name == "manifest.json" or format_token_of(name) for name in names), names
+    np.testing.assert_array_equal(tc.restore(bucket.url("run/step_1"))["w"], tree(1)["w"])
 
 
 def test_keep_every_n_hours_is_refused_where_there_are_no_mtimes(bucket):

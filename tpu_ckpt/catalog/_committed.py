@@ -6,7 +6,9 @@ Through an open store (``open_checkpoint``: restore, export and the command line
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from tpu_ckpt import storage
@@ -114,24 +116,27 @@ def _check_references(store: storage.Backend, manifest: Manifest) -> None:
     """The data files of other steps an incremental save's manifest names (``../step_<n>/<file>``,
     FORMAT.md "References") are files of a sibling step, there with the size it recorded.
     Locally ``storage.open_confined`` refuses anything else, and one ``fstat`` each tells the
-    size; on an object store only ``../step_<digits>/<file>`` is read at all, each sibling is
-    listed once, and one-byte reads tell a file's size (``ObjectStore.sized_unlike``)."""
+    size, now. On an object store each costs requests (one-byte reads tell a size, a listing
+    tells a step), so each is checked before its first read through this store
+    (``ObjectStore.check_before_reading``): a process pays for the references it reads, not
+    for every one of the checkpoint, and only ``../step_<digits>/<file>`` is read at all."""
     loc = store.location
     references = {name: size for name, size in manifest.files.items() if name.startswith("../")}
-    if not references:
-        return
-    wrong: list[tuple[str, str, str | None]] = []
     if isinstance(store, storage.ObjectStore):
-        wrong += _objects_unlike(store, references)
-    else:
-        wrong += [(name, *_local_unlike(loc, name, size)) for name, size in references.items()]
-    for name, where, what in wrong:
+        store.check_before_reading(references, _object_reference_check(store, references))
+        return
+    for name, size in references.items():
+        where, what = _local_unlike(loc, name, size)
         if what is not None:
-            raise CorruptCheckpointError(
-                f"{loc.url} references data file {name} of another step, which {what}: this checkpoint cannot "
-                "be restored. Restore another step, or put the file back.",
-                file=where,
-            )
+            raise _reference_error(loc, name, where, what)
+
+
+def _reference_error(loc: storage.Location, name: str, where: str, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{loc.url} references data file {name} of another step, which {what}: this checkpoint cannot "
+        "be restored. Restore another step, or put the file back.",
+        file=where,
+    )
 
 
 def _local_unlike(loc: storage.Location, name: str, size: int) -> tuple[str, str | None]:
@@ -149,15 +154,24 @@ def _local_unlike(loc: storage.Location, name: str, size: int) -> tuple[str, str
     return path, None if found == size else f"holds {found} bytes, not the {size} recorded"
 
 
-def _objects_unlike(store: storage.ObjectStore, references: dict[str, int]) -> list[tuple[str, str, str]]:
-    """What is wrong with an object store's references: a sibling that is no step (neither a
-    manifest nor ``referenced.json``, FORMAT.md "References": one listing of each), a file
-    missing there or of another size (``sized_unlike``, which refuses every other name)."""
-    loc, wrong = store.location, store.sized_unlike(references)
-    for step in sorted({name.split("/")[1] for name in references}):
+def _object_reference_check(store: storage.ObjectStore, references: dict[str, int]) -> Callable[[str], None]:
+    """The check of one of an object store's references: a name out of the run refused
+    (``sized_unlike`` refuses every name but ``../step_<digits>/<file>``), its sibling a step
+    (a manifest or ``referenced.json`` there: one listing per sibling), the object there with
+    the size recorded."""
+    loc = store.location
+
+    @functools.cache
+    def is_step(step: str) -> bool:
         with storage.Store(loc.sibling(step), threads=1) as sibling:
-            if set(sibling.list()) & {MANIFEST_FILE, REFERENCED_FILE}:
-                continue
-        name = min(n for n in references if n.split("/")[1] == step)
-        wrong.insert(0, (name, loc.sibling(step).child(name.split("/")[2]), "lies in no step of the run"))
-    return wrong
+            return bool(set(sibling.list()) & {MANIFEST_FILE, REFERENCED_FILE})
+
+    def check(name: str) -> None:
+        wrong = store.sized_unlike({name: references[name]})
+        _, step, file = name.split("/")
+        if not is_step(step):
+            wrong.insert(0, (name, loc.sibling(step).child(file), "lies in no step of the run"))
+        for _, where, what in wrong[:1]:
+            raise _reference_error(loc, name, where, what)
+
+    return check

@@ -5,11 +5,12 @@ agree on what is committed and what may be deleted. What a directory holds decid
 name: a checkpoint is a subdirectory with a manifest (a user's ``model.tmp-1`` too), unless
 its staging marker (``storage.mark_staging``) says it is the staging area of another name,
 a local save that died before its rename. A leftover is a subdirectory without such a
-manifest that is ours: it holds a staging marker, or it bears a name the library writes
-(``step_<n>``, CheckpointManager's rule, or ``<name>.tmp-<hex>``, which older saves left
-unmarked). A leftover whose marker is younger than its grace period may be a save still
-running: it is "busy", and neither ``gc`` nor a manager's cleanup removes it. Anything else
-(a user's own files and directories) is neither listed nor removed.
+manifest that is ours: it holds a staging marker (plain, or on an object store one per save,
+``storage.marker_name``), or it bears a name the library writes (``step_<n>``,
+CheckpointManager's rule, or ``<name>.tmp-<hex>``, which older saves left unmarked). A
+leftover whose marker is younger than its grace period (of several, the one that ends last)
+may be a save still running: it is "busy", and neither ``gc`` nor a manager's cleanup
+removes it. Anything else (a user's own files and directories) is neither listed nor removed.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def _ours(name: str, files: list[str]) -> bool:
     retired step (``referenced.json``: data files newer steps reference) is none."""
     if REFERENCED_FILE in files and MANIFEST_FILE not in files:
         return False
-    return storage.STAGING_MARKER in files or bool(OWN_LEFTOVER.fullmatch(name) or STAGING.fullmatch(name))
+    return bool(storage.markers(files) or OWN_LEFTOVER.fullmatch(name) or STAGING.fullmatch(name))
 
 
 def checkpoints(files: list[str], staged: Collection[str] = ()) -> dict[str, int | None]:
@@ -134,17 +135,24 @@ def checkpoints_in(directory: str | os.PathLike[str]) -> dict[str, int | None]:
 
 def staged_in(loc: storage.Location, files: list[str]) -> set[str]:
     """The subdirectories, in a listing of ``loc``, holding a manifest that commits nothing."""
-    tops = collections.defaultdict(set)
+    return _staged(loc, [top for top, names in _by_top(files).items() if {MANIFEST_FILE, storage.STAGING_MARKER} <= names])
+
+
+def _by_top(files: list[str]) -> dict[str, set[str]]:
+    """The files of a listing by subdirectory, relative to it."""
+    tops: dict[str, set[str]] = collections.defaultdict(set)
     for top, _, rest in (path.partition("/") for path in files):
         tops[top].add(rest)
-    return _staged(loc, [top for top, names in tops.items() if {MANIFEST_FILE, storage.STAGING_MARKER} <= names])
+    return tops
 
 
 def _staged(loc: storage.Location, marked: Iterable[str]) -> set[str]:
-    """Those of ``marked`` (subdirectories holding a manifest and a staging marker) that are
-    the staging area of another name: a local save that wrote its manifest and died before
-    its rename. On an object store the staging area is the checkpoint, committed by the
-    manifest even before its marker is deleted."""
+    """Those of ``marked`` (subdirectories holding a manifest and a plain staging marker) that
+    are the staging area of another name: a local save that wrote its manifest and died
+    before its rename. On an object store the staging area is the checkpoint, committed by
+    the manifest even before its marker is deleted; the markers there are per save
+    (``storage.marker_name``), so one beside a manifest (another save, still writing or
+    stalled) is never read here: it leaves the checkpoint committed."""
     staged = set()
     for name in marked:
         marker = storage.read_marker(storage.Location(loc.child(name)))
@@ -194,7 +202,7 @@ def remove_leftover(loc: storage.Location, name: str, why: str, *, even_busy: bo
     a commit writes the manifest and then deletes the marker: a save committing meanwhile is
     seen by one or the other (a listing, however recent, may predate the commit)."""
     where = storage.Location(loc.child(name))
-    marker = storage.read_marker(where)
+    marker = storage.latest_marker(where)
     if marker is not None and not even_busy and time.time() < marker.held_until:
         logger.info("tpu_ckpt: keeping %s: a save that may still be running", where.url)
         return False
@@ -232,12 +240,13 @@ def _leftover(loc: storage.Location, name: str, files: list[str]) -> Entry:
     """A leftover's entry; its size is what its files take on a local disk (object store
     listings carry no sizes, and reading every object to learn one would cost too much)."""
     nbytes = sum(_local_size(loc, name, file) for file in files) if loc.is_local else None
-    held = _held_until(loc, name) if storage.STAGING_MARKER in files else None
-    return Entry(name, None, False, len(files), nbytes, _mtime(loc, name), held_until=held)
+    return Entry(name, None, False, len(files), nbytes, _mtime(loc, name), held_until=_held_until(loc, name, files))
 
 
-def _held_until(loc: storage.Location, name: str) -> float | None:
-    marker = storage.read_marker(storage.Location(loc.child(name)))
+def _held_until(loc: storage.Location, name: str, files: Collection[str] | None = None) -> float | None:
+    """Until when subdirectory ``name`` may be a save still running: the latest grace period
+    of its staging markers (among ``files``, its listing, when known)."""
+    marker = storage.latest_marker(storage.Location(loc.child(name)), files)
     return None if marker is None else marker.held_until
 
 
@@ -274,7 +283,7 @@ def list_run(loc: storage.Location) -> Listing:
     if not loc.is_local:
         with storage.Store(loc, threads=1) as store:
             files = store.list()
-        return _with_busy(loc, parse_listing(files, staged_in(loc, files)))
+        return _with_busy(loc, parse_listing(files, staged_in(loc, files)), _by_top(files))
     root = loc.local_path
     if not os.path.isdir(root):
         return Listing({}, [])
@@ -287,10 +296,11 @@ def list_run(loc: storage.Location) -> Listing:
     return _with_busy(loc, _sort(names - retired, with_manifest, _staged(loc, marked), retired))
 
 
-def _with_busy(loc: storage.Location, listing: Listing) -> Listing:
-    """``listing`` with its busy leftovers: one marker read per leftover (there are few)."""
+def _with_busy(loc: storage.Location, listing: Listing, under: dict[str, set[str]] | None = None) -> Listing:
+    """``listing`` with its busy leftovers: a read of each marker of each leftover (there are
+    few), found in ``under`` (its files by subdirectory, when listed)."""
     now = time.time()
-    held = {name: _held_until(loc, name) for name in listing.leftovers}
+    held = {name: _held_until(loc, name, None if under is None else under.get(name, set())) for name in listing.leftovers}
     return dataclasses.replace(listing, busy=[n for n, until in held.items() if until is not None and now < until])
 
 

@@ -1,7 +1,7 @@
 """The objects a save leaves inside a checkpoint that another save committed (object stores).
 
-On an object store a save writes into the final prefix, every name but the manifest and its
-staging marker carrying its token (``format.token_of``, FORMAT.md "File names"), and its
+On an object store a save writes into the final prefix, every name but the manifest carrying
+its token (``format.token_of``, FORMAT.md "File names"), its staging marker's too, and its
 manifest is created only if absent: of two saves of one checkpoint (a zombie process of an
 earlier incarnation, two jobs given one run directory) one commits, and the other, once it
 learns it lost, deletes exactly its own objects. One that stalled for good never does: its
@@ -12,12 +12,18 @@ tables) nor its ``referenced.json`` nor any checkpoint of the directory (``../<s
 names. On a local disk a save's staging directory is its own and renamed whole at commit:
 nothing strays there.
 
-Object listings carry no times, so a stray's age is read as a leftover's is: from the
-staging marker. While the checkpoint holds one within its grace period (a save started on
-it since it was committed, or the commit has not yet deleted it), its strays may be a save
-still writing and are kept. The committing save deletes the marker it finds; a save whose
-marker it deleted can never commit there (the manifest exists), so removing its objects
-changes only how it fails (``storage.check_written`` reports its files missing).
+Object listings carry no times, so a stray's age is read as a leftover's is: from a staging
+marker, that of the save which wrote it (``storage.marker_name``: its name carries the
+save's token; a plain ``staging.json``, which saves before markers were per save wrote,
+holds the objects of the token it names). While that marker is within its grace period, the
+save's strays may be a save still writing (one that started before the commit and has not
+yet learnt it lost) and are kept; another save's marker holds nothing but that save's. Once
+it is over, the marker is itself a stray of its save, removed with its objects (last, so an
+interrupted removal leaves them marked). The committing save deletes its own marker, so
+beside a committed manifest a save's marker is another save's, or the commit's own when its
+deletion failed: a stray of the commit, then, kept for its grace period. A save whose
+objects are removed can never commit there (the manifest exists), so removing them changes
+only how it fails (``storage.check_written`` reports its files missing).
 """
 
 from __future__ import annotations
@@ -28,18 +34,19 @@ import os
 import time
 
 from tpu_ckpt import storage
-from tpu_ckpt.catalog._listing import _held_until, _listed, checkpoints, staged_in
+from tpu_ckpt.catalog._listing import _listed, checkpoints, staged_in
 from tpu_ckpt.errors import CheckpointError
 from tpu_ckpt.format import MANIFEST_FILE, REFERENCED_FILE, decode_manifest, token_of
 
 
 @dataclasses.dataclass(frozen=True)
 class Strays:
-    """The stray objects of one checkpoint (or retired step) directly under the directory."""
+    """The stray objects of one save (one token) in one checkpoint (or retired step) directly
+    under the directory."""
 
     name: str  # the checkpoint's (or retired step's) name
     files: list[str]  # its stray objects, relative to it
-    held_until: float | None = None  # its staging marker's grace period: they may be a save running
+    held_until: float | None = None  # the save's staging marker's grace period: it may be running
 
     @property
     def tokens(self) -> list[str]:
@@ -49,8 +56,9 @@ class Strays:
 
 def strays(directory: str | os.PathLike[str]) -> list[Strays]:
     """The strays (see module docstring) of the checkpoints directly under ``directory``, by
-    name: one listing of the directory, and one read of each manifest and ``referenced.json``.
-    None on a local disk, nor while any manifest cannot be read (what it names is unknown)."""
+    name then token: one listing of the directory, one read of each manifest and
+    ``referenced.json``, and of each staging marker of a save that left strays. None on a
+    local disk, nor while any manifest cannot be read (what it names is unknown)."""
     if storage.location(directory).is_local:
         return []
     loc, files = _listed(directory)
@@ -68,11 +76,27 @@ def strays(directory: str | os.PathLike[str]) -> list[Strays]:
             named.setdefault(sibling, set()).add(file)
     found = []
     for name in sorted(set(named) & set(under)):
-        stray = sorted(f for f in under[name] - named[name] if "/" not in f and token_of(f) is not None)
-        if stray:
-            held = _held_until(loc, name) if storage.STAGING_MARKER in under[name] else None
-            found.append(Strays(name, stray, held))
+        where = storage.Location(loc.child(name))
+        by_token: dict[str, list[str]] = {}
+        for file in sorted(under[name] - named[name]):
+            token = token_of(file) if "/" not in file else None
+            if token is not None:
+                by_token.setdefault(token, []).append(file)
+        found += [Strays(name, group, _held_until(where, under[name], t)) for t, group in sorted(by_token.items())]
     return found
+
+
+def _held_until(where: storage.Location, names: set[str], token: str) -> float | None:
+    """Until when the objects of the save with ``token`` in ``where`` (listed as ``names``) may
+    be that save still writing: the grace period of its own staging marker, or of a plain
+    one naming its token; None when neither is there."""
+    own = storage.marker_name(where, token)
+    held = []
+    for name in sorted(names & {own, storage.STAGING_MARKER}):
+        marker = storage.read_marker(where, name)
+        if marker is not None and (name == own or marker.token == token):
+            held.append(marker.held_until)
+    return max(held, default=None)
 
 
 def _named(where: storage.Location, *, retired: bool) -> set[str] | None:
@@ -103,19 +127,19 @@ def remove_strays(directory: str | os.PathLike[str], found: list[Strays]) -> lis
 
 
 def _remove(loc: storage.Location, found: Strays) -> bool:
-    """Deletes one checkpoint's strays unless, since they were listed, a save marked it (one
-    that may be writing), or it stopped being a checkpoint or retired step, or what it
-    names came to include one of them: one listing of its prefix, and a read of each file
-    that decides."""
+    """Deletes one save's strays in one checkpoint unless, since they were listed, that save
+    marked it (it may be writing: a marker found now, or renewed), or it stopped being a
+    checkpoint or retired step, or what it names came to include one of them: one listing
+    of its prefix, and a read of each file that decides. Its staging marker goes last."""
     where = storage.Location(loc.child(found.name))
     with storage.Store(where, threads=1) as store:
         names = set(store.list())
-        held = _held_until(loc, found.name) if storage.STAGING_MARKER in names else None
-        if held is not None and time.time() < held:
+        held = [_held_until(where, names, token) for token in found.tokens]
+        if any(until is not None and time.time() < until for until in held):
             return False
         retired = MANIFEST_FILE not in names
         kept = _named(where, retired=retired) if not retired or REFERENCED_FILE in names else None
         if kept is None or kept & set(found.files):
             return False
-        storage.remove_files(store, [f for f in found.files if f in names])
+        storage.remove_files(store, sorted((f for f in found.files if f in names), key=storage.is_marker))
     return True

@@ -146,8 +146,9 @@ def _holds_manifest(loc: storage.Location, name: str) -> bool:
 
 
 def _with_busy(loc: storage.Location, listing: Listing) -> Listing:
-    """``listing`` with its busy leftovers: one marker read per leftover (there are few)."""
+    """``listing`` with its busy leftovers: a read of each marker of each leftover (there are
+    few; on an object store, one per save, found by a listing of its prefix)."""
     now = time.time()
-    markers = {name: storage.read_marker(storage.Location(loc.child(name))) for name in listing.leftovers}
+    markers = {name: storage.latest_marker(storage.Location(loc.child(name))) for name in listing.leftovers}
     busy = [name for name, marker in markers.items() if marker is not None and now < marker.held_until]
     return dataclasses.replace(listing, busy=busy)

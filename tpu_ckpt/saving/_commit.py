@@ -35,10 +35,11 @@ from tpu_ckpt.format import (
     encode_index,
     grids_shared,
     sort_order,
+    spread,
     tiling_problem,
     write,
 )
-from tpu_ckpt.saving._plan import spread, staged_index_file
+from tpu_ckpt.saving._plan import staged_index_file
 from tpu_ckpt.settings import settings
 
 _BY_SLICE = operator.itemgetter(0)  # a PieceEntry's slice
@@ -81,7 +82,7 @@ def commit(
             for deleted in deleting:
                 deleted.result()
             write_manifest(store, merged, grids, token)
-    storage.publish(store.location, final)
+    storage.publish(store.location, final, token)
 
 
 Grid = tuple[list[np.ndarray], np.ndarray]

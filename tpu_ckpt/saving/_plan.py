@@ -13,13 +13,12 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
-import zlib
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 
-from tpu_ckpt.format import TOKENED, LeafEntry, Manifest, PlannedPiece, dtype_name, flatten, metric_values
+from tpu_ckpt.format import TOKENED, LeafEntry, Manifest, PlannedPiece, dtype_name, flatten, metric_values, spread
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.sharding import (
     BUILT_IN_POLICIES,
@@ -69,7 +68,7 @@ class SavePlan:
         return sum(f.nbytes for f in self.files)
 
     def named(self, token: str) -> SavePlan:
-        """This plan with its data files named for the save with ``token`` (:func:`spread`),
+        """This plan with its data files named for the save with ``token`` (``format.spread``),
         which the plan, made before the staging area, does not know."""
         return dataclasses.replace(self, files=tuple(dataclasses.replace(f, name=spread(token, f.name)) for f in self.files))
 
@@ -202,18 +201,8 @@ def _leaf_text(leaf: LeafEntry) -> str:
 
 def data_file_name(process: int, number: int, token: str = "") -> str:
     """Data file ``number`` of ``process``; a save into an object store passes its token,
-    which the name then carries after a short hash (:func:`spread`)."""
+    which the name then carries after a short hash (``format.spread``)."""
     return spread(token, f"d{process:05d}-{number:05d}.safetensors")
-
-
-def spread(token: str, name: str) -> str:
-    """``name`` as a save with ``token`` writes it into an object store's prefix, which it may
-    share with another save of the same checkpoint (a stale process, a second job):
-    ``<hash>-<token>-<name>``, so that two saves never write the same name, and, the hash
-    (4 hex digits of crc32 of token and name) first, one save's objects spread over the
-    prefix's key range instead of a run of neighbouring keys (FORMAT.md, "File names").
-    Unchanged without a token (a local save, whose staging directory is its own)."""
-    return f"{zlib.crc32(f'{token}/{name}'.encode()) & 0xFFFF:04x}-{token}-{name}" if token else name
 
 
 def staged_index_file(process: int, token: str = "") -> str:

@@ -23,6 +23,10 @@ from tpu_ckpt.storage._stores import (
     check_written,
     has_staging_leftover,
     is_empty,
+    is_marker,
+    latest_marker,
+    marker_name,
+    markers,
     open_staging,
     publish,
     read_marker,
@@ -30,4 +34,4 @@ from tpu_ckpt.storage._stores import (
     remove_files,
 )
 
-__all__ = ["Backend", "CheckpointStore", "IOPool", "LocalStore", "Location", "MAX_WHOLE_FILE_BYTES", "ObjectStore", "PooledStore", "ReadableStore", "STAGING_MARKER", "Store", "aligned_empty", "byte_view", "check_written", "confine", "fsync_dir", "has_staging_leftover", "is_empty", "location", "make_directory", "new_token", "open_confined", "open_staging", "publish", "read_json", "read_marker", "read_ranges", "read_whole", "remove", "remove_files", "rename_durably"]
+__all__ = ["Backend", "CheckpointStore", "IOPool", "LocalStore", "Location", "MAX_WHOLE_FILE_BYTES", "ObjectStore", "PooledStore", "ReadableStore", "STAGING_MARKER", "Store", "aligned_empty", "byte_view", "check_written", "confine", "fsync_dir", "has_staging_leftover", "is_empty", "is_marker", "latest_marker", "location", "make_directory", "marker_name", "markers", "new_token", "open_confined", "open_staging", "publish", "read_json", "read_marker", "read_ranges", "read_whole", "remove", "remove_files", "rename_durably"]

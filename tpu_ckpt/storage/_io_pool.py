@@ -20,24 +20,31 @@ class IOPool:
         self._size = threads
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
+        self._starting = threading.Lock()
 
     def submit(
         self, fn: Callable[..., Any], *args: Any, then: Callable[[Any], Any] | None = None
     ) -> concurrent.futures.Future:
         """Runs ``fn(*args)``, then ``then`` on its result, in an IO thread: work such as
         checksums thereby runs in parallel, next to the transfers."""
-        if not self._threads:  # started on first use: listing and manifest reads need none
-            self._threads = [threading.Thread(target=self._work, name="tpu_ckpt io", daemon=True) for _ in range(self._size)]
-            for thread in self._threads:
-                thread.start()
+        with self._starting:  # started on first use (listing and manifest reads need none), once
+            if not self._threads:
+                self._threads = [threading.Thread(target=self._work, name="tpu_ckpt io", daemon=True) for _ in range(self._size)]
+                for thread in self._threads:
+                    thread.start()
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._tasks.put((future, fn, args, then))
         return future
 
     def shutdown(self) -> None:
-        for _ in self._threads:
+        """Ends every thread: one stop per thread, taken by exactly those threads (two first
+        submits at once starting two sets would leave a set that takes stops meant for the
+        other, and a join that never returns)."""
+        with self._starting:
+            threads = self._threads
+        for _ in threads:
             self._tasks.put(None)
-        for thread in self._threads:
+        for thread in threads:
             thread.join()
 
     def _work(self) -> None:

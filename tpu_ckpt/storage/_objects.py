@@ -39,7 +39,7 @@ Reads: a ranged read is cut into requests of at most ``REQUEST_BYTES``, and a st
 threads (or ``io_threads``, if more), each issuing one read's requests together, and a
 request limit as high of its own in tensorstore, whose default limit (32) is shared by every
 store of the process. A range comes back as a numpy view into the ``bytes`` tensorstore
-returned, copied only when it spans several requests (``_chunks``). Sizes a manifest claims
+returned, copied only when it spans several requests (``request_chunks``). Sizes a manifest claims
 are checked against the object's real size first (``PROBE_FROM_BYTES``, ``read_file``). Reads
 may name a sibling step's ``../step_<n>/<file>``, and nothing else out of the prefix (``_read_key``).
 
@@ -56,14 +56,16 @@ import builtins
 import concurrent.futures
 import functools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tpu_ckpt.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from tpu_ckpt.storage import _safe_reads as safe_reads
+from tpu_ckpt.storage._first_reads import FirstReadChecks
 from tpu_ckpt.storage._io_pool import IOPool, PooledStore
+from tpu_ckpt.storage._request_chunks import request_chunks
 from tpu_ckpt.storage._request_rate import paced
 from tpu_ckpt.storage._retries import retrying
 
@@ -97,6 +99,7 @@ class ObjectStore(PooledStore):
         spec = loc.kvstore_spec()
         self._prefix = spec.pop("path").lstrip("/")
         self._referenced: set[bytes] = set()  # sibling steps' keys ``unwritten`` found
+        self._first_reads = FirstReadChecks()
         if spec["driver"] in ("gcs", "s3"):  # memory:// has no requests
             spec[f"{spec['driver']}_request_concurrency"] = {"limit": max(threads, reads_in_flight)}
         try:
@@ -140,6 +143,13 @@ class ObjectStore(PooledStore):
         self, name: str, start: int, lengths: Sequence[int], then: Callable[[list[np.ndarray]], Any] | None = None
     ) -> concurrent.futures.Future:
         return self._pool.submit(self._read_ranges, name, start, lengths, then=then)
+
+    def check_before_reading(self, names: Iterable[str], check: Callable[[str], None]) -> None:
+        """Runs ``check(name)`` before the first read of each of ``names`` through this store,
+        once, and raises its error from every read of that name: each process pays for the
+        objects it reads, not for every object a checkpoint names (a pod's restore would
+        otherwise probe every referenced object from every host: ``catalog``'s references)."""
+        self._first_reads.add(names, check)
 
     def read_file(self, name: str, max_bytes: int = safe_reads.MAX_WHOLE_FILE_BYTES) -> bytes | None:
         """Refuses an object larger than ``max_bytes`` from one byte past that bound, which
@@ -255,20 +265,23 @@ class ObjectStore(PooledStore):
     def _read_ranges(self, name: str, start: int, lengths: Sequence[int]) -> builtins.list[np.ndarray]:
         """All requests of one read are issued at once (tensorstore queues those beyond the
         store's request limit), then awaited."""
+        self._first_reads.before_reading(name)
         key, where = self._read_key(name)
         stop = start + sum(lengths)
         if stop - start > PROBE_FROM_BYTES and not self._has_byte(key, stop - 1, where):
             raise CorruptCheckpointError(f"{where} is missing, or truncated: it ends before byte {stop}", file=where)
         ranges = request_ranges(start, lengths)
         issued = [self._kv.read(key, byte_range=slice(a, b)) for a, b in ranges]
-        return _chunks(start, lengths, ranges, [_range(self._kv, key, a, b, f, where) for f, (a, b) in zip(issued, ranges)])
+        return request_chunks(start, lengths, ranges, [_range(self._kv, key, a, b, f, where) for f, (a, b) in zip(issued, ranges)])
 
 
-REQUEST_BYTES = 8 << 20
-"""The most one ranged request reads. A read batch (``read_batch_bytes``, 256 MiB) is then at
-least 32 requests, the ``object_reads_in_flight`` a store runs at once; a request of 8 MiB
-spends most of its time transferring (GCS: tens of ms to the first byte, then ~100 MB/s or
-more per stream)."""
+REQUEST_BYTES = 32 << 20
+"""The most one ranged request reads. At pod scale the request count is what a bucket limits
+(a read rate that ramps up, an egress quota per project shared by every host: ~200 Gbps over
+1,536 hosts is ~16 MB/s each), so requests are large: a 7.8 GB share is ~240 requests, a
+1,536-host restore ~360 k, a quarter of what 8 MiB requests make. A read batch
+(``read_batch_bytes``, 256 MiB) is then at least 8 requests in flight, each stream
+~100 MB/s or more on GCS: more than a host's share of the quota."""
 
 
 PROBE_FROM_BYTES = 4 * REQUEST_BYTES
@@ -313,34 +326,6 @@ def _range(kv: Any, key: str, a: int, b: int, issued: Any, where: str) -> np.nda
     if len(value) != size:
         raise CorruptCheckpointError(f"{where} is truncated", file=where)
     return np.frombuffer(value, np.uint8)
-
-
-def _chunks(start: int, lengths: Sequence[int], ranges: Sequence[tuple[int, int]], data: Sequence[np.ndarray]) -> list[np.ndarray]:
-    """One array per length, from the requests' bytes: a view where the length lies in one
-    request, else a fresh aligned array it is copied into.
-
-    The one copy of a range that is unavoidable is tensorstore's, out of the Cord it received
-    into the ``bytes`` its Python API returns; views add none. They are read-only (``bytes``
-    are immutable, so the file's later fate cannot change them either) and 16-byte aligned
-    (CPython's allocators), not 64: JAX's CPU backend copies them where it would adopt an
-    aligned array, and what the restore hands to the user is copied (``restore_exec``).
-    """
-    out, at, r = [], start, 0
-    for n in lengths:
-        while at >= ranges[r][1] and r + 1 < len(ranges):
-            r += 1
-        if at + n <= ranges[r][1]:
-            out.append(data[r][at - ranges[r][0] : at - ranges[r][0] + n])
-        else:
-            chunk = safe_reads.aligned_empty(n)
-            for (first, last), received in zip(ranges[r:], data[r:]):
-                a, b = max(first, at), min(last, at + n)
-                chunk[a - at : b - at] = received[a - first : b - first]
-                if b == at + n:
-                    break
-            out.append(chunk)
-        at += n
-    return out
 
 
 def unsafe_key(key: str) -> bool:

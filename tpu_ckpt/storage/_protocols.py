@@ -42,7 +42,7 @@ class ReadableStore(Protocol):
         thread (e.g. checksums, which thereby run in parallel). Nothing done to the file
         later changes the arrays. From a local file or a relay they are fresh, writable and
         64-byte aligned (one read request for all of them); from an object store they may be
-        read-only views of the bytes received, 16-byte aligned (``object_store._chunks``), so
+        read-only views of the bytes received, 16-byte aligned (``request_chunks``), so
         a caller that writes into one, or hands it to the user, copies it first. Fails with
         ``CorruptCheckpointError`` when the file is missing, too short, not a regular file,
         or named outside the checkpoint (``safe_reads``).

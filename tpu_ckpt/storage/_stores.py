@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterable, Mapping
 
 from tpu_ckpt.errors import CheckpointError
-from tpu_ckpt.format import MANIFEST_FILE
+from tpu_ckpt.format import MANIFEST_FILE, spread, token_of
 from tpu_ckpt.settings import settings
 from tpu_ckpt.storage import _local as local_store
 from tpu_ckpt.storage import _objects as object_store
@@ -34,7 +34,7 @@ from tpu_ckpt.storage._protocols import Backend
 
 logger = logging.getLogger(__name__)
 
-STAGING_MARKER = "staging.json"  # the first file of a save's staging area (:func:`mark_staging`)
+STAGING_MARKER = "staging.json"  # the first file of a save's staging area (:func:`mark_staging`, :func:`marker_name`)
 STAGING_GRACE_S = 3600.0
 """How long after it started a save's staging area counts as a save in progress, which
 ``tpu-ckpt gc`` and a CheckpointManager's leftover cleanup leave alone."""
@@ -97,12 +97,34 @@ def _make_marked(loc: Location, final: Location, token: str) -> None:
 
 
 def mark_staging(store: Backend, final: Location, token: str) -> None:
-    """Writes the staging marker, before any other file of the save: which checkpoint the
-    staging area becomes, when the save started, and for how long cleanups must leave it
-    alone. Whether a directory is a leftover is decided by this marker and the manifest,
-    never by its name alone: a user's checkpoint may be named ``model.tmp-1``."""
+    """Writes the staging marker (named by :func:`marker_name`), before any other file of the
+    save: which checkpoint the staging area becomes, when the save started, and for how long
+    cleanups must leave it alone. Whether a directory is a leftover is decided by this
+    marker and the manifest, never by its name alone: a user's checkpoint may be named
+    ``model.tmp-1``."""
     marker = {"final": final.name, "token": token, "started": time.time(), "grace_s": STAGING_GRACE_S}
-    store.write(STAGING_MARKER, [json.dumps(marker).encode()]).result()
+    store.write(marker_name(store.location, token), [json.dumps(marker).encode()]).result()
+
+
+def marker_name(where: Location, token: str) -> str:
+    """The name of the staging marker of the save with ``token`` at ``where``. On an object
+    store, whose prefix several saves of one checkpoint may share, each save's own
+    (``format.spread``, like its other objects): a save deletes its own marker with its
+    objects, never another's, and ``tpu-ckpt gc`` reads each save's age from its own. A local
+    staging directory is the save's own: there it is plain ``staging.json``."""
+    return STAGING_MARKER if where.is_local else spread(token, STAGING_MARKER)
+
+
+def is_marker(name: str) -> bool:
+    """Whether ``name`` is a staging marker: a save's own (:func:`marker_name`), or the plain
+    one (local saves, and object-store saves of versions before markers were per save)."""
+    token = token_of(name)
+    return name == STAGING_MARKER or (token is not None and name == spread(token, STAGING_MARKER))
+
+
+def markers(names: Iterable[str]) -> list[str]:
+    """The staging markers among ``names`` (a listing of one staging area)."""
+    return sorted(name for name in names if is_marker(name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,29 +134,46 @@ class Marker:
     final: str | None  # None: unreadable
     started: float
     grace_s: float
+    token: str | None = None  # the save's; None: unreadable
 
     @property
     def held_until(self) -> float:  # until when the staging area may be a save still running
         return self.started + self.grace_s
 
 
-def read_marker(loc: Location) -> Marker | None:
-    """The staging marker at ``loc``; None when there is none. An unreadable one (written by
-    hand, damaged) names no checkpoint, so it makes no manifest beside it uncommitted, and
-    holds its directory back for the grace period from its last change (local files), or
-    not at all (objects, which no save leaves half-written)."""
+def read_marker(loc: Location, name: str = STAGING_MARKER) -> Marker | None:
+    """The staging marker ``name`` at ``loc``; None when there is none. An unreadable one
+    (written by hand, damaged) names no checkpoint, so it makes no manifest beside it
+    uncommitted, and holds its directory back for the grace period from its last change
+    (local files), or not at all (objects, which no save leaves half-written)."""
     with Store(loc, threads=1) as store:
         try:
-            data = store.read_file(STAGING_MARKER, 1 << 16)
+            data = store.read_file(name, 1 << 16)
         except CheckpointError:
             data = b"{}"
     if data is None:
         return None
     try:
         marker = json.loads(data)
-        return Marker(str(marker["final"]), float(marker["started"]), float(marker["grace_s"]))
-    except (ValueError, TypeError, KeyError):
-        return Marker(None, _changed(loc, STAGING_MARKER), STAGING_GRACE_S)
+        started, grace_s = float(marker["started"]), float(marker["grace_s"])
+        return Marker(str(marker["final"]), started, grace_s, str(marker.get("token", "")))
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return Marker(None, _changed(loc, name), STAGING_GRACE_S)
+
+
+def latest_marker(loc: Location, names: Iterable[str] | None = None) -> Marker | None:
+    """Of the staging markers at ``loc`` (among ``names``, its listing, when known), the one
+    whose grace period ends last: the prefix of an object store may hold several saves'
+    (:func:`marker_name`), and is a save in progress while any of them is. None when there
+    is none. Without ``names`` an object store's prefix is listed; a local staging
+    directory is not, its only marker being the plain one."""
+    if names is None and loc.is_local:
+        names = [STAGING_MARKER]
+    elif names is None:
+        with Store(loc, threads=1) as store:
+            names = store.list()
+    found = [marker for marker in (read_marker(loc, name) for name in markers(names)) if marker is not None]
+    return max(found, key=lambda marker: marker.held_until, default=None)
 
 
 def _changed(loc: Location, name: str) -> float:
@@ -189,31 +228,34 @@ def check_written(store: Backend, sizes: Mapping[str, int]) -> None:
     )
 
 
-def publish(staging: Location, final: Location) -> None:
-    """Makes a fully written staging location visible as ``final``.
+def publish(staging: Location, final: Location, token: str = "") -> None:
+    """Makes a fully written staging location visible as ``final``, and deletes the staging
+    marker of the save with ``token`` (:func:`marker_name`; none written without ``final``).
 
     Local: fsync the staging directory (its entries), rename it onto the final name (atomic
     on POSIX), then fsync the parent so the rename survives a power loss. Elsewhere the
     manifest, written last into the final prefix, already was the commit.
     """
     if not final.is_local:
-        _unmark(final)
+        _unmark(final, token)
         return
     src, dst = staging.local_path.rstrip("/"), final.local_path.rstrip("/")
     try:
         local_store.rename_durably(src, dst)
     except OSError as e:
         raise CheckpointError(f"Could not commit checkpoint {dst}: rename from {src} failed: {e}", file=dst) from e
-    _unmark(final)
+    _unmark(final, token)
 
 
-def _unmark(final: Location) -> None:
-    """Deletes the staging marker of a committed checkpoint (after its manifest, so a save
-    always holds one or the other). The save stands if this fails: a marker beside the
-    manifest of a checkpoint under its own name changes nothing (``listing._staged``)."""
+def _unmark(final: Location, token: str) -> None:
+    """Deletes the committing save's staging marker (after its manifest, so a save always
+    holds one or the other); on an object store only its own, never that of another save
+    still writing into the same prefix. The save stands if this fails: a marker beside the
+    manifest of a checkpoint under its own name changes nothing (``listing._staged``), and
+    ``tpu-ckpt gc`` removes it once its grace period is over (``catalog/_strays.py``)."""
     try:
         with Store(final, threads=1) as store:
-            store.delete(STAGING_MARKER)
+            store.delete(marker_name(final, token))
     except FileNotFoundError:
         pass
     except (CheckpointError, OSError) as error:

@@ -1,7 +1,8 @@
 """The persistent tier: a committed local step uploaded to ``directory`` in the background.
 
 The upload is an ordinary save whose data files already exist: each process copies its own
-data files from its local step (no second device-to-host copy, no second snapshot), and the
+data files from its local step (no second device-to-host copy, no second snapshot; on an
+object store named with the upload's token, as every save there names them), and the
 leader merges the indexes and commits exactly as ``tc.save`` does (``save.SaveJob``, whose
 ``write_own`` is the one step that differs). The result is an ordinary checkpoint:
 ``tc.restore``, the CLI and the export script read it like any other.
@@ -23,7 +24,16 @@ import numpy as np
 
 from tpu_ckpt import cluster, saving, storage
 from tpu_ckpt.errors import CorruptCheckpointError
-from tpu_ckpt.format import IndexPlan, Manifest, PieceEntry, crc32c, decode_index, decode_manifest, index_manifest
+from tpu_ckpt.format import (
+    IndexPlan,
+    Manifest,
+    PieceEntry,
+    crc32c,
+    decode_index,
+    decode_manifest,
+    index_manifest,
+    spread,
+)
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.saving import SaveJob, SavePlan, Staging, prepare, staged_index_file, write_budget
 from tpu_ckpt.tiers import _local_tier as local_tier
@@ -96,7 +106,8 @@ class _FromLocalFiles(SaveJob):
         super().__init__(SavePlan(coord.me, plan, (), pieces), final, coord, 0, options, staging)
         self._index = index
         self._source = source
-        self._own_files = (*index.files, staged_index_file(coord.me, staging.token))
+        self._names = {name: spread(staging.token, name) for name in index.files}
+        self._own_files = (*self._names.values(), staged_index_file(coord.me, staging.token))
 
     def write_own(self, store: storage.CheckpointStore) -> Manifest:
         """Copies this process's data files, ``writes_in_flight`` at a time (and within
@@ -109,12 +120,22 @@ class _FromLocalFiles(SaveJob):
         try:
             for name, size in self._index.files.items():
                 writes.make_room(size)
-                writes.copy(name, [_checked(self._source, name, size, pieces.get(name, ()))])
+                writes.copy(self._names[name], [_checked(self._source, name, size, pieces.get(name, ()))])
         except BaseException:
             writes.settle()  # nothing may land after the staging area is removed
             raise
         writes.drain()
-        return self._index
+        return _renamed(self._index, self._names)
+
+
+def _renamed(index: Manifest, names: dict[str, str]) -> Manifest:
+    """``index`` with its data files named as this upload wrote them: on an object store,
+    with the upload's token (``format.spread``), as any save into a shared prefix names them."""
+    leaves = tuple(
+        dataclasses.replace(leaf, pieces=tuple(p._replace(file=names[p.file]) for p in leaf.pieces))
+        for leaf in index.leaves
+    )
+    return dataclasses.replace(index, leaves=leaves, files={names[name]: size for name, size in index.files.items()})
 
 
 def _pieces_by_file(index: Manifest) -> dict[str, list[tuple[str, PieceEntry]]]:
