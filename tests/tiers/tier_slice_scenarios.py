@@ -83,25 +83,3 @@ def one_slice_warns(directory: str) -> dict:
         tc.CheckpointManager(persistent, local_directory="local", local_replicas=replicas).close()
         out[str(replicas)] = [m for m in warnings.messages if "slice restart" in m]
     return out
-
-
-def local_step_cost(directory: str, mib: str) -> dict:
-    """Time per local step and bytes this process sends to other hosts per local step, for
-    ``mib`` MiB of state laid out as ``_state``'s (scripts' benchmark row; no assertion)."""
-    import time
-
-    _enter_host(directory)
-    rows = int(mib) << 18 >> 10  # rows of 1,024 float32
-    value = np.arange(rows * 1024, dtype=np.float32).reshape(rows, 1024)
-    state = {"w": _global_array(_slice_mesh(), P("model"), value), "step": 0}
-    sent = _counting_sends()
-    options = tc.CheckpointOptions(enable_async=False, coordination_timeout=120)
-    with tc.CheckpointManager(os.path.join(directory, "persistent"), save_interval_steps=1000, local_directory="local",
-                              local_replicas=1, options=options) as manager:
-        manager.save(1, state)  # the persistent step, uploaded
-        manager.wait_until_finished()
-        before, started = sent[0], time.perf_counter()
-        for step in range(2, 6):
-            manager.save(step, state)
-        elapsed = time.perf_counter() - started
-    return {"seconds_per_step": elapsed / 4, "sent_per_step": (sent[0] - before) / 4}
