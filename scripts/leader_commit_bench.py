@@ -24,11 +24,13 @@ memory, as a save does. Then, each in a fresh interpreter (nothing of the setup 
 The indexes are copied aside before the commit (which deletes them) and put back for the
 stages. CPU time is this process's (all threads): on a shared machine it is the steadier number.
 
-``--tier`` measures process 0's merge at a local-tier restore instead, on the same synthetic
-parts laid out as a local step (``plan.json`` and every part's ``index-<p>.bin``): ``tier``
-reads them and runs ``tiers.merge_parts`` (decode and check every index, ``merge_rows``, the
-format 2 manifest and its tables), then decodes that manifest as process 0 does (one entry per
-leaf; the tables are read lazily).
+``--tier`` measures a local-tier restore's merge instead, on the same synthetic parts laid
+out as a local step (``plan.json`` and every part's ``index-<p>.bin``): ``tier`` reads them
+and runs ``tiers.merge_range`` over all the leaves (decode and check every index,
+``merge_rows``, the format 2 manifest and its tables), then decodes that manifest (one entry
+per leaf; the tables are read lazily). A job spreads this merge over its processes, a range
+of leaves each (``tiers/_range_merge.py``), so each does about 1/N of it: the figure is the
+whole merge, the most any one host would do at N = 1.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def main() -> int:
     parser.add_argument("--dir", default=None, help="where the scratch directory goes (default: the system's temp dir)")
     parser.add_argument("--json", default=None, help="also write the results here, as JSON")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds each phase may take")
-    parser.add_argument("--tier", action="store_true", help="time a local-tier restore's merge on process 0")
+    parser.add_argument("--tier", action="store_true", help="time a local-tier restore's merge of every leaf (what a job spreads over its processes)")
     parser.add_argument("--phase", choices=(*PHASES, *TIER_PHASES), help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -267,7 +269,7 @@ def _tier_summary(args: argparse.Namespace, results: dict) -> dict:
 
 
 def _tier_report(summary: dict) -> None:
-    print(f"local-tier restore, process 0's merge: {summary['processes']} processes x {summary['devices_per_process']}"
+    print(f"local-tier restore, the merge of every leaf (spread over the processes in a job): {summary['processes']} processes x {summary['devices_per_process']}"
           f" devices x {summary['leaves']} leaves = {summary['pieces']:,} pieces")
     print(f"{'path':<12}{'stage':<10}{'wall s':>8}{'CPU s':>8}{'us/piece':>10}{'RSS MB':>8}")
     for name, s in summary.get("tier", {}).items():

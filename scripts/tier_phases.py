@@ -1,5 +1,5 @@
-"""The ``--tier`` phases of ``scripts/leader_commit_bench.py``: process 0's merge at a
-local-tier restore, on synthetic parts laid out as a local step (see that script's docstring).
+"""The ``--tier`` phases of ``scripts/leader_commit_bench.py``: the merge of every leaf at a
+local-tier restore (which a job spreads over its processes), on synthetic parts laid out as a local step (see that script's docstring).
 
 Each phase runs in a fresh interpreter; ``planned``, ``index`` and ``pieces`` are the bench's
 synthetic plan, per-process index and per-leaf pieces, so the parts are exactly the commit's.
@@ -45,14 +45,14 @@ def _read(step: str, names: list[str]) -> tuple[bytes, list[tuple[str, bytes]]]:
 
 
 def _after(args: argparse.Namespace, step: str, pieces: Callable) -> dict:
-    """Read, ``tiers.merge_parts``, then process 0's decode of the manifest it serves; the
+    """Read, ``tiers.merge_range``, then the decode of the manifest it makes; the
     first and last leaves' pieces are then loaded from the tables and checked."""
     from tpu_ckpt import storage, tiers
     from tpu_ckpt.format import TableSource, decode_manifest
     from tpu_ckpt.saving import staged_index_file
 
     (plan, indexes), read = workers.measured(lambda: _read(step, [staged_index_file(p) for p in range(args.processes)]))
-    (body, tables), merge = workers.measured(lambda: tiers.merge_parts(plan, indexes, storage.location(step)))
+    (body, tables), merge = workers.measured(lambda: tiers.merge_range(plan, indexes, storage.location(step)))
     source = TableSource(lambda name, start, length: tables[name][start : start + length], lambda name: name)
     manifest, decode = workers.measured(lambda: decode_manifest(body, where="the merged manifest", tables=source))
     _check(args, manifest, pieces)

@@ -73,9 +73,22 @@ def test_a_local_step_restores_onto_another_process_count(tmp_path):
 
 
 def test_a_damaged_part_fails_the_restore_on_every_process(tmp_path):
-    merging, other = _ok(process_group.run("tiers.tier_scenarios.damaged_index", 2, str(tmp_path)))
-    assert merging["error"] == "CorruptCheckpointError" and "index-00001.bin" in merging["message"], merging
+    """The holder of the damaged part finds it (each holder checks its own parts' indexes);
+    the other process hears of it, named."""
+    other, holder = _ok(process_group.run("tiers.tier_scenarios.damaged_index", 2, str(tmp_path)))
+    assert holder["error"] == "CorruptCheckpointError" and "index-00001.bin" in holder["message"], holder
     assert other["error"] == "RemoteProcessError" and "index-00001.bin" in other["message"], other
+
+
+def test_the_tier_merge_is_spread_over_the_processes_none_reads_another_part_s_index(tmp_path):
+    """Issue 24: no process-0 funnel. Each part's holder cuts its own index by range of leaves;
+    process r reads range r's rows of every part (6 leaves, 4 processes: 4 ranges) and no
+    process reads any part's whole index."""
+    results = _ok(process_group.run("tiers.tier_scenarios.spread_merge", 4, str(tmp_path)))
+    for me, res in enumerate(results):
+        assert res["step"] == 2 and res["mismatches"] == [], res
+        assert not [n for n in res["names"] if n.startswith("index-")], res["names"]
+        assert [n for n in res["names"] if n.startswith("rows-")] == [f"rows-{o:05d}-{me:05d}.bin" for o in range(4)], res
 
 
 def test_async_local_saves_keep_host_memory_limit_on_every_process(tmp_path):

@@ -18,12 +18,14 @@ from tpu_ckpt.format import (
     LeafEntry,
     Manifest,
     PieceEntry,
+    TableSource,
     decode_index,
     decode_manifest,
     encode_index,
     encode_manifest,
     index_manifest,
 )
+from tpu_ckpt.tiers._range_merge import blob_name, joined, leaf_ranges, part_blobs
 
 W = np.arange(32, dtype=np.float32).reshape(8, 4)
 
@@ -108,7 +110,7 @@ def test_a_local_step_of_json_indexes_is_warned_of_restored_from_the_persistent_
     assert sorted(os.listdir(tmp_path / "local")) == ["step_3"]  # the old step went like any other
 
 
-# -- merge_parts alone, on synthetic parts ----------------------------------------------
+# -- merge_range alone, on synthetic parts ----------------------------------------------
 
 
 def _leaf(key, shape):
@@ -141,16 +143,70 @@ def _indexes(slices=SLICES) -> list[Manifest]:
 def _merge(indexes: list[Manifest]) -> tuple[bytes, dict[str, bytes]]:
     plan = IndexPlan.of(PLANNED)
     parts = [(saving.staged_index_file(p), encode_index(one, plan)) for p, one in enumerate(indexes)]
-    return tiers.merge_parts(PLANNED.to_json(), parts, storage.location("/local/step_7"))
+    return tiers.merge_range(PLANNED.to_json(), parts, storage.location("/local/step_7"))
 
 
-def test_merge_parts_serves_the_manifest_and_tables_the_per_piece_merge_made():
+def test_merge_range_serves_the_manifest_and_tables_the_per_piece_merge_made():
     indexes = _indexes()
     assert _merge(indexes) == encode_manifest(merge_indexes(PLANNED, indexes))
 
 
-def test_merge_parts_refuses_parts_that_overlap_naming_the_leaf():
+def test_merge_range_refuses_parts_that_overlap_naming_the_leaf():
     overlapping = {**SLICES, "grid": [*SLICES["grid"][:-1], ((6, 8), (2, 6))]}
     with pytest.raises(CorruptCheckpointError, match=r"/local/step_7.*not of one save.*'grid'") as e:
         _merge(_indexes(overlapping))
     assert e.value.key == "grid"
+
+
+# -- the merge spread over the job: each process a range of leaves ---------------------------
+
+
+@pytest.mark.parametrize(("leaves", "processes"), [(4, 1), (4, 3), (4, 4), (4, 9), (2200, 1536), (1, 5)])
+def test_leaf_ranges_cut_the_leaves_into_contiguous_ranges_one_per_process_at_most(leaves, processes):
+    ranges = leaf_ranges(leaves, processes)
+    assert len(ranges) == min(leaves, processes)
+    assert ranges[0][0] == 0 and ranges[-1][1] == leaves
+    assert all(a < b for a, b in ranges) and all(b == c for (_, b), (c, _) in zip(ranges, ranges[1:]))
+    sizes = [b - a for a, b in ranges]
+    assert max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize("processes", [1, 2, 3, 4])
+def test_ranges_merged_apart_and_joined_are_the_whole_merge(tmp_path, processes):
+    """Each part's holder cuts its rows by range; each range merged alone names only the data
+    files its rows use; joined, the ranges' manifests hold every leaf's pieces as the whole
+    merge does."""
+    plan = IndexPlan.of(PLANNED)
+    for p, one in enumerate(_indexes()):
+        (tmp_path / saving.staged_index_file(p)).write_bytes(encode_index(one, plan))
+    ranges = leaf_ranges(len(PLANNED.leaves), processes)
+    with storage.Store(storage.location(str(tmp_path))) as own:
+        blobs = part_blobs(own, [0, 1, 2], plan, ranges)
+    assert sorted(blobs) == sorted(blob_name(p, r) for p in range(3) for r in range(len(ranges)))
+    step = storage.location("/local/step_7")
+    parts = []
+    for r, leaves in enumerate(ranges):
+        body, tables = tiers.merge_range(PLANNED.to_json(), [(blob_name(p, r), blobs[blob_name(p, r)]) for p in range(3)],
+                                         step, leaves, table_prefix=f"r{r:05d}-")
+        assert all(name.startswith(f"r{r:05d}-") for name in tables)
+        part = decode_manifest(body, where="range", tables=_in_memory(tables))
+        used = {piece.file for leaf in part.leaves if leaf.kind == "array" for piece in leaf.pieces}
+        assert set(part.files) == used  # only the files its rows use
+        parts.append(part)
+    joined_manifest = joined(PLANNED, parts, ranges, "test")
+    body, tables = _merge(_indexes())
+    whole = decode_manifest(body, where="whole", tables=_in_memory(tables))
+    assert [leaf.key for leaf in joined_manifest.leaves] == [leaf.key for leaf in PLANNED.leaves]
+    for got, want in zip(joined_manifest.leaves, whole.leaves):
+        assert sorted(got.pieces) == sorted(want.pieces), got.key
+
+
+def _in_memory(tables: dict[str, bytes]) -> TableSource:
+    return TableSource(lambda name, start, length: tables[name][start : start + length], lambda name: name)
+
+
+def test_a_range_blob_holding_rows_of_another_range_is_refused(tmp_path):
+    plan = IndexPlan.of(PLANNED)
+    whole = [(saving.staged_index_file(p), encode_index(one, plan)) for p, one in enumerate(_indexes())]
+    with pytest.raises(CorruptCheckpointError, match=r"holds rows of leaf 0, outside the range 1\.\.3"):
+        tiers.merge_range(PLANNED.to_json(), whole, storage.location("/local/step_7"), (1, 4))

@@ -196,7 +196,7 @@ def another_process_count(directory: str, phase: str) -> dict:
 
 def damaged_index(directory: str) -> dict:
     """Local step 1 on 2 processes, its upload removed (so there is nothing to fall back to);
-    process 1 then damages its own part's index (the part it serves): the restore fails on
+    process 1 then damages its own part's index (the part it serves, and checks): the restore fails on
     both processes, naming the file, instead of hanging."""
     me = jax.process_index()
     persistent = _enter_host(directory)
@@ -254,3 +254,34 @@ def damaged_data_falls_back(directory: str) -> dict:
     with _manager(persistent, enable_async=False, every=4) as manager:
         restored = manager.restore(None, _targets(_state(0), _job_mesh()))
     return {"step": int(restored["step"]), "mismatches": _mismatches(restored, {"w": GLOBAL + 1, "step": 1})}
+
+
+def spread_merge(directory: str) -> dict:
+    """4 processes, a state of 6 leaves, local step 2 restored: the names each process reads
+    through the tier restore's store (its own disk, or a peer's relay), and the values."""
+    from tpu_ckpt.tiers import _restore as tier_restore
+
+    persistent = _enter_host(directory)
+    state = lambda step: {**{f"w{i}": _global_array(_job_mesh(), P("data", "model"), GLOBAL + step + i) for i in range(5)},  # noqa: E731
+                          "step": step}
+    names: set[str] = set()
+    read, read_file = tier_restore._Parts.read, tier_restore._Parts.read_file
+
+    def recorded_read(self, name, *args, **kwargs):
+        names.add(name)
+        return read(self, name, *args, **kwargs)
+
+    def recorded_read_file(self, name):
+        names.add(name)
+        return read_file(self, name)
+
+    with _manager(persistent, enable_async=False, every=100) as manager:
+        manager.save(1, state(1))
+        manager.save(2, state(2))
+        tier_restore._Parts.read, tier_restore._Parts.read_file = recorded_read, recorded_read_file
+        try:
+            restored = manager.restore(None, _targets(state(0), _reversed_mesh()))
+        finally:
+            tier_restore._Parts.read, tier_restore._Parts.read_file = read, read_file
+    expected = {**{f"w{i}": GLOBAL + 2 + i for i in range(5)}, "step": 2}
+    return {"step": int(restored["step"]), "mismatches": _mismatches(restored, expected), "names": sorted(names)}

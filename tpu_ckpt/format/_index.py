@@ -101,13 +101,19 @@ def encode_index(index: Manifest, plan: IndexPlan) -> bytes:
             )
         for p in leaf.pieces:
             by_rank.setdefault(len(p.slice), []).append((number, number_of_file[p.file], p.offset, p.length, p.crc32c, p.slice))
-    groups = [_rows(rank, by_rank[rank]) for rank in sorted(by_rank)]
+    return encode_rows(plan, list(index.files.items()), {rank: _rows(rank, by_rank[rank]) for rank in by_rank})
+
+
+def encode_rows(plan: IndexPlan, files: Sequence[tuple[str, int]], groups: dict[int, np.ndarray]) -> bytes:
+    """An index of ``files`` and ``groups`` (rank -> rows, ``row_dtype(rank)``): what
+    :func:`encode_index` writes, or a part of one (a local tier's part, cut by leaves)."""
+    ranks = sorted(groups)
     header = json.dumps({
         "format": INDEX_FORMAT, "version": INDEX_VERSION, "tree": plan.digest, "leaves": len(plan.keys),
-        "files": [[name, size] for name, size in index.files.items()],
-        "groups": [[rank, len(rows)] for rank, rows in zip(sorted(by_rank), groups)],
+        "files": [[name, size] for name, size in files],
+        "groups": [[rank, len(groups[rank])] for rank in ranks],
     }, separators=(",", ":")).encode()
-    body = b"".join([header, *(rows.tobytes() for rows in groups)])
+    body = b"".join([header, *(np.ascontiguousarray(groups[rank]).tobytes() for rank in ranks)])
     return _PREFIX.pack(MAGIC, len(header), crc32c(body)) + body
 
 

@@ -6,9 +6,11 @@ picks the newest local step whose parts, on the hosts alive now, cover every pro
 job that saved it (a replaced host with an empty disk simply reports nothing; a step saved as
 slice copies, ``_slices``, needs only one slice's parts), compares it
 with the newest step of the persistent directory, and tells everyone, with the process that
-serves each part. Process 0 merges the plan and the parts' indexes (binary rows) into a
-format 2 manifest and its piece tables as a commit does, and serves them to the others
-(``_agreed_manifest``). A local restore then reads through
+serves each part: O(N), all process 0 publishes. The merge of the plan and the parts' indexes
+(binary rows) into a format 2 manifest and its piece tables is spread over the job
+(``_range_merge``): each part's holder cuts its parts' rows by range of leaves, process ``r``
+merges range ``r`` and serves its manifest and tables, and each process joins the ranges'
+manifests (``_agreed_manifest``). A local restore then reads through
 :class:`_Parts`, a store that sends each data file's reads to its holder: this host's disk,
 or another host over the relay. The ordinary restore plan and executor do the rest, so a
 different mesh or process count works as from any checkpoint, and every piece is checked
@@ -31,20 +33,18 @@ import numpy as np
 
 from tpu_ckpt import cluster, relay, storage
 from tpu_ckpt.catalog import OpenCheckpoint, store_tables
-from tpu_ckpt.errors import CheckpointError, CorruptCheckpointError
+from tpu_ckpt.errors import CorruptCheckpointError
 from tpu_ckpt.format import (
     MANIFEST_FILE,
     IndexPlan,
     Manifest,
-    decode_index,
     decode_manifest,
-    encode_manifest,
-    grids_shared,
 )
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.restoring import restore_from
-from tpu_ckpt.saving import merge_rows, staged_index_file, written_by
+from tpu_ckpt.saving import written_by
 from tpu_ckpt.tiers import _local_tier as local_tier
+from tpu_ckpt.tiers import _range_merge as range_merge
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,8 +141,14 @@ def restore_local(
     with contextlib.ExitStack() as serving:  # servers stop first, then the stores close
         serving.callback(store.close)
         try:
-            _serve(coord, own, [o for o, h in holders.items() if h == coord.me], serving)
-            manifest = _agreed_manifest(coord, store, sorted(holders), serving)
+            data = store.read_file(local_tier.PLAN_FILE)
+            if data is None:
+                raise CorruptCheckpointError(f"{store.location.child(local_tier.PLAN_FILE)} is missing", file=store.location.url)
+            planned = decode_manifest(data, where=store.location.child(local_tier.PLAN_FILE), tiled=False)
+            ranges = range_merge.leaf_ranges(len(planned.leaves), coord.count)
+            mine = [o for o, h in holders.items() if h == coord.me]
+            _serve(coord, own, mine, store.hold(range_merge.part_blobs(own, mine, IndexPlan.of(planned), ranges)), serving)
+            manifest = _agreed_manifest(coord, store, data, planned, sorted(holders), ranges, serving)
             tree, _, nbytes = restore_from(OpenCheckpoint(store, manifest), target, options, None, None)
             coord.barrier("restored")  # serves until everyone has what it needs
         except BaseException as error:
@@ -153,77 +159,70 @@ def restore_local(
     return tree, nbytes
 
 
-def _serve(coord: cluster.Coordinator, own: storage.Backend, parts: list[int], serving: contextlib.ExitStack) -> None:
-    """Serves the files of the parts assigned to this process, and nothing else."""
+def _serve(
+    coord: cluster.Coordinator, own: storage.Backend, parts: list[int], held: _Layered, serving: contextlib.ExitStack
+) -> None:
+    """Serves the files of the parts assigned to this process, and their rows cut by range
+    (``held``: the disk and those rows), and nothing else."""
     if not parts or coord.count == 1:
         return
     root = own.location.local_path
     names = [n for n in os.listdir(root) if written_by(n) in parts or n == local_tier.PLAN_FILE]
     serves = {n: os.lstat(os.path.join(root, n)).st_size for n in names}  # a link's own size: its reads are refused
-    server = cluster.serve(coord, f"serve{coord.me}", own, coord.count - 1, serves=serves)
+    serves.update(held.sizes)
+    server = cluster.serve(coord, f"serve{coord.me}", held, coord.count - 1, serves=serves)
     serving.callback(server.close)
 
 
-def _agreed_manifest(coord: cluster.Coordinator, store: _Parts, owners: list[int], serving: contextlib.ExitStack) -> Manifest:
-    """Process 0 merges the plan and every part's index into a format 2 manifest and its
-    piece tables (:func:`merge_parts`) and serves them; every process, process 0 too, decodes
-    that manifest (one entry per leaf) and loads, lazily, the piece-table rows of the leaves
-    it restores, checked as any manifest's. So the job reads the N indexes once, not N times,
-    no process holds an object per piece of the job, and a process connects only to process
-    0 and the servers of the pieces it needs."""
-    source: storage.ReadableStore
-    if coord.me == 0:
-        body, tables = _merged(store, owners)
-        source = _InMemory(store.location, {MANIFEST_FILE: body, **tables})
-        if coord.count > 1:
-            serves = {MANIFEST_FILE: None, **{name: len(data) for name, data in tables.items()}}
-            serving.callback(cluster.serve(coord, "manifest", source, coord.count - 1, serves=serves).close)
-    else:
-        source = cluster.connect(coord, "manifest", 0, store.location, connections=1)
-        serving.callback(source.close)  # the tables are read while the restore plans
-    where = f"process 0's merged manifest of {store.location.url}"
-    data = source.read_file(MANIFEST_FILE)
-    if data is None:
-        raise CorruptCheckpointError(f"{where} is missing", file=store.location.url)
-    return decode_manifest(data, where=where, tables=store_tables(source))
+def _agreed_manifest(
+    coord: cluster.Coordinator, store: _Parts, plan: bytes, planned: Manifest, owners: list[int],
+    ranges: list[tuple[int, int]], serving: contextlib.ExitStack,
+) -> Manifest:
+    """Process ``r`` of the first ``len(ranges)`` merges range ``r``'s rows of every part
+    and serves that range's manifest and piece tables (:func:`_merged_range`); every process
+    reads each range's manifest (one entry per leaf), 8 at a time, and joins them, then
+    loads, lazily, the piece-table rows of its own cells from their range's server, checked
+    as any manifest's. No process reads more of the parts' rows than its range's, nor holds
+    an object per piece of the job."""
+    own = _merged_range(coord, store, plan, owners, ranges, serving) if coord.me < len(ranges) else None
+    servers: list[storage.ReadableStore] = []
+    for index in range(len(ranges)):
+        if index == coord.me and own is not None:
+            servers.append(own)
+        else:
+            servers.append(cluster.connect(coord, f"range{index}", index, store.location, connections=1))
+            serving.callback(servers[-1].close)  # the tables are read while the restore plans
+    where = f"the merged manifest of {store.location.url}"
 
-
-def _merged(store: _Parts, owners: list[int]) -> tuple[bytes, dict[str, bytes]]:
-    """The plan and the index of every part read (``owners``), 8 at a time, and merged."""
-    names = [local_tier.PLAN_FILE, *(staged_index_file(owner) for owner in owners)]
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        found = list(pool.map(store.read_file, names))
-    read: list[bytes] = []
-    for name, data in zip(names, found):
+    def manifest_of(index: int) -> Manifest:
+        data = servers[index].read_file(MANIFEST_FILE)
         if data is None:
-            raise CorruptCheckpointError(f"{store.location.child(name)} is missing", file=store.location.child(name))
-        read.append(data)
-    return merge_parts(read[0], list(zip(names[1:], read[1:])), store.location)
+            raise CorruptCheckpointError(f"{where} is missing from process {index}", file=store.location.url)
+        return decode_manifest(data, where=f"{where} (leaves of process {index})", tables=store_tables(servers[index]))
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        return range_merge.joined(planned, list(pool.map(manifest_of, range(len(ranges)))), ranges, where)
 
 
-def merge_parts(plan: bytes, indexes: Sequence[tuple[str, bytes]], step: storage.Location) -> tuple[bytes, dict[str, bytes]]:
-    """Process 0's merge of the local step ``step``: its plan (the manifest without pieces)
-    and each part's index (name, binary rows) into a format 2 manifest and its piece tables,
-    as the leader's commit makes them (``saving.merge_rows``): every row checked against the
-    plan, each leaf's rows sorted and proved to tile it, the tables written from the sorted
-    rows. Array operations over the rows, never a Python object per piece: 13.5 M pieces
-    cost seconds (``scripts/leader_commit_bench.py --tier``)."""
-    planned = decode_manifest(plan, where=step.child(local_tier.PLAN_FILE), tiled=False)
-    rows_plan = IndexPlan.of(planned)
-    with grids_shared():  # a leaf kept inline is gridded once, for its check and its encoding
-        try:
-            rows = [decode_index(data, where=step.child(name), plan=rows_plan) for name, data in indexes]
-            manifest, grids = merge_rows(planned, rows_plan, rows)
-        except CorruptCheckpointError:
-            raise
-        except CheckpointError as error:  # each file is intact (its crc32c checked): they are of different saves
-            what = f"leaf {error.key!r}" if error.key else f"{error.file or 'an index'} names another tree"
-            raise CorruptCheckpointError(
-                f"The local step {step.url}: its {local_tier.PLAN_FILE} and its parts' indexes are not of one save "
-                f"({what}). Remove that step_<n> on the hosts holding it to fall back.",
-                key=error.key, file=step.url,
-            ) from error
-        return encode_manifest(manifest, grids)
+def _merged_range(
+    coord: cluster.Coordinator, store: _Parts, plan: bytes, owners: list[int], ranges: list[tuple[int, int]],
+    serving: contextlib.ExitStack,
+) -> _InMemory:
+    """This process's range of leaves merged from every part's rows of it (read from their
+    holders, 8 at a time: ``range_merge.merge_range``), served to the others."""
+    blobs = [range_merge.blob_name(owner, coord.me) for owner in owners]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        found = dict(zip(blobs, pool.map(store.read_file, blobs)))
+    read = [(name, data) for name, data in found.items() if data is not None]
+    if len(read) < len(blobs):
+        missing = next(name for name, data in found.items() if data is None)
+        raise CorruptCheckpointError(f"{store.location.child(missing)} is missing", file=store.location.url)
+    body, tables = range_merge.merge_range(plan, read, store.location, ranges[coord.me], table_prefix=f"r{coord.me:05d}-")
+    source = _InMemory(store.location, {MANIFEST_FILE: body, **tables})
+    if coord.count > 1:
+        serves = {MANIFEST_FILE: None, **{name: len(data) for name, data in tables.items()}}
+        serving.callback(cluster.serve(coord, f"range{coord.me}", source, coord.count - 1, serves=serves).close)
+    return source
 
 
 class _ReadOnly(storage.ReadableStore):
@@ -247,6 +246,10 @@ class _InMemory(_ReadOnly):
     def read_file(self, name: str) -> bytes | None:
         return self._files.get(name)
 
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {name: len(data) for name, data in self._files.items()}
+
     def read(
         self, name: str, start: int, lengths: Sequence[int], then: Callable[[list[np.ndarray]], Any] | None = None
     ) -> concurrent.futures.Future:
@@ -264,6 +267,35 @@ class _InMemory(_ReadOnly):
         """Nothing to release: the bytes are the caller's."""
 
 
+class _Layered(_ReadOnly):
+    """The files of ``memory`` (this host's parts' rows cut by range), else those of ``own``
+    (its disk): what a part's holder serves."""
+
+    def __init__(self, own: storage.Backend, memory: _InMemory):
+        self.location = own.location
+        self._own = own
+        self._memory = memory
+
+    def read(
+        self, name: str, start: int, lengths: Sequence[int], then: Callable[[list[np.ndarray]], Any] | None = None
+    ) -> concurrent.futures.Future:
+        return self._store_of(name).read(name, start, lengths, then)
+
+    def read_file(self, name: str) -> bytes | None:
+        return self._store_of(name).read_file(name)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """The sizes of the files held in memory."""
+        return self._memory.sizes
+
+    def _store_of(self, name: str) -> storage.ReadableStore:
+        return self._memory if name in self._memory.sizes else self._own
+
+    def close(self) -> None:
+        """Nothing to release: both stores are the caller's."""
+
+
 class _Parts(_ReadOnly):
     """The files of one local step across the job: each read goes to the process that
     serves its part (``Choice.holders``), this one's disk or a peer's relay."""
@@ -273,8 +305,15 @@ class _Parts(_ReadOnly):
         self._own = own
         self._holders = holders
         self._coord = coord
+        self._held: storage.ReadableStore = own
         self._peers: dict[int, relay.RelayStore] = {}
         self._lock = threading.Lock()
+
+    def hold(self, blobs: dict[str, bytes]) -> _Layered:
+        """This host's files from now on: its disk, and ``blobs`` (its parts' rows cut by
+        range) in memory; returned to be served to the others."""
+        self._held = _Layered(self._own, _InMemory(self.location, blobs))
+        return self._held
 
     def read(
         self, name: str, start: int, lengths: Sequence[int], then: Callable[[list[np.ndarray]], Any] | None = None
@@ -293,6 +332,8 @@ class _Parts(_ReadOnly):
         """The store holding ``name``: its part's server; the plan from this process when it
         serves a part of this save, else from the server of process 0's part."""
         owner = written_by(name)
+        if owner is None:
+            owner = range_merge.blob_owner(name)
         if name == local_tier.PLAN_FILE:
             first = self._holders[min(self._holders)]
             holder: int | None = self._coord.me if self._coord.me in self._holders.values() else first
@@ -301,7 +342,7 @@ class _Parts(_ReadOnly):
         if holder is None:
             raise CorruptCheckpointError(f"{self.location.child(name)} belongs to no part of this local step", file=name)
         if holder == self._coord.me:
-            return self._own
+            return self._held
         with self._lock:
             if holder not in self._peers:
                 self._peers[holder] = cluster.connect(self._coord, f"serve{holder}", holder, self.location, connections=2)
