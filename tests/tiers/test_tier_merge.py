@@ -3,6 +3,7 @@ leader's commit does (#24 item 2, #21): the same manifest and tables as the per-
 replaced, every disagreement refused, and a step of JSON indexes (an earlier tpu_ckpt's)
 warned of and left to the persistent tier."""
 
+import dataclasses
 import os
 import shutil
 
@@ -210,3 +211,10 @@ def test_a_range_blob_holding_rows_of_another_range_is_refused(tmp_path):
     whole = [(saving.staged_index_file(p), encode_index(one, plan)) for p, one in enumerate(_indexes())]
     with pytest.raises(CorruptCheckpointError, match=r"holds rows of leaf 0, outside the range 1\.\.3"):
         tiers.merge_range(PLANNED.to_json(), whole, storage.location("/local/step_7"), (1, 4))
+
+
+def test_ranges_giving_one_data_file_two_sizes_are_refused():
+    one = dataclasses.replace(PLANNED, leaves=PLANNED.leaves[:2], files={"d00000-00000.safetensors": 4096})
+    two = dataclasses.replace(PLANNED, leaves=PLANNED.leaves[2:], files={"d00000-00000.safetensors": 4000})
+    with pytest.raises(CorruptCheckpointError, match="different sizes"):
+        joined(PLANNED, [one, two], [(0, 2), (2, 4)], "test")

@@ -152,7 +152,13 @@ def joined(planned: Manifest, parts: Sequence[Manifest], ranges: Sequence[tuple[
     files: dict[str, int] = {}
     tables: dict[str, int] = {}
     for part in parts:
-        files.update(part.files)
+        for name, size in part.files.items():
+            if files.setdefault(name, size) != size:
+                raise CorruptCheckpointError(
+                    f"{where}: two ranges' manifests give data file {name} different sizes ({files[name]} and {size}); "
+                    "the local step's parts are damaged. Remove that step_<n> on the hosts holding it to fall back.",
+                    file=where,
+                )
         tables.update(part.tables)
     leaves = tuple(leaf for part in parts for leaf in part.leaves)
     return dataclasses.replace(parts[0], leaves=leaves, files=files, tables=tables)
