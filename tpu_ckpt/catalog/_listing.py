@@ -134,7 +134,12 @@ def checkpoints_in(directory: str | os.PathLike[str]) -> dict[str, int | None]:
 
 
 def staged_in(loc: storage.Location, files: list[str]) -> set[str]:
-    """The subdirectories, in a listing of ``loc``, holding a manifest that commits nothing."""
+    """The subdirectories, in a listing of ``loc``, holding a manifest that commits nothing:
+    none on an object store, where a save writes into its final prefix, so a manifest there
+    commits whatever marker lies beside it (a plain one naming another checkpoint: copied
+    there with it, or written by hand)."""
+    if not loc.is_local:
+        return set()
     return _staged(loc, [top for top, names in _by_top(files).items() if {MANIFEST_FILE, storage.STAGING_MARKER} <= names])
 
 
@@ -200,13 +205,14 @@ def remove_leftover(loc: storage.Location, name: str, why: str, *, even_busy: bo
 
     The marker is read before the manifest is looked for, the reverse of the order in which
     a commit writes the manifest and then deletes the marker: a save committing meanwhile is
-    seen by one or the other (a listing, however recent, may predate the commit)."""
+    seen by one or the other (a listing, however recent, may predate the commit). On an
+    object store a manifest is the commit whatever its marker names (``staged_in``)."""
     where = storage.Location(loc.child(name))
     marker = storage.latest_marker(where)
     if marker is not None and not even_busy and time.time() < marker.held_until:
         logger.info("tpu_ckpt: keeping %s: a save that may still be running", where.url)
         return False
-    if _has_manifest(where) and (marker is None or marker.final in (None, name)):
+    if _has_manifest(where) and (marker is None or marker.final in (None, name) or not loc.is_local):
         logger.info("tpu_ckpt: keeping %s: committed since it was listed", where.url)
         return False
     remove_step(loc, name, why)

@@ -180,8 +180,8 @@ class CheckpointManager:
         name = f"step_{step}"
         references.before_save(self._incremental, listing, self._location.child(name))  # never into a retired step
         if name in listing.leftovers and cluster.process_index() == self._leader():
-            # An interrupted save of this step, written in place (object stores): in the way.
-            remove_leftover(self._location, name, "an uncommitted leftover of an earlier save of this step", even_busy=True)
+            # An interrupted save of this step: in a local save's way; an object store's, in its grace period, may be a zombie writing.
+            remove_leftover(self._location, name, "an uncommitted leftover of an earlier save of this step", even_busy=self._location.is_local)
         if cluster.process_index() == self._leader():
             self._run.started(name)
         retain = functools.partial(self._after_commit, step, name, score, listing)

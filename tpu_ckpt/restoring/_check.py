@@ -18,12 +18,14 @@ which the report does not model: it says what each process's devices need.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from tpu_ckpt import storage
 from tpu_ckpt.catalog import open_checkpoint
@@ -34,6 +36,7 @@ from tpu_ckpt.format import (
     check_byte_ranges,
     dtype_from_name,
     normalise_subtree,
+    piece_columns,
     sharding_text,
     under,
 )
@@ -198,6 +201,7 @@ def check_restore(
             return RestoreReport(loc.url, False, problems, [], [], [], [], {}, bytes_per_second)
         arrays = [e for e in entries if isinstance(e, ArrayRead)]
         checkpoint.load_all([a.leaf for a in arrays])  # loaded whole already, as every device's regions cover a leaf
+        _check_references(checkpoint.store, arrays)
     count = ReadCount(manifest, arrays, read_batch_bytes(options))
     problems = _layout_problems(manifest, loc.child(MANIFEST_FILE), count)
     process_of = None if devices_per_process is None else (lambda d: d.id // devices_per_process)
@@ -206,6 +210,19 @@ def check_restore(
         [f"{a.key}: {a.leaf.dtype} -> {a.dtype}" for a in arrays if dtype_from_name(a.leaf.dtype) != a.dtype],
         _skipped(manifest, entries, subtree, skip, target), _reads(arrays, count, process_of), bytes_per_second,
     )
+
+
+def _check_references(store: Any, arrays: Sequence[ArrayRead]) -> None:
+    """The other steps' objects the restore would read (an incremental checkpoint's), checked
+    as its first read of each would check it: an object store checks them then, not when the
+    checkpoint is opened, as a local one does (``ObjectStore.check_before_reading``)."""
+    if not isinstance(store, storage.ObjectStore):
+        return
+    referenced: set[str] = set()
+    for names, files, _, _ in (piece_columns(a.leaf) for a in arrays):
+        referenced.update(name for name in (names[i] for i in np.unique(files)) if name.startswith("../"))
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:  # each check is a few requests, one after another
+        list(pool.map(store.check_unread, sorted(referenced)))
 
 
 def read_batch_bytes(options: CheckpointOptions) -> int:

@@ -151,6 +151,12 @@ class ObjectStore(PooledStore):
         otherwise probe every referenced object from every host: ``catalog``'s references)."""
         self._first_reads.add(names, check)
 
+    def check_unread(self, name: str) -> None:
+        """Runs now, without reading ``name``, what its first read would check first
+        (``check_before_reading``): ``tc.check_restore`` reads no data, yet must fail
+        where the restore would."""
+        self._first_reads.before_reading(name)
+
     def read_file(self, name: str, max_bytes: int = safe_reads.MAX_WHOLE_FILE_BYTES) -> bytes | None:
         """Refuses an object larger than ``max_bytes`` from one byte past that bound, which
         only such an object has, before reading it whole."""
@@ -245,11 +251,13 @@ class ObjectStore(PooledStore):
 
     def sized_unlike(self, sizes: Mapping[str, int]) -> builtins.list[tuple[str, str, str]]:
         """The data files of ``sizes`` (``_read_key``) not stored with that many bytes: (name,
-        URL, what is wrong). A kvstore lists no sizes: one-byte reads tell one (``_unlike``),
-        every file's at once; never a whole object."""
+        URL, what is wrong). A kvstore lists no sizes: one-byte reads tell one (``_unlike``);
+        never a whole object. They run on the calling thread, which may be one of this store's
+        IO threads (a check before a first read, ``check_before_reading``): a probe queued on
+        its pool would wait for the threads that wait for it."""
         keys = {name: self._read_key(name) for name in sizes}
-        probes = {name: self._pool.submit(self._unlike, *keys[name], sizes[name]) for name in sizes}
-        return [(name, keys[name][1], what) for name, probe in probes.items() if (what := probe.result()) is not None]
+        found = [(name, where, self._unlike(key, where, sizes[name])) for name, (key, where) in keys.items()]
+        return [(name, where, what) for name, where, what in found if what is not None]
 
     def _unlike(self, key: str, where: str, size: int) -> str | None:
         """What is wrong with object ``key`` unless it holds ``size`` bytes: its byte ``size`` is not

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -156,8 +157,10 @@ def read_marker(loc: Location, name: str = STAGING_MARKER) -> Marker | None:
     try:
         marker = json.loads(data)
         started, grace_s = float(marker["started"]), float(marker["grace_s"])
+        if math.isnan(started + grace_s):  # no time: it would compare as neither held nor not
+            raise ValueError(f"no time: started {started}, grace_s {grace_s}")
         return Marker(str(marker["final"]), started, grace_s, str(marker.get("token", "")))
-    except (ValueError, TypeError, KeyError, AttributeError):
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError):
         return Marker(None, _changed(loc, name), STAGING_GRACE_S)
 
 
