@@ -66,7 +66,12 @@ def part_blobs(own: storage.Backend, owners: Sequence[int], plan: IndexPlan, ran
         data = own.read_file(name)
         if data is None:
             raise CorruptCheckpointError(f"{own.location.child(name)} is missing", file=own.location.child(name))
-        rows = decode_index(data, where=own.location.child(name), plan=plan)
+        try:
+            rows = decode_index(data, where=own.location.child(name), plan=plan)
+        except CorruptCheckpointError:
+            raise
+        except CheckpointError as error:  # intact, but of another save than this host's plan
+            raise _not_of_one_save(own.location, error) from error
         files = list(zip(rows.names, rows.sizes.tolist()))
         for index, (first, stop) in enumerate(ranges):
             groups = {rank: g[(g["leaf"] >= first) & (g["leaf"] < stop)] for rank, g in rows.groups.items()}
@@ -95,13 +100,19 @@ def merge_range(
         except CorruptCheckpointError:
             raise
         except CheckpointError as error:  # each file is intact (its crc32c checked): they are of different saves
-            what = f"leaf {error.key!r}" if error.key else f"{error.file or 'an index'} names another tree"
-            raise CorruptCheckpointError(
-                f"The local step {step.url}: its {local_tier.PLAN_FILE} and its parts' indexes are not of one save "
-                f"({what}). Remove that step_<n> on the hosts holding it to fall back.",
-                key=error.key, file=step.url,
-            ) from error
+            raise _not_of_one_save(step, error) from error
         return encode_manifest(*_files_used(manifest, grids), table_prefix=table_prefix)
+
+
+def _not_of_one_save(step: storage.Location, error: CheckpointError) -> CorruptCheckpointError:
+    """The typed error for a local step whose plan and parts' indexes, each intact, are of
+    different saves (a host's disk restored from an old image, a hand copy)."""
+    what = f"leaf {error.key!r}" if error.key else f"{error.file or 'an index'} names another tree"
+    return CorruptCheckpointError(
+        f"The local step {step.url}: its {local_tier.PLAN_FILE} and its parts' indexes are not of one save "
+        f"({what}). Remove that step_<n> on the hosts holding it to fall back.",
+        key=error.key, file=step.url,
+    )
 
 
 def _shifted(rows: IndexRows, first: int, stop: int) -> IndexRows:
