@@ -14,6 +14,19 @@ def bits(x) -> np.ndarray:
     return a.reshape(-1).view(np.uint8)
 
 
+def mixed_state(seed: int = 23) -> dict:
+    """A small tree of a float array, an int64 array and a value, different for each seed."""
+    rng = np.random.default_rng(seed)
+    return {"w": rng.standard_normal((64, 33)).astype(np.float32), "ids": np.arange(3000, dtype=np.int64) * seed, "step": seed}
+
+
+def assert_bit_exact(restored: dict, expected: dict) -> None:
+    """``restored`` is ``expected`` (a :func:`mixed_state`), bit for bit and dtype for dtype."""
+    assert restored["step"] == expected["step"]
+    for key in ("w", "ids"):
+        assert restored[key].dtype == expected[key].dtype and restored[key].tobytes() == expected[key].tobytes()
+
+
 def manifest(path: str) -> dict:
     with open(os.path.join(path, "manifest.json")) as f:
         return json.load(f)

@@ -9,28 +9,16 @@ from __future__ import annotations
 import os
 import threading
 
-import numpy as np
 import pytest
 
 import tpu_ckpt as tc
+from tests.helpers import assert_bit_exact, mixed_state
 from tests.object_stores import Bucket
 from tpu_ckpt import storage
 from tpu_ckpt.format import token_of
 from tpu_ckpt.saving._plan import data_file_name, staged_index_file, written_by
 
 SEVERAL_FILES = tc.CheckpointOptions(sharding_callback=tc.MaxShardSizePolicy(4096))
-
-
-def state(seed: int = 23) -> dict:
-    rng = np.random.default_rng(seed)
-    return {"w": rng.standard_normal((64, 33)).astype(np.float32), "ids": np.arange(3000, dtype=np.int64) * seed, "step": seed}
-
-
-def assert_bit_exact(restored: dict, expected: dict) -> None:
-    assert restored["step"] == expected["step"]
-    for key in ("w", "ids"):
-        assert restored[key].dtype == expected[key].dtype
-        assert restored[key].tobytes() == expected[key].tobytes()
 
 
 def listed(url: str) -> list[str]:
@@ -56,7 +44,7 @@ def test_names_carry_the_token_after_a_hash_and_old_names_still_parse():
 
 def test_an_object_store_save_names_every_object_with_its_token_and_a_local_one_does_not(tmp_path):
     url = "memory://token_names/c"
-    tc.save(url, state(), options=SEVERAL_FILES)
+    tc.save(url, mixed_state(), options=SEVERAL_FILES)
     names = listed(url)
     assert "manifest.json" in names and storage.STAGING_MARKER not in names
     others = [n for n in names if n != "manifest.json"]
@@ -64,8 +52,8 @@ def test_an_object_store_save_names_every_object_with_its_token_and_a_local_one_
     assert len(tokens) == 1 and None not in tokens and len(others) > 8
     assert {n.split("-", 2)[2] for n in others} >= {"d00000-00000.safetensors", "pieces-00000.bin"}
     assert len({n[:4] for n in others}) > 4
-    assert_bit_exact(tc.restore(url), state())
-    tc.save(tmp_path / "local", state(), options=SEVERAL_FILES)
+    assert_bit_exact(tc.restore(url), mixed_state())
+    tc.save(tmp_path / "local", mixed_state(), options=SEVERAL_FILES)
     assert "d00000-00000.safetensors" in os.listdir(tmp_path / "local")
 
 
@@ -81,10 +69,10 @@ def copy_to(source: str, url: str) -> None:
 def test_a_checkpoint_with_the_old_names_restores_from_an_object_store(tmp_path, bucket: Bucket):
     """What saves wrote into object stores before names carried a token: dPPPPP-NNNNN.safetensors,
     pieces-NNNNN.bin (a local save still writes those)."""
-    tc.save(tmp_path / "old", state(), options=SEVERAL_FILES)
+    tc.save(tmp_path / "old", mixed_state(), options=SEVERAL_FILES)
     copy_to(str(tmp_path / "old"), bucket.url("old"))
     assert "old/d00000-00000.safetensors" in bucket.keys() and "old/pieces-00000.bin" in bucket.keys()
-    assert_bit_exact(tc.restore(bucket.url("old")), state())
+    assert_bit_exact(tc.restore(bucket.url("old")), mixed_state())
 
 
 def test_a_plain_write_of_the_manifest_name_replaces_it_and_only_create_refuses():
@@ -123,16 +111,16 @@ def test_the_loser_of_two_saves_removes_only_its_own_objects(where, request):
 
     def other() -> None:
         before = set(listed(url))  # the loser's data files, and its staging marker
-        tc.save(url, state(7), options=SEVERAL_FILES)
+        tc.save(url, mixed_state(7), options=SEVERAL_FILES)
         winner.update(set(listed(url)) - before)
 
     with pytest.raises(tc.CheckpointExistsError, match="another save committed") as lost:
-        tc.save(url, state(), options=tc.CheckpointOptions(sharding_callback=SaveBeforeCommit(url, other)))
+        tc.save(url, mixed_state(), options=tc.CheckpointOptions(sharding_callback=SaveBeforeCommit(url, other)))
     assert lost.value.file == f"{url}/manifest.json"
     left = listed(url)
     assert left == sorted(winner)  # the winner's objects, every one; none of the loser's
     assert len({token_of(n) for n in left if n != "manifest.json"}) == 1
-    assert_bit_exact(tc.restore(url), state(7))
+    assert_bit_exact(tc.restore(url), mixed_state(7))
 
 
 @pytest.mark.emulator
@@ -146,7 +134,7 @@ def test_two_saves_started_together_on_s3_commit_once_and_the_loser_deletes_noth
     def save(seed: int) -> None:
         start.wait()
         try:
-            tc.save(bucket.url("c"), state(seed), options=SEVERAL_FILES)
+            tc.save(bucket.url("c"), mixed_state(seed), options=SEVERAL_FILES)
             outcomes[seed] = "committed"
         except tc.CheckpointError as error:
             outcomes[seed] = error
@@ -160,7 +148,7 @@ def test_two_saves_started_together_on_s3_commit_once_and_the_loser_deletes_noth
     (won,) = [seed for seed, outcome in outcomes.items() if outcome == "committed"]
     (lost,) = [outcome for outcome in outcomes.values() if outcome != "committed"]
     assert isinstance(lost, tc.CheckpointExistsError) and "another save committed" in str(lost), lost
-    assert_bit_exact(tc.restore(bucket.url("c")), state(won))
+    assert_bit_exact(tc.restore(bucket.url("c")), mixed_state(won))
     left = [n for n in bucket.keys("c/") if n != "c/manifest.json"]
     (token,) = {token_of(n.split("/")[-1]) for n in left}
     deleted = [r.path for r in proxy.requests if r.method == "DELETE"]

@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import time
 
-import numpy as np
 import pytest
 
 import tpu_ckpt as tc
+from tests.helpers import assert_bit_exact, mixed_state
 from tests.object_stores import Bucket
 from tests.saving.test_save_integrity import Sabotage
 from tpu_ckpt import catalog, storage
@@ -25,17 +25,6 @@ from tpu_ckpt.storage._stores import STAGING_GRACE_S, mark_staging
 pytestmark = pytest.mark.emulator
 
 STALLED, RUNNING = "5c0e9b21d4aa", "77aa0199"  # the tokens of a save long gone, and of one writing
-
-
-def state(seed: int = 23) -> dict:
-    rng = np.random.default_rng(seed)
-    return {"w": rng.standard_normal((64, 33)).astype(np.float32), "ids": np.arange(3000, dtype=np.int64) * seed, "step": seed}
-
-
-def assert_bit_exact(restored: dict, expected: dict) -> None:
-    assert restored["step"] == expected["step"]
-    for key in ("w", "ids"):
-        assert restored[key].dtype == expected[key].dtype and restored[key].tobytes() == expected[key].tobytes()
 
 
 def objects(bucket: Bucket, path: str) -> set[str]:
@@ -75,13 +64,13 @@ def new_data_file(bucket: Bucket, path: str):
 def test_a_save_in_flight_has_a_marker_named_with_its_token_and_none_is_left_once_committed(bucket):
     seen: set[str] = set()
     during = Sabotage(new_data_file(bucket, "c"), lambda: seen.update(objects(bucket, "c")))
-    tc.save(bucket.url("c"), state(), options=tc.CheckpointOptions(sharding_callback=during))
+    tc.save(bucket.url("c"), mixed_state(), options=tc.CheckpointOptions(sharding_callback=during))
     assert during.acted
     (token,) = {token_of(name) for name in seen}
     assert storage.markers(seen) == [marker_of(token)] and marker_of(token).endswith(f"-{token}-staging.json")
     left = objects(bucket, "c")
     assert "manifest.json" in left and storage.markers(left) == []
-    assert_bit_exact(tc.restore(bucket.url("c")), state())
+    assert_bit_exact(tc.restore(bucket.url("c")), mixed_state())
 
     mark(bucket, "d", RUNNING)  # as every save marks its staging area
     assert objects(bucket, "d") == {marker_of(RUNNING)}
@@ -98,14 +87,14 @@ def test_a_failed_save_removes_its_own_marker_and_leaves_another_saves(bucket):
 
     broken = Sabotage(new_data_file(bucket, "c"), fail)
     with pytest.raises(RuntimeError, match="broke between"):
-        tc.save(bucket.url("c"), state(), options=tc.CheckpointOptions(sharding_callback=broken))
+        tc.save(bucket.url("c"), mixed_state(), options=tc.CheckpointOptions(sharding_callback=broken))
     assert broken.acted
     assert objects(bucket, "c") == others  # its own objects and marker gone, none of the other save's
 
 
 def test_gc_removes_a_stale_saves_strays_with_its_marker_and_keeps_a_running_saves(bucket, capsys):
     with tc.CheckpointManager(bucket.url("run"), max_to_keep=None) as manager:
-        manager.save(1, state())
+        manager.save(1, mixed_state())
     committed = objects(bucket, "run/step_1")
     mark(bucket, "run/step_1", STALLED, started=time.time() - 2 * STAGING_GRACE_S)
     stalled = plant(bucket, "run/step_1", STALLED) | {marker_of(STALLED)}
@@ -126,8 +115,8 @@ def test_gc_removes_a_stale_saves_strays_with_its_marker_and_keeps_a_running_sav
     assert catalog.checkpoints_in(bucket.url("run")) == {"step_1": 1}
     with tc.CheckpointManager(bucket.url("run"), max_to_keep=None) as manager:
         assert manager.all_steps() == [1]
-        assert_bit_exact(manager.restore(1), state())
-    assert_bit_exact(tc.restore(bucket.url("run/step_1")), state())
+        assert_bit_exact(manager.restore(1), mixed_state())
+    assert_bit_exact(tc.restore(bucket.url("run/step_1")), mixed_state())
 
 
 def test_a_leftover_is_held_by_the_latest_of_its_markers_plain_or_tokened(bucket):
@@ -145,7 +134,7 @@ def test_a_leftover_is_held_by_the_latest_of_its_markers_plain_or_tokened(bucket
     assert not catalog.busy(entries["step_4"]) and catalog.busy(entries["step_5"]) and catalog.busy(entries["step_6"])
     assert entries["step_5"].held_until == now + STAGING_GRACE_S  # the tokened marker's, the later
     with tc.CheckpointManager(bucket.url("run"), max_to_keep=None) as manager:
-        manager.save(1, state())
+        manager.save(1, mixed_state())
         assert manager.all_steps() == [1]
     assert {e.name for e in catalog.scan(bucket.url("run"))} == {"step_1", "step_5", "step_6"}
     assert storage.markers(objects(bucket, "run/step_5")) == sorted([storage.STAGING_MARKER, marker_of(RUNNING)])

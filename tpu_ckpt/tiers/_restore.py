@@ -19,10 +19,12 @@ against its crc32c wherever it came from.
 
 from __future__ import annotations
 
+import abc
 import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import threading
@@ -246,8 +248,9 @@ class _InMemory(_ReadOnly):
     def read_file(self, name: str) -> bytes | None:
         return self._files.get(name)
 
-    @property
+    @functools.cached_property
     def sizes(self) -> dict[str, int]:
+        """Each file's size (the files never change: a holder asks for every read)."""
         return {name: len(data) for name, data in self._files.items()}
 
     def read(
@@ -267,14 +270,8 @@ class _InMemory(_ReadOnly):
         """Nothing to release: the bytes are the caller's."""
 
 
-class _Layered(_ReadOnly):
-    """The files of ``memory`` (this host's parts' rows cut by range), else those of ``own``
-    (its disk): what a part's holder serves."""
-
-    def __init__(self, own: storage.Backend, memory: _InMemory):
-        self.location = own.location
-        self._own = own
-        self._memory = memory
+class _Routed(_ReadOnly):
+    """A store that sends each read to the store holding the file (:meth:`_store_of`)."""
 
     def read(
         self, name: str, start: int, lengths: Sequence[int], then: Callable[[list[np.ndarray]], Any] | None = None
@@ -283,6 +280,20 @@ class _Layered(_ReadOnly):
 
     def read_file(self, name: str) -> bytes | None:
         return self._store_of(name).read_file(name)
+
+    @abc.abstractmethod
+    def _store_of(self, name: str) -> storage.ReadableStore:
+        """The store holding ``name``."""
+
+
+class _Layered(_Routed):
+    """The files of ``memory`` (this host's parts' rows cut by range), else those of ``own``
+    (its disk): what a part's holder serves."""
+
+    def __init__(self, own: storage.Backend, memory: _InMemory):
+        self.location = own.location
+        self._own = own
+        self._memory = memory
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -296,7 +307,7 @@ class _Layered(_ReadOnly):
         """Nothing to release: both stores are the caller's."""
 
 
-class _Parts(_ReadOnly):
+class _Parts(_Routed):
     """The files of one local step across the job: each read goes to the process that
     serves its part (``Choice.holders``), this one's disk or a peer's relay."""
 
@@ -314,14 +325,6 @@ class _Parts(_ReadOnly):
         range) in memory; returned to be served to the others."""
         self._held = _Layered(self._own, _InMemory(self.location, blobs))
         return self._held
-
-    def read(
-        self, name: str, start: int, lengths: Sequence[int], then: Callable[[list[np.ndarray]], Any] | None = None
-    ) -> concurrent.futures.Future:
-        return self._store_of(name).read(name, start, lengths, then)
-
-    def read_file(self, name: str) -> bytes | None:
-        return self._store_of(name).read_file(name)
 
     def close(self) -> None:
         for peer in self._peers.values():
