@@ -65,6 +65,7 @@ class Settings:
     # The most object-store requests a second this process issues, over all its stores (0: no
     # limit): the bucket's request rate divided by the number of hosts keeps a pod under it
     # together instead of throttled together (storage/_request_rate.py, docs/object_stores.md).
+    # At least MIN_REQUESTS_PER_SECOND (one request per 100 s), so that no request waits longer for its turn.
     object_requests_per_second: float = 0.0  # TPU_CKPT_OBJECT_REQUESTS_PER_SECOND
     relay_connections: int = 4  # sockets a process opens to a relay server
     relay_writes_in_flight: int = 4  # files an io_device relay server holds in memory, over all clients
@@ -85,6 +86,12 @@ class Settings:
                 continue
             if not value > 0:
                 raise ValueError(f"Settings.{field.name} must be positive, got {value!r}")
+        if 0 < self.object_requests_per_second < MIN_REQUESTS_PER_SECOND:
+            raise ValueError(
+                f"Settings.object_requests_per_second (TPU_CKPT_OBJECT_REQUESTS_PER_SECOND) must be 0 (no limit) or at "
+                f"least {MIN_REQUESTS_PER_SECOND} (one request per {1 / MIN_REQUESTS_PER_SECOND:.0f} s), got "
+                f"{self.object_requests_per_second!r}"
+            )
         if self.relay_ports is not None:
             first, last = self.relay_ports
             if not 0 < first <= last < 1 << 16:
@@ -108,6 +115,7 @@ class Settings:
         )
 
 
+MIN_REQUESTS_PER_SECOND = 0.01  # a slower pace would make one request wait hours (or overflow time.sleep)
 _FROM_ENVIRONMENT = ("relay_host", "relay_ports", "aws_endpoint_url", "slices")
 _MAY_BE_ZERO = ("relay_socket_buffer_bytes", "reuse_snapshot_buffers", "object_requests_per_second")
 

@@ -82,3 +82,11 @@ def test_the_relay_follows_its_connection_knob(tmp_path, restored_settings):
     finally:
         server.close()
         store.close()
+
+
+@pytest.mark.parametrize("text", ["1e-300", "1e-9", "0.001"])
+def test_a_request_pace_so_slow_one_request_would_wait_hours_is_refused_naming_the_variable(text):
+    with pytest.raises(ValueError, match="TPU_CKPT_OBJECT_REQUESTS_PER_SECOND\\) must be 0 \\(no limit\\) or at least 0.01"):
+        Settings.from_environment({"TPU_CKPT_OBJECT_REQUESTS_PER_SECOND": text})
+    assert Settings.from_environment({"TPU_CKPT_OBJECT_REQUESTS_PER_SECOND": "0.01"}).object_requests_per_second == 0.01
+    assert Settings.from_environment({"TPU_CKPT_OBJECT_REQUESTS_PER_SECOND": "0"}).object_requests_per_second == 0
