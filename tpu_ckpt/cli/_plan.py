@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import stat
 from typing import Any
 
 from tpu_ckpt import settings
@@ -24,6 +26,10 @@ TARGET_SCHEMA = (
     "a shape, a dtype and a partition spec over the mesh (no spec: replicated; no mesh: one device), or "
     "a JSON number for a Python scalar."
 )
+MAX_TARGET_BYTES = 64 << 20  # a --target file larger than this is refused, unread
+# The most devices a target's meshes may ask for: plan makes that many CPU devices (about 1 GB
+# and 20 s per 8,192), and XLA itself fails or aborts on far more.
+MAX_PLAN_DEVICES = 16384
 
 
 def add_plan(commands: Any) -> None:
@@ -70,7 +76,7 @@ def _target_like(other: str, subtree: str | None) -> Any:
     """The target another checkpoint's leaves (below ``subtree``) describe."""
     prefix, depth = normalise_subtree(subtree)
     leaves = [leaf for leaf in cli_format.manifest_of(other).leaves if under(leaf.key, prefix)]
-    settings.use_cpu_devices(max((_mesh_size(leaf.sharding) for leaf in leaves), default=1))
+    _use_cpu_devices(max((_mesh_size(leaf.sharding) for leaf in leaves), default=1), other)
     return unflatten_nested((leaf.path[depth:], _like(leaf)) for leaf in leaves)
 
 
@@ -78,10 +84,19 @@ def _target_from(path: str) -> Any:
     """The target a --target file describes (nested dicts: a key names a list entry of the
     checkpoint, ``opt_state/0/mu``, as well)."""
     doc = _target_file(path)
-    settings.use_cpu_devices(math.prod(doc["mesh"].values()))
+    _use_cpu_devices(math.prod(doc["mesh"].values()), path)
     return unflatten_nested(
         ([("dict", k) for k in key.split("/")], _leaf(path, key, value, doc["mesh"])) for key, value in doc["leaves"].items()
     )
+
+
+def _use_cpu_devices(count: int, where: str) -> None:
+    if count > MAX_PLAN_DEVICES:
+        raise ValueError(
+            f"{where}: a mesh of {count} devices is more than plan builds ({MAX_PLAN_DEVICES} CPU devices at most); "
+            "plan the restore of a smaller mesh, or of a subtree whose leaves need fewer devices"
+        )
+    settings.use_cpu_devices(count)
 
 
 def _mesh_size(description: dict[str, Any] | None) -> int:
@@ -107,16 +122,36 @@ def _like(leaf: LeafEntry) -> Any:
 
 def _target_file(path: str) -> dict[str, Any]:
     """The --target file, its outer shape checked (a leaf's, when it is built)."""
-    with open(path) as f:
-        try:
-            doc = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not JSON: {e}") from None
+    try:
+        doc = json.loads(_regular_file(path))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not JSON: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{path} is not a target: its JSON is nested too deeply to read") from None
     mesh = doc.get("mesh", {}) if isinstance(doc, dict) else None
-    ok_mesh = isinstance(mesh, dict) and all(isinstance(n, int) and n > 0 for n in mesh.values())
+    ok_mesh = isinstance(mesh, dict) and all(_natural(n) and n > 0 for n in mesh.values())
     if not ok_mesh or not isinstance(doc.get("leaves"), dict):
         raise ValueError(f"{path} must hold an object with \"leaves\" (and optionally \"mesh\"), as {TARGET_SCHEMA}")
     return {"mesh": mesh, "leaves": doc["leaves"]}
+
+
+def _regular_file(path: str) -> bytes:
+    """The bytes of ``path``, a regular file of at most MAX_TARGET_BYTES: a FIFO, a device
+    (``/dev/zero``) or a directory, or a link to one, is refused without reading it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO's open would wait for a writer
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{path} is not a regular file; give --target a JSON file")
+        data = f.read(MAX_TARGET_BYTES + 1)
+    if len(data) > MAX_TARGET_BYTES:
+        raise ValueError(f"{path} is larger than a target file may be ({MAX_TARGET_BYTES >> 20} MiB)")
+    return data
+
+
+def _natural(n: Any) -> bool:
+    """A JSON integer (not a bool, not 64.7) that is not negative."""
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
 
 
 def _leaf(path: str, key: str, value: Any, mesh: dict[str, int]) -> Any:
@@ -128,7 +163,9 @@ def _leaf(path: str, key: str, value: Any, mesh: dict[str, int]) -> Any:
     if isinstance(value, (bool, int, float)):
         return value
     try:
-        shape, dtype = tuple(int(n) for n in value["shape"]), dtype_from_name(value["dtype"])
+        if not isinstance(value["shape"], list) or not all(_natural(n) for n in value["shape"]):
+            raise ValueError(f"a shape is a list of whole numbers, got {value['shape']!r}")
+        shape, dtype = tuple(value["shape"]), dtype_from_name(value["dtype"])
         spec = value.get("spec")
         sharding = None
         if mesh:

@@ -146,15 +146,37 @@ def under(key: str, prefix: str) -> bool:
     return not prefix or key == prefix or key.startswith(prefix + "/")
 
 
+def node_clash(paths: Iterable[list[PathEntry]]) -> str | None:
+    """The key of a node that two paths reach by different entries (``params`` as an attribute
+    and as a dict entry, or a dict's ``0`` and a list's), so that a tree rebuilt from them
+    would hold one and lose the other's leaves; None when all agree."""
+    nodes: dict[str, tuple[int, str, Any]] = {}
+    for path in paths:
+        key = ""
+        for depth, (kind, name) in enumerate(path[:-1]):
+            key = f"{key}/{name}" if depth else str(name)
+            if nodes.setdefault(key, (depth, kind, name)) != (depth, kind, name):
+                return key
+    return None
+
+
 def unflatten_nested(items: Iterable[tuple[list[PathEntry], Any]]) -> Any:
-    """Rebuilds nested dicts (from dict/attr entries) and lists (from seq entries)."""
+    """Rebuilds nested dicts (from dict/attr entries) and lists (from seq entries).
+
+    Raises ValueError when the paths do not form a tree: a key both a leaf and a subtree
+    (``params`` and ``params/w``), or one node's two children of one name (an attribute and
+    a dict entry ``params``), of which one would be lost."""
     root = _Node()
     for entries, value in items:
         if not entries:
             return value
         node = root
-        for entry in entries[:-1]:
+        for depth, entry in enumerate(entries[:-1]):
             node = node.setdefault(entry, _Node())
+            if not isinstance(node, _Node):
+                raise ValueError(f"key {join(entries[: depth + 1])!r} is both a leaf and a subtree (of {join(entries)!r})")
+        if isinstance(node.get(entries[-1]), _Node):
+            raise ValueError(f"key {join(entries)!r} is both a leaf and a subtree")
         node[entries[-1]] = value
     return _materialize(root)
 
@@ -171,4 +193,9 @@ def _materialize(node: Any) -> Any:
         for (_, i), child in node.items():
             out[i] = _materialize(child)
         return out
-    return {name: _materialize(child) for (_, name), child in node.items()}
+    out = {name: _materialize(child) for (_, name), child in node.items()}
+    if len(out) < len(node):
+        names = [name for _, name in node]
+        twice = next(name for name in names if names.count(name) > 1)
+        raise ValueError(f"two children of one node are both named {twice!r} (an attribute and a dict entry, say)")
+    return out
