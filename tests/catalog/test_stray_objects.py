@@ -150,3 +150,24 @@ def test_strays_a_save_marks_after_they_were_listed_are_not_removed(bucket, mesh
     mark(bucket, "step_1", started=time.time())  # a save started between the listing and the removal
     assert remove_strays(bucket.url("run"), found) == []
     assert planted <= objects(bucket, "step_1")
+
+
+def test_an_unreadable_referenced_json_keeps_its_steps_objects_and_gc_goes_on_with_the_rest(bucket, capsys, caplog):
+    """A retired step's referenced.json nested 100,000 deep (a RecursionError to parse, before
+    issue #39 a traceback that stopped gc): its step's objects are all kept, with a warning,
+    and the other steps' strays are removed as usual."""
+    base = {"w": np.arange(4096, dtype=np.float32)}
+    states = {step: {"base": base, "t": np.full(4, step, np.float32)} for step in range(3)}
+    with tc.CheckpointManager(bucket.url("run"), max_to_keep=2, incremental=True) as manager:
+        for step, saved in states.items():
+            manager.save(step, saved)
+    bucket.put(f"run/step_0/{REFERENCED_FILE}", b'{"files": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    kept = {step: objects(bucket, step) for step in ("step_0", "step_1", "step_2")}
+    planted = {step: plant_stalled_writer(bucket, step) for step in kept}
+
+    assert {s.name: set(s.files) for s in strays(bucket.url("run"))} == {"step_1": planted["step_1"], "step_2": planted["step_2"]}
+    assert main(["gc", bucket.url("run")]) == 0
+    assert capsys.readouterr().out.count("removed") == 2
+    assert f"{bucket.url('run')}/step_0 cannot be read: keeping every object in it" in caplog.text
+    assert objects(bucket, "step_0") == kept["step_0"] | planted["step_0"]
+    assert {step: objects(bucket, step) for step in ("step_1", "step_2")} == {s: kept[s] for s in ("step_1", "step_2")}

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import time
 
@@ -37,6 +38,8 @@ from tpu_ckpt import storage
 from tpu_ckpt.catalog._listing import _listed, checkpoints, staged_in
 from tpu_ckpt.errors import CheckpointError
 from tpu_ckpt.format import MANIFEST_FILE, REFERENCED_FILE, decode_manifest, token_of
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +61,10 @@ def strays(directory: str | os.PathLike[str]) -> list[Strays]:
     """The strays (see module docstring) of the checkpoints directly under ``directory``, by
     name then token: one listing of the directory, one read of each manifest and
     ``referenced.json``, and of each staging marker of a save that left strays. None on a
-    local disk, nor while any manifest cannot be read (what it names is unknown)."""
+    local disk, nor in a checkpoint whose manifest (or retired step whose ``referenced.json``)
+    cannot be read: what it names is unknown, so all its objects are kept (and a warning
+    says so). The others' are found as usual: a file one of them references in a sibling is
+    named by that sibling's manifest or ``referenced.json`` too."""
     if storage.location(directory).is_local:
         return []
     loc, files = _listed(directory)
@@ -67,15 +73,18 @@ def strays(directory: str | os.PathLike[str]) -> list[Strays]:
         under.setdefault(top, set()).add(rest)
     retired = [name for name, names in under.items() if REFERENCED_FILE in names and MANIFEST_FILE not in names]
     named: dict[str, set[str]] = {}
+    unreadable: set[str] = set()
     for name in [*checkpoints(files, staged_in(loc, files)), *retired]:
         kept = _named(storage.Location(loc.child(name)), retired=name in retired)
         if kept is None:
-            return []
+            logger.warning("tpu_ckpt: %s cannot be read: keeping every object in it", loc.child(name))
+            unreadable.add(name)
+            continue
         named.setdefault(name, set()).update(kept)
         for sibling, _, file in (f[3:].partition("/") for f in kept if f.startswith("../")):
             named.setdefault(sibling, set()).add(file)
     found = []
-    for name in sorted(set(named) & set(under)):
+    for name in sorted(set(named) & set(under) - unreadable):
         where = storage.Location(loc.child(name))
         by_token: dict[str, list[str]] = {}
         for file in sorted(under[name] - named[name]):
@@ -110,7 +119,7 @@ def _named(where: storage.Location, *, retired: bool) -> set[str] | None:
     if retired:
         try:
             return {str(f) for f in json.loads(data or b"")["files"]}
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, TypeError, KeyError, RecursionError):  # RecursionError: nesting too deep to be ours
             return None
     try:
         manifest = decode_manifest(data or b"", where=where.child(MANIFEST_FILE))
