@@ -72,7 +72,7 @@ def export_for_serving(
 
     Raises:
       ValueError: ``dtype`` is not a float type, or ``link`` is combined with a rewrite or
-        with a non-local or linked checkpoint.
+        with a non-local, linked or incremental checkpoint.
       CheckpointExistsError: ``dst`` already holds something.
       TargetMismatchError: ``src`` has no ``subtree``.
       CheckpointNotFoundError: nothing is committed at ``src``.
@@ -141,6 +141,7 @@ def _link(src: storage.Location, dst: storage.Location, subtree: str) -> str:
         prefix, depth = normalise_subtree(subtree)
         leaves = _subtree_leaves(manifest, prefix, src.url)
         checkpoint.load_all(leaves)
+        _refuse_references(leaves, src.url)
         source_crc = crc32c(checkpoint.store.read_file(MANIFEST_FILE) or b"")
     if not storage.is_empty(dst):
         raise CheckpointExistsError(f"{dst.url} already exists and is not empty; choose a new path", file=dst.url)
@@ -176,6 +177,17 @@ def _link(src: storage.Location, dst: storage.Location, subtree: str) -> str:
     storage.publish(staging, dst)
     logger.info("tpu_ckpt: linked %s to %s (%d leaves, no data copied)", dst.url, src.url, len(linked))
     return dst.url
+
+
+def _refuse_references(leaves: list[LeafEntry], src: str) -> None:
+    """A linked checkpoint names the files of one source, so the pieces an incremental step
+    took from an earlier step (``../<step>/<file>``) cannot be linked through it."""
+    held = sorted({p.file for leaf in leaves for p in leaf.pieces if p.file.startswith("../")})
+    if held:
+        raise ValueError(
+            f"{src} is an incremental step: {held[0]} (and {len(held) - 1} more) is held by an earlier step, "
+            "which a linked checkpoint cannot name; export it without --link (link=False) to copy its data"
+        )
 
 
 def _check_sources(dst_dir: str, names: set[str]) -> None:
