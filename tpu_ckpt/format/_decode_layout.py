@@ -5,6 +5,7 @@ ranges against each other, and pieces tiling their leaf (``format/_decode.py`` c
 from __future__ import annotations
 
 from tpu_ckpt.errors import CorruptCheckpointError
+from tpu_ckpt.format import _keys as keys
 from tpu_ckpt.format import _piece_table as piece_table
 from tpu_ckpt.format import _slices as slices
 from tpu_ckpt.format._manifest import Manifest
@@ -92,3 +93,9 @@ def _check_keys(manifest: Manifest, where: str, paths: bool) -> None:
         clash = ""
     if clash is not None:
         raise CorruptCheckpointError(f"{where}: key {clash!r} is both a leaf and a subtree", key=clash, file=where)
+    clash = keys.node_clash(leaf.path for leaf in manifest.leaves if leaf.path)
+    if clash is not None:
+        raise CorruptCheckpointError(
+            f"{where}: key {clash!r} names two different nodes (an attribute and a dict entry, say), so a restore "
+            "would lose the leaves of one: the manifest was edited or damaged", key=clash, file=where,
+        )
