@@ -223,6 +223,9 @@ class LocalPieces:
                 self.pieces.append(PlannedPiece(key, full_slice(array.shape), array, array.nbytes))
                 self.devices.append(None)
             return
+        if leaf.is_deleted():  # else a layout seen before would let it through to the first write
+            raise ValueError(f"Leaf {key!r} is a deleted jax.Array (donated to a jitted function?): save the arrays "
+                             "the step returned, not those it was given")
         shape = tuple(leaf.shape)
         dtype = np.dtype(leaf.dtype)
         self._leaves[key] = (shape, dtype, is_slot)
