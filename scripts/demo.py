@@ -16,7 +16,9 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse
+import shlex
 import statistics
+import sys
 import tempfile
 import time
 
@@ -135,9 +137,20 @@ def main() -> None:
     print(f"   {len(blocked)} async saves: median blocking {statistics.median(blocked) * 1e3:.1f} ms, max {max(blocked) * 1e3:.1f} ms")
     print(f"   each checkpoint: {size / 1e6:.2f} MB in {len(files)} files; serving export (bf16, params only): {serving_size / 1e6:.2f} MB")
     print(f"   serving restore (skip_slot_variables) predicts like the live model: {same}")
-    print(f"-- kept in {root}: look with `tpu-ckpt ls {ckpts}` or `tpu-ckpt inspect {latest}`; remove it when done")
+    cli = _cli()
+    print(f"-- kept in {root}: look with `{cli} ls {ckpts}` or `{cli} inspect {latest}`; remove it when done")
     if not same:
         raise SystemExit("the serving restore differs from the live model")
+
+
+def _cli() -> str:
+    """The tpu-ckpt command as this interpreter has it, so the hint works without activating
+    its virtualenv (`make demo` never does): `.venv/bin/tpu-ckpt` where the console script is
+    installed beside it, else `<python> -m tpu_ckpt`."""
+    script = os.path.join(os.path.dirname(sys.executable), "tpu-ckpt")
+    command = [script] if os.access(script, os.X_OK) else [sys.executable, "-m", "tpu_ckpt"]
+    relative = [os.path.relpath(part) if part.startswith(os.getcwd() + os.sep) else part for part in command]
+    return shlex.join(relative)
 
 
 if __name__ == "__main__":

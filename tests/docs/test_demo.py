@@ -2,6 +2,7 @@
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -32,6 +33,14 @@ def test_demo_script_runs_and_keeps_the_checkpoints_it_names(tmp_path):
     assert os.path.dirname(root) == str(tmp_path)
     assert f"checkpoints in {os.path.join(root, 'ckpts')}" in out.stdout
     assert sorted(os.listdir(os.path.join(root, "ckpts"))) == ["step_20", "step_25", "step_30"]  # max_to_keep=3
+    hint = re.search(r"look with `(.+) ls (\S+)`", out.stdout)
+    assert hint and hint.group(2) == os.path.join(root, "ckpts"), out.stdout
+    # the hint works as printed, without the virtualenv on PATH (`make demo` never activates it)
+    listing = subprocess.run(
+        [*shlex.split(hint.group(1)), "ls", hint.group(2)], capture_output=True, text=True, timeout=120,
+        cwd=os.getcwd(), env={**os.environ, "PATH": "/usr/bin:/bin"},
+    )
+    assert listing.returncode == 0 and "step_30" in listing.stdout, listing.stdout + listing.stderr
     serving = tc.metadata(os.path.join(root, "serving"))
     assert set(serving) == {"params"}  # params only, no optimizer state
     assert {m.dtype.name for m in jax.tree_util.tree_leaves(serving)} == {"bfloat16"}
