@@ -74,7 +74,8 @@ class CheckpointOptions:
       sharding_callback: a :class:`ShardingCallback` deciding which pieces go to which data
         file; ``None`` means :class:`ShardByDevicePolicy`.
       coordination_timeout: seconds any cross-process wait may take before raising an error
-        that names the processes which did not arrive.
+        that names the processes which did not arrive (a wait on a process that reports
+        progress goes on, for at most 10 x ``coordination_timeout`` in all).
       load_and_broadcast: on a multi-process restore, read each piece several processes need
         once (on one of them) and send it to the others over TCP (see ``restoring/_shared_reads.py``).
         Refused together with ``io_device``, where one process already reads everything once.

@@ -43,6 +43,9 @@ _RELEASED = "released"  # <op>/released/<stage>: "v<value>" once it is over, "x"
 _WAITING = "waiting"  # <op>/waiting/<stage>: present once some process blocks there
 _PROGRESS = "progress"  # <op>/progress/<process>: what a process others wait on is doing, and a count
 _PROGRESS_EVERY_S = 1.0  # at most one progress call a second
+# The longest one wait lasts, in coordination timeouts, however long the process it waits on
+# goes on reporting progress: a process that reports but never arrives is not waited on forever.
+MAX_WAIT_TIMEOUTS = 10
 _op_counter = itertools.count()
 
 
@@ -288,21 +291,27 @@ class Coordinator:
 
     def _blocking_get(self, key: str, stage: str, sender: int | None) -> str:
         """Waits up to the timeout, again and again while ``sender`` reports progress (so a
-        sender working on gives up at most two timeouts after its last progress)."""
-        note = None
+        sender working on gives up at most two timeouts after its last progress), and never
+        longer than MAX_WAIT_TIMEOUTS timeouts in all."""
+        note, deadline = None, time.monotonic() + MAX_WAIT_TIMEOUTS * self.timeout
         while True:
             started = time.monotonic()
+            wait = min(self.timeout, deadline - started)
             try:
-                return self._kv.blocking_key_value_get(key, max(1, int(self.timeout * 1000)))
+                return self._kv.blocking_key_value_get(key, max(1, int(wait * 1000)))
             except Exception as error:  # noqa: BLE001 - the service's error type is not public
-                if "DEADLINE_EXCEEDED" not in str(error) and time.monotonic() - started < self.timeout:
+                if "DEADLINE_EXCEEDED" not in str(error) and time.monotonic() - started < wait:
                     raise
             latest = None if sender is None else self._try_get(self._key(_PROGRESS, sender))
             if latest is None or latest == note:
                 break
             note = latest
+            if time.monotonic() >= deadline:
+                break
             logger.info("tpu_ckpt: %s: process %s is still working (%s); waiting on", self.what, sender, latest.split(" ", 1)[1])
         self._last_note = "" if note is None else f"; it was last {note.split(' ', 1)[1]}"
+        if time.monotonic() >= deadline:
+            self._last_note += f"; no wait lasts more than {MAX_WAIT_TIMEOUTS} x coordination_timeout, progress or not"
         if sender is not None:
             # Waiting on a sender that may itself wait on a straggler: its report names
             # the straggler, where this process could only name the sender.
