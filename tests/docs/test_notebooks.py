@@ -2,6 +2,7 @@
 
 import os
 import re
+import sys
 
 import nbformat
 import pytest
@@ -56,3 +57,26 @@ def test_notebook_runs_top_to_bottom_on_cpu(name, devices, tmp_path, monkeypatch
     assert not printed(notebook, "# Install tpu_ckpt")  # importable here: the install cell does nothing
     assert any("image/png" in o.get("data", {}) for o in outputs) or name != "sharding_policies.ipynb"
     CHECKS[name](notebook, devices)
+
+
+# What a notebook's first cell installs brings these (tpu_ckpt, its dependencies, and with [flax] Flax and optax).
+INSTALLED_WITH_TPU_CKPT = {"tpu_ckpt", "jax", "numpy", "ml_dtypes", "tensorstore", "flax", "optax"}
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_the_install_cell_installs_what_the_notebook_imports_and_prints_plain_text(name):
+    """A local Jupyter without matplotlib failed at cell 2: every module a notebook imports is
+    the standard library's, comes with tpu_ckpt, or is installed by the first cell when missing;
+    pip runs with --no-color (a cell shows its escape codes raw)."""
+    cells = [c.source for c in nbformat.read(os.path.join(COLAB, name), as_version=4).cells if c.cell_type == "code"]
+    install = cells[0]
+    imported = {
+        module.strip().split(".")[0].split(" ")[0]
+        for source in cells
+        for names in re.findall(r"^[ \t]*(?:import|from)[ \t]+([\w., ]+?)(?:[ \t]+import\b.*)?$", source, re.MULTILINE)
+        for module in names.split(",")
+    }
+    missing = imported - set(sys.stdlib_module_names) - INSTALLED_WITH_TPU_CKPT
+    assert all(f'find_spec("{module}") is None' in install for module in missing), (missing, install)
+    pip_calls = re.findall(r'"pip", "install"[^\]]*\]', install)
+    assert pip_calls and all('"--no-color"' in call for call in pip_calls), install
