@@ -27,7 +27,7 @@ if TYPE_CHECKING:
         UncommittedCheckpointError,
     )
     from tpu_ckpt.format import FORMAT_VERSION
-    from tpu_ckpt.interop import Checkpoint, ImportReport, export_for_serving, export_orbax, import_orbax
+    from tpu_ckpt.interop import Checkpoint, ImportReport, export_for_serving, export_orbax, import_orbax, load_safetensors
     from tpu_ckpt.manager import CheckpointManager
     from tpu_ckpt.options import CheckpointOptions
     from tpu_ckpt.restoring import ArrayMetadata, RestoreReport, check_restore, metadata, restore
@@ -70,6 +70,7 @@ _MODULE_OF = {
     "export_for_serving": "interop",
     "export_orbax": "interop",
     "import_orbax": "interop",
+    "load_safetensors": "interop",
     "metadata": "restoring",
     "restore": "restoring",
     "save": "saving",
@@ -103,6 +104,7 @@ __all__ = (
     "export_for_serving",
     "export_orbax",
     "import_orbax",
+    "load_safetensors",
     "metadata",
     "restore",
     "save",

@@ -4,6 +4,7 @@ Only these import JAX (and Orbax), inside their functions, so the other commands
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from typing import Any
@@ -21,7 +22,9 @@ def add_export(commands: Any) -> None:
         commands, "export", "write a params-only serving checkpoint",
         "Write the SUBTREE of training checkpoint SRC (its params; optimizer slots are never read) as "
         "checkpoint DST, which restores without a target. --link writes only a manifest pointing at SRC's "
-        "data files (local directories, DST beside SRC); a restore checks that SRC still exists unchanged.",
+        "data files (local directories, DST beside SRC); a restore checks that SRC still exists unchanged. "
+        "--layout huggingface writes model.safetensors (or model-0000k-of-0000N.safetensors and "
+        "model.safetensors.index.json) for serving stacks, named by --names.",
         "0 written; 2 SRC holds no committed checkpoint or no SUBTREE, DST exists, or the options conflict.",
     )
     export_arguments(p)
@@ -34,7 +37,17 @@ def export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dst", metavar="DST", help="where to write the serving checkpoint (must not exist)")
     parser.add_argument("--subtree", default="params", help="key path of the params (default: params)")
     parser.add_argument("--dtype", default=None, help="cast float leaves, e.g. bfloat16")
-    parser.add_argument("--max-shard-size", type=int, default=None, metavar="BYTES", help="bytes per data file")
+    parser.add_argument(
+        "--max-shard-size", default=None, metavar="SIZE", help="bytes per data file: a number or e.g. 5GB, 500MiB"
+    )
+    parser.add_argument(
+        "--layout", choices=("tpu_ckpt", "huggingface"), default="tpu_ckpt",
+        help="tpu_ckpt (a checkpoint; the default) or huggingface (model.safetensors files for serving stacks)",
+    )
+    parser.add_argument(
+        "--names", default=None, metavar="MAP.json",
+        help="huggingface layout: a JSON object from key path to tensor name, null, or {name, transpose}",
+    )
     parser.add_argument("--link", action="store_true", help="reuse SRC's data files; copy nothing")
 
 
@@ -48,14 +61,32 @@ def export(args: argparse.Namespace) -> int:
         path = export_for_serving(
             args.src, args.dst, subtree=args.subtree, dtype=_dtype(args.dtype),
             max_shard_size=args.max_shard_size, link=args.link, progress=bar,
+            layout=args.layout, names=_names(args.names),
         )
-    if args.link:
+    if args.layout == "huggingface":
+        what = "the Hugging Face layout"
+    elif args.link:
         what = f"a link to {args.src}, no data copied"
     else:
         arrays = cli_format.manifest_of(path).leaves  # the same answer on a disk and in a bucket
         what = cli_format.size(sum(leaf.nbytes for leaf in arrays if leaf.kind == 'array'))
     print(f"wrote {path}: {what} in {time.perf_counter() - started:.2f}s")
     return 0
+
+
+def _names(path: str | None) -> dict[str, Any] | None:
+    """``--names``: one JSON object (at most 64 MiB) from key path to a tensor name spec."""
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        raw = f.read((64 << 20) + 1)
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"--names {path} is not valid JSON ({str(e)[:200]})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"--names {path} must hold one JSON object from key path to tensor name")
+    return doc
 
 
 def _dtype(name: str | None) -> np.dtype | None:

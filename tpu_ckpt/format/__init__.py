@@ -1,7 +1,7 @@
 """The checkpoint format as data: the manifest and its sealed encoding, piece tables, data-file
 layout, key paths, slices and byte-range reads. No IO, no JAX: ``tpu-ckpt`` reads through it."""
 
-from tpu_ckpt.format._data_layout import SMALL_PIECE, PlannedPiece, Texts, data_file_bytes, file_size
+from tpu_ckpt.format._data_layout import SAFETENSORS_CODES, SMALL_PIECE, PlannedPiece, Texts, data_file_bytes, file_size
 from tpu_ckpt.format._decode import decode_manifest
 from tpu_ckpt.format._decode_layout import check_byte_ranges
 from tpu_ckpt.format._index import (
@@ -63,4 +63,4 @@ from tpu_ckpt.format._table_reads import (
     prefetch,
 )
 
-__all__ = ["ALIGNMENT", "DTYPE_NAMES", "FORMAT_VERSION", "IndexPlan", "IndexRows", "LeafEntry", "MANIFEST_FILE", "REFERENCED_FILE", "TOKENED", "MAX_GRID_CELLS", "MAX_READ_BYTES", "Manifest", "PathEntry", "PieceEntry", "PlannedPiece", "ROW", "ROW_BYTES", "Read", "SMALL_PIECE", "SliceSpec", "TableSource", "Texts", "byte_batches", "check_byte_ranges", "check_crcs", "coalesce", "contains", "cover", "crc32c", "data_file_bytes", "decode_index", "decode_manifest", "dtype_from_name", "dtype_itemsize", "dtype_name", "encode_index", "encode_manifest", "encode_rows", "extent", "file_size", "flatten", "full_slice", "grid_of", "grids_shared", "index_manifest", "intersect", "join", "load_rows", "loaded_overlapping", "metric_values", "normalise_subtree", "overlapping", "path_entries", "piece_cells", "piece_columns", "piece_layout", "prefetch", "relative", "seal", "sharding_text", "sort_order", "spread", "tensor_name", "tiling_problem", "token_of", "under", "unflatten_nested", "unseal", "volume", "write"]
+__all__ = ["ALIGNMENT", "DTYPE_NAMES", "FORMAT_VERSION", "IndexPlan", "IndexRows", "LeafEntry", "MANIFEST_FILE", "REFERENCED_FILE", "TOKENED", "MAX_GRID_CELLS", "MAX_READ_BYTES", "Manifest", "PathEntry", "PieceEntry", "PlannedPiece", "ROW", "ROW_BYTES", "Read", "SAFETENSORS_CODES", "SMALL_PIECE", "SliceSpec", "TableSource", "Texts", "byte_batches", "check_byte_ranges", "check_crcs", "coalesce", "contains", "cover", "crc32c", "data_file_bytes", "decode_index", "decode_manifest", "dtype_from_name", "dtype_itemsize", "dtype_name", "encode_index", "encode_manifest", "encode_rows", "extent", "file_size", "flatten", "full_slice", "grid_of", "grids_shared", "index_manifest", "intersect", "join", "load_rows", "loaded_overlapping", "metric_values", "normalise_subtree", "overlapping", "path_entries", "piece_cells", "piece_columns", "piece_layout", "prefetch", "relative", "seal", "sharding_text", "sort_order", "spread", "tensor_name", "tiling_problem", "token_of", "under", "unflatten_nested", "unseal", "volume", "write"]

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from tpu_ckpt.format._slices import SliceSpec
 
 # safetensors' dtype codes; dtypes it has no code for are stored as raw bytes ("U8").
-_SAFETENSORS_CODES = {
+SAFETENSORS_CODES = {
     "bool": "BOOL", "int8": "I8", "int16": "I16", "int32": "I32", "int64": "I64",
     "uint8": "U8", "uint16": "U16", "uint32": "U32", "uint64": "U64", "float16": "F16",
     "float32": "F32", "float64": "F64", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3",
@@ -91,7 +91,7 @@ class _PieceKind(NamedTuple):
     @staticmethod
     def of(dtype: Any) -> _PieceKind:
         name = dtype_name(dtype)
-        return _PieceKind(name, _SAFETENSORS_CODES.get(name), name in NUMPY_DTYPES)
+        return _PieceKind(name, SAFETENSORS_CODES.get(name), name in NUMPY_DTYPES)
 
 
 def file_size(pieces: Iterable[tuple[str, SliceSpec, str, tuple[int, ...], int]]) -> int:

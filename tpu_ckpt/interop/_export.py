@@ -35,6 +35,9 @@ from tpu_ckpt.format import (
     unflatten_nested,
     write,
 )
+from tpu_ckpt.interop._hf_export import export_huggingface
+from tpu_ckpt.interop._hf_layout import parse_size
+from tpu_ckpt.interop._hf_names import Names
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.restoring import missing_subtree, restore_from
 from tpu_ckpt.saving import save
@@ -50,22 +53,32 @@ def export_for_serving(
     *,
     subtree: str = "params",
     dtype: Any = None,
-    max_shard_size: int | None = None,
+    layout: str = "tpu_ckpt",
+    names: Names = None,
+    max_shard_size: int | str | None = None,
     link: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    options: CheckpointOptions | None = None,
 ) -> str:
     """Writes the ``subtree`` of checkpoint ``src`` (its params) as checkpoint ``dst``;
-    ``tc.restore(dst)`` then returns that subtree as the whole tree.
+    ``tc.restore(dst)`` then returns that subtree as the whole tree. ``layout="huggingface"``
+    writes Hugging Face safetensors files instead (docs/serving.md), which serving stacks
+    read without this library and :func:`load_safetensors` reads back onto any mesh.
 
     Args:
       src: the checkpoint to read.
       dst: the new checkpoint; it must not exist yet, or be empty.
       subtree: the key path to export.
       dtype: casts float leaves (e.g. ``"bfloat16"``); ``None`` keeps them.
-      max_shard_size: re-cuts the data files (:class:`MaxShardSizePolicy`).
+      layout: ``"tpu_ckpt"`` (a checkpoint) or ``"huggingface"`` (for serving stacks, the Hub).
+      names: huggingface only: ``None`` joins the key path below ``subtree`` by ``.``; a dict
+        or function from key path (``params/Dense_0/kernel``) to a name, ``None`` or ``{"name": ..., "transpose": True}``.
+      max_shard_size: re-cuts the data files (:class:`MaxShardSizePolicy`); for the
+        huggingface layout the most data bytes of one file, an int or ``"5GB"`` (the default).
       link: write only a manifest referring to ``src``'s data files (local paths only;
         not with ``dtype`` or ``max_shard_size``, which need a rewrite).
       progress: ``progress(done, total)`` is called with byte counts as the copy proceeds.
+      options: huggingface only: ``host_memory_limit`` (big tensors go in blocks of rows).
 
     Returns:
       The written checkpoint's path (``dst``).
@@ -78,6 +91,7 @@ def export_for_serving(
       CheckpointNotFoundError: nothing is committed at ``src``.
       CorruptCheckpointError: a data file of ``src`` is missing or fails its checksum.
     """
+    _check_layout(layout, names, link)
     if link:
         if dtype is not None or max_shard_size is not None:
             raise ValueError(
@@ -88,9 +102,20 @@ def export_for_serving(
     cast = np.dtype(dtype) if dtype is not None else None
     if cast is not None and not jnp.issubdtype(cast, jnp.floating):
         raise ValueError(f"dtype must be a float type (e.g. bfloat16), got {cast}")
+    if layout == "huggingface":
+        return export_huggingface(src, dst, subtree, cast, names, max_shard_size, options or CheckpointOptions(), progress)
     params = _read_params(src, subtree, cast, progress)
-    policy = MaxShardSizePolicy(max_shard_size) if max_shard_size is not None else None
+    policy = MaxShardSizePolicy(parse_size(max_shard_size)) if max_shard_size is not None else None
     return save(dst, params, options=CheckpointOptions(sharding_callback=policy)).wait()
+
+
+def _check_layout(layout: str, names: Names, link: bool) -> None:
+    if layout not in ("tpu_ckpt", "huggingface"):
+        raise ValueError(f"layout must be 'tpu_ckpt' or 'huggingface', got {layout!r}")
+    if layout == "tpu_ckpt" and names is not None:
+        raise ValueError("names apply to layout='huggingface' only: a tpu_ckpt export keeps the key paths")
+    if link and layout != "tpu_ckpt":
+        raise ValueError("link=True needs layout='tpu_ckpt': the huggingface layout is always a copy")
 
 
 def _read_params(

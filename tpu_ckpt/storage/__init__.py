@@ -2,6 +2,7 @@
 (read-only, writable, backend), local files, object stores through tensorstore, the IO pool
 and the only local ``open`` (confined to the checkpoint)."""
 
+from tpu_ckpt.storage._file_writes import FileWriter, ensure_directory, file_size
 from tpu_ckpt.storage._io_pool import IOPool, PooledStore
 from tpu_ckpt.storage._local import LocalStore, fsync_dir, make_directory, rename_durably
 from tpu_ckpt.storage._location import Location, location, new_token
@@ -34,4 +35,4 @@ from tpu_ckpt.storage._stores import (
     remove_files,
 )
 
-__all__ = ["Backend", "CheckpointStore", "IOPool", "LocalStore", "Location", "MAX_WHOLE_FILE_BYTES", "ObjectStore", "PooledStore", "ReadableStore", "STAGING_MARKER", "Store", "aligned_empty", "byte_view", "check_written", "confine", "fsync_dir", "has_staging_leftover", "is_empty", "is_marker", "latest_marker", "location", "make_directory", "marker_name", "markers", "new_token", "open_confined", "open_staging", "publish", "read_json", "read_marker", "read_ranges", "read_whole", "remove", "remove_files", "rename_durably"]
+__all__ = ["Backend", "CheckpointStore", "FileWriter", "IOPool", "LocalStore", "Location", "MAX_WHOLE_FILE_BYTES", "ObjectStore", "PooledStore", "ReadableStore", "STAGING_MARKER", "Store", "aligned_empty", "byte_view", "check_written", "confine", "ensure_directory", "file_size", "fsync_dir", "has_staging_leftover", "is_empty", "is_marker", "latest_marker", "location", "make_directory", "marker_name", "markers", "new_token", "open_confined", "open_staging", "publish", "read_json", "read_marker", "read_ranges", "read_whole", "remove", "remove_files", "rename_durably"]
