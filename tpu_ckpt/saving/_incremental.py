@@ -8,27 +8,35 @@ instead, as ``../step_<n>/<file>`` (FORMAT.md, "References"): a reference always
 step that holds the bytes, never a step that itself references them.
 
 Equality is never decided by crc32c (32 bits: over millions of pieces per save, collisions
-would come). A ``jax.Array`` is immutable, so the same object as last time, not deleted,
-holds the same bytes: it is compared by identity (a weak reference, so the manager keeps no
-old state alive) and not even copied to the host. A host array can be changed in place, so
-it is compared by a 128-bit BLAKE2b digest of its bytes.
+would come) but by a 128-bit fingerprint of each piece's bytes (``saving/_fingerprint.py``),
+with the same leaf, slice and dtype: a ``jax.Array`` in an accelerator's memory is
+fingerprinted there, so an unchanged piece is never copied to the host, and a host array
+(or a CPU device's) by BLAKE2b. So a new ``jax.Array`` with the bytes of the last step's
+(what ``optax.apply_updates`` returns for a frozen parameter) is referenced too. A
+``jax.Array`` is immutable, so the same object as last time, not deleted, is not even
+fingerprinted again: it keeps its fingerprint (a weak reference tells, so the manager keeps
+no old state alive). The fingerprints live in this object, in memory: a manager started
+anew (a resumed run) writes its first save whole, and compares from there (FORMAT.md,
+"References"). Each save logs (INFO) the bytes it wrote and those it referenced.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
+import logging
 import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import jax
-import numpy as np
 
 from tpu_ckpt import storage
 from tpu_ckpt.format import Manifest, PieceEntry, PlannedPiece, SliceSpec, flatten
+from tpu_ckpt.saving._fingerprint import fingerprints
 from tpu_ckpt.saving._plan import SavePlan
+
+logger = logging.getLogger(__name__)
 
 _Key = tuple[str, SliceSpec]
 
@@ -36,12 +44,12 @@ _Key = tuple[str, SliceSpec]
 @dataclasses.dataclass(frozen=True)
 class _Known:
     """One piece of the last committed step: where its bytes are (a name relative to any
-    step of the run), its data file's size, and its digest (None: compared by identity)."""
+    step of the run), its data file's size, its dtype and its fingerprint."""
 
     entry: PieceEntry
     file_size: int
     dtype: str
-    digest: bytes | None
+    digest: bytes
 
 
 @dataclasses.dataclass
@@ -61,7 +69,7 @@ class Incremental:
         self.step: storage.Location | None = None  # the newest committed step
         self._known: dict[_Key, _Known] = {}
         self._arrays: dict[str, weakref.ref] = {}  # key -> the jax.Array saved last time
-        self._pending: tuple[dict[_Key, tuple[str, bytes | None]], dict[str, weakref.ref]] = ({}, {})
+        self._pending: tuple[dict[_Key, tuple[str, bytes]], dict[str, weakref.ref], int] = ({}, {}, 0)
 
     def forget_unless(self, committed: Iterable[str]) -> None:
         """Forgets the last step unless its name is among ``committed`` (deleted by other
@@ -74,53 +82,56 @@ class Incremental:
         leaves = {key: leaf for key, _, leaf in flatten(tree, keep_none=True)[0]}
         dtypes = {leaf.key: leaf.dtype for leaf in plan.manifest.leaves}
         same_run = self.step is not None and _parent(self.step) == _parent(final)
-        digests: dict[_Key, tuple[str, bytes | None]] = {}
+        pieces = [piece for file in plan.files for piece in file.pieces]
+        known = [self._known.get((piece.key, piece.slice)) if same_run else None for piece in pieces]
+        digests = dict(zip(((p.key, p.slice) for p in pieces), self._fingerprints(pieces, known, leaves)))
         arrays = {key: weakref.ref(leaf) for key, leaf in leaves.items() if isinstance(leaf, jax.Array)}
-        reused, files = Reused(), []
+        reused, files, last = Reused(), [], iter(known)
         for file in plan.files:
             kept: list[PlannedPiece] = []
             for piece in file.pieces:
-                known = self._known.get((piece.key, piece.slice)) if same_run else None
-                same, digest = self._compare(piece, leaves[piece.key], dtypes[piece.key], known)
-                digests[piece.key, piece.slice] = (dtypes[piece.key], digest)
-                if same and known is not None:
-                    reused.pieces[piece.key].append(known.entry._replace(slice=piece.slice))
-                    reused.files[known.entry.file] = known.file_size
+                before = next(last)
+                if before is not None and (before.dtype, before.digest) == (dtypes[piece.key], digests[piece.key, piece.slice]):
+                    reused.pieces[piece.key].append(before.entry._replace(slice=piece.slice))
+                    reused.files[before.entry.file] = before.file_size
                     reused.nbytes += piece.nbytes
                 else:
                     kept.append(piece)
             if kept:
                 files.append(dataclasses.replace(file, pieces=tuple(kept), nbytes=sum(p.nbytes for p in kept)))
-        self._pending = (digests, arrays)
+        self._pending = ({k: (dtypes[k[0]], d) for k, d in digests.items()}, arrays, reused.nbytes)
         return dataclasses.replace(plan, files=tuple(files)), reused
 
-    def _compare(self, piece: PlannedPiece, leaf: Any, dtype: str, known: _Known | None) -> tuple[bool, bytes | None]:
-        """Whether the piece's bytes are ``known``'s, and its digest for the next save."""
-        if isinstance(leaf, jax.Array):
-            ref = self._arrays.get(piece.key)
-            same = ref is not None and ref() is leaf
-            return same and not leaf.is_deleted() and known is not None and known.dtype == dtype, None
-        digest = _digest(piece.data)
-        return known is not None and known.dtype == dtype and known.digest == digest, digest
+    def _fingerprints(self, pieces: list[PlannedPiece], known: list[_Known | None], leaves: dict[str, Any]) -> list[bytes]:
+        """Each piece's fingerprint: a jax.Array that is the same object as last time (not
+        deleted) keeps its fingerprint; every other piece is fingerprinted now."""
+        out = [b""] * len(pieces)
+        for position, (piece, before) in enumerate(zip(pieces, known)):
+            leaf, ref = leaves[piece.key], self._arrays.get(piece.key)
+            if before is not None and ref is not None and ref() is leaf and not leaf.is_deleted():
+                out[position] = before.digest
+        fresh = [position for position, digest in enumerate(out) if not digest]
+        for position, digest in zip(fresh, fingerprints([pieces[p].data for p in fresh])):
+            out[position] = digest
+        return out
 
     def committed(self, final: storage.Location, own: Manifest) -> None:
         """The save of ``apply``'s plan committed as ``final`` with this process's index ``own``."""
-        digests, arrays = self._pending
-        self._pending = ({}, {})
+        digests, arrays, referenced = self._pending
+        self._pending = ({}, {}, 0)
         name = _name(final)
         known: dict[_Key, _Known] = {}
         for leaf in own.leaves:
             for entry in leaf.pieces:
-                dtype, digest = digests.get((leaf.key, entry.slice), ("", None))
+                dtype, digest = digests.get((leaf.key, entry.slice), ("", b""))
                 file = entry.file if entry.file.startswith("../") else f"../{name}/{entry.file}"
                 known[leaf.key, entry.slice] = _Known(entry._replace(file=file), own.files[entry.file], dtype, digest)
         self.step, self._known, self._arrays = final, known, arrays
-
-
-def _digest(data: Any) -> bytes:
-    """A 128-bit digest of a host piece's bytes (C order)."""
-    array = np.ascontiguousarray(np.asarray(data))
-    return hashlib.blake2b(array.reshape(-1).view(np.uint8).data, digest_size=16).digest()
+        written = sum(size for file, size in own.files.items() if not file.startswith("../"))
+        logger.info(
+            "tpu_ckpt: incremental save %s: wrote %d bytes (data files), referenced %d bytes of earlier steps",
+            final.url, written, referenced,
+        )
 
 
 def _name(loc: storage.Location) -> str:

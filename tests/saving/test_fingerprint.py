@@ -1,0 +1,30 @@
+"""Fingerprints of pieces' bytes, which incremental saves compare (saving/_fingerprint.py)."""
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from tpu_ckpt.saving._fingerprint import _lanes, fingerprints
+
+
+def test_the_device_fingerprint_sees_every_changed_word_and_equal_bytes_as_equal():
+    """The scheme that runs on accelerators, run here on the CPU: 4 lanes of 32 bits."""
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, ml_dtypes.bfloat16, np.int8, np.uint16, np.bool_):
+        base = rng.integers(0, 2, 1000).astype(dtype) if dtype is np.bool_ else rng.normal(size=1000).astype(dtype)
+        variants = [base.copy() for _ in range(4)]
+        variants[1][999] = 1 - variants[1][999] if dtype is np.bool_ else variants[1][999] + 1
+        other = next(k for k in range(4, 1000) if base[k] != base[3])
+        variants[2][[3, other]] = base[[other, 3]]  # two words swapped
+        variants[3] = variants[3].reshape(10, 100)  # the same bytes, another shape: the shape is compared beside
+        lanes = np.asarray(_lanes(tuple(jnp.asarray(v) for v in (base, *variants))))
+        assert lanes.shape == (5, 4) and lanes.dtype == np.uint32
+        np.testing.assert_array_equal(lanes[0], lanes[1])
+        np.testing.assert_array_equal(lanes[0], lanes[4])
+        assert (lanes[2] != lanes[0]).all() and (lanes[3] != lanes[0]).all(), dtype
+
+
+def test_host_fingerprints_are_128_bits_and_tell_the_scheme():
+    a = np.arange(10, dtype=np.float32)
+    first, same, other = fingerprints([a, jnp.asarray(a), a + 1])
+    assert len(first) == 17 and first == same != other
