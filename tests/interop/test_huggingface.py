@@ -3,6 +3,7 @@ the safetensors library itself, and load_safetensors of files that library wrote
 
 import json
 import os
+import struct
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,9 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import tpu_ckpt as tc
+from tests import process_group
 from tests.flax_mlp import X, new_state
+from tests.interop.hf_scenarios import VALUES
 from tpu_ckpt.cli import main
 
 RNG = np.random.default_rng(0)
@@ -204,3 +207,69 @@ def test_object_store_both_ways(tmp_path):
     tc.export_for_serving("memory://hf-src/train", "memory://hf-dst/hf", layout="huggingface", max_shard_size=100)
     out = tc.load_safetensors("memory://hf-dst/hf", {"w": np.zeros((32, 48), np.float32)})
     np.testing.assert_array_equal(out["w"], PARAMS["layer"]["kernel"])
+
+
+def _file(path, header, data=b""):
+    """A safetensors file with a hand-written header (bytes or a JSON-able dict)."""
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return path
+
+
+def _tensor(dtype, shape, begin, end):
+    return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+
+
+HOSTILE = {
+    "past the end": ({"w": _tensor("F32", [4], 0, 16)}, b"\0" * 8, "past its end"),
+    "overlapping": ({"w": _tensor("F32", [2], 0, 8), "v": _tensor("F32", [2], 4, 12)}, b"\0" * 12, "overlapping"),
+    "size not dtype x shape": ({"w": _tensor("F32", [3], 0, 8)}, b"\0" * 8, "not the 12 its shape needs"),
+    "not UTF-8": (b'{"w\xff": 1}', b"", "not UTF-8"),
+    "duplicate names": (b'{"w": ' + json.dumps(_tensor("U8", [1], 0, 1)).encode() + b', "w": '
+                        + json.dumps(_tensor("U8", [1], 1, 2)).encode() + b"}", b"\0\0", "appears twice"),
+    "unknown dtype": ({"w": _tensor("Q9", [1], 0, 1)}, b"\0", "describes tensor 'w' wrongly"),
+    "negative shape": ({"w": _tensor("U8", [-1], 0, 0)}, b"", "describes tensor 'w' wrongly"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_headers_are_typed_errors(tmp_path, case):
+    header, data, message = HOSTILE[case]
+    path = _file(tmp_path / "m.safetensors", header, data)
+    with pytest.raises(tc.CorruptCheckpointError, match=message):
+        tc.load_safetensors(path, {"w": np.zeros(1, np.uint8)})
+
+
+def test_a_huge_header_claim_is_refused_before_any_allocation(tmp_path):
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
+    with pytest.raises(tc.CorruptCheckpointError, match="claims a 1099511627776-byte header"):
+        tc.load_safetensors(path, {"w": np.zeros(1, np.uint8)})
+
+
+def test_a_fifo_is_refused_without_waiting(tmp_path):
+    os.mkfifo(tmp_path / "m.safetensors")
+    with pytest.raises(tc.CorruptCheckpointError, match="FIFO"):
+        tc.load_safetensors(tmp_path / "m.safetensors", {"w": np.zeros(1, np.uint8)})
+
+
+def test_an_index_naming_a_file_without_the_tensor(tmp_path):
+    save_file({"a": np.zeros(2, np.float32)}, str(tmp_path / "one.safetensors"))
+    index = {"metadata": {"total_size": 8}, "weight_map": {"a": "one.safetensors", "b": "one.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(tc.CorruptCheckpointError, match="puts tensor 'b' in one.safetensors"):
+        tc.load_safetensors(tmp_path, {"a": np.zeros(2, np.float32)})
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_processes_write_one_export(tmp_path):
+    results = process_group.run("interop.hf_scenarios.export_from_every_process", 2, str(tmp_path))
+    for r in results:
+        assert r.returncode == 0 and r.result is not None, r.output[-4000:]
+        assert r.result["mismatches"] == [], r.result["mismatches"]
+        assert r.result["written"] >= 2 << 20, r.result  # each process wrote its two files
+    files = results[0].result["files"]
+    assert files == [f"model-0000{k}-of-00004.safetensors" for k in (1, 2, 3, 4)] + ["model.safetensors.index.json"]
+    found = _tensors(tmp_path / "hf")
+    assert {key: value[1].tobytes() for key, value in found.items()} == {k: v.tobytes() for k, v in VALUES.items()}
