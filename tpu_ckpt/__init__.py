@@ -22,15 +22,24 @@ if TYPE_CHECKING:
         CorruptCheckpointError,
         FormatVersionError,
         InvalidShardsError,
+        ProcessCountMismatchError,
+        ProcessValueMismatchError,
         RemoteProcessError,
         TargetMismatchError,
         UncommittedCheckpointError,
     )
-    from tpu_ckpt.format import FORMAT_VERSION
-    from tpu_ckpt.interop import Checkpoint, ImportReport, export_for_serving, export_orbax, import_orbax, load_safetensors
+    from tpu_ckpt.format import FORMAT_VERSION, PerProcess
+    from tpu_ckpt.interop import (
+        Checkpoint,
+        ImportReport,
+        export_for_serving,
+        export_orbax,
+        import_orbax,
+        load_safetensors,
+    )
     from tpu_ckpt.manager import CheckpointManager
     from tpu_ckpt.options import CheckpointOptions
-    from tpu_ckpt.restoring import ArrayMetadata, RestoreReport, check_restore, metadata, restore
+    from tpu_ckpt.restoring import ArrayMetadata, PerProcessMetadata, RestoreReport, check_restore, metadata, restore
     from tpu_ckpt.saving import SaveResult, save
     from tpu_ckpt.sharding import (
         MaxShardSizePolicy,
@@ -57,6 +66,10 @@ _MODULE_OF = {
     "ImportReport": "interop",
     "InvalidShardsError": "errors",
     "MaxShardSizePolicy": "sharding",
+    "PerProcess": "format",
+    "PerProcessMetadata": "restoring",
+    "ProcessCountMismatchError": "errors",
+    "ProcessValueMismatchError": "errors",
     "RemoteProcessError": "errors",
     "RestoreReport": "restoring",
     "SaveResult": "saving",
@@ -91,6 +104,10 @@ __all__ = (
     "ImportReport",
     "InvalidShardsError",
     "MaxShardSizePolicy",
+    "PerProcess",
+    "PerProcessMetadata",
+    "ProcessCountMismatchError",
+    "ProcessValueMismatchError",
     "RemoteProcessError",
     "RestoreReport",
     "SaveResult",

@@ -79,3 +79,24 @@ class RemoteProcessError(CheckpointError):
     def __init__(self, message: str, *, remote_type: str | None = None):
         super().__init__(message)
         self.remote_type = remote_type
+
+
+class ProcessValueMismatchError(CheckpointError):
+    """A plain Python leaf has different values on different processes (save it as ``tc.PerProcess``)."""
+
+
+class ProcessCountMismatchError(CheckpointError):
+    """A ``tc.PerProcess`` leaf was saved by another number of processes than restore it, and
+    the target gives no ``reshard`` function for it.
+
+    Args:
+      message: the key, both process counts, and what to do.
+      key: the leaf's checkpoint key.
+      saved_count: the processes that saved it, as ``.saved_count``.
+      process_count: the processes restoring it, as ``.process_count``.
+    """
+
+    def __init__(self, message: str, *, key: str, saved_count: int, process_count: int, file: str | None = None):
+        super().__init__(message, key=key, file=file)
+        self.saved_count = saved_count
+        self.process_count = process_count

@@ -1,16 +1,60 @@
-"""A typed PRNG key cannot be saved as it is; the error says how to save one, and that works."""
+"""Typed PRNG keys are leaves: saved as key data plus their impl's name, restored as typed keys
+of that impl, bit-exact, onto the saved sharding or another mesh; old-style uint32 keys stay arrays."""
 
 import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
 
 
-def test_a_typed_prng_key_is_refused_with_the_fix_that_works():
-    key = jax.random.key(42)
-    with pytest.raises(TypeError, match=r"'rng' is a typed PRNG key .*jax\.random\.key_data\(key\).*jax\.random\.wrap_key_data"):
-        tc.save("memory://tests/typed-key", {"rng": key})
-    tc.save("memory://tests/key-data", {"rng": jax.random.key_data(key)}).wait()
-    back = jax.random.wrap_key_data(tc.restore("memory://tests/key-data")["rng"])
-    np.testing.assert_array_equal(jax.random.key_data(back), jax.random.key_data(key))
+def _data(key: jax.Array) -> np.ndarray:
+    return np.asarray(jax.random.key_data(key))
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg", "unsafe_rbg"])
+def test_a_typed_key_of_any_impl_comes_back_typed_and_bit_exact(tmp_path, impl):
+    key = jax.random.key(42, impl=impl)
+    keys = jax.random.split(key, 8)
+    tc.save(tmp_path / "c", {"rng": key, "keys": keys, "old": jax.random.PRNGKey(7)}).wait()
+    back = tc.restore(tmp_path / "c")  # no target: typed keys too
+    assert back["rng"].dtype == key.dtype and back["keys"].dtype == keys.dtype
+    np.testing.assert_array_equal(_data(back["rng"]), _data(key))
+    np.testing.assert_array_equal(_data(back["keys"]), _data(keys))
+    assert back["old"].dtype == np.uint32 and back["old"].shape == (2,)  # an old-style key stays a plain array
+    np.testing.assert_array_equal(back["old"], np.asarray(jax.random.PRNGKey(7)))
+    assert tc.metadata(tmp_path / "c")["rng"].logical == f"prng_key:{impl}"
+    # the restored key draws what the saved one draws
+    np.testing.assert_array_equal(jax.random.normal(back["rng"], (4,)), jax.random.normal(key, (4,)))
+
+
+def test_a_sharded_key_restores_onto_another_mesh(tmp_path):
+    devices = jax.devices()
+    mesh = jax.sharding.Mesh(np.array(devices), ("x",))
+    keys = jax.device_put(jax.random.split(jax.random.key(1), 8), NamedSharding(mesh, P("x")))
+    tc.save(tmp_path / "c", {"keys": keys, "replicated": jax.device_put(jax.random.key(2), NamedSharding(mesh, P()))}).wait()
+    other = jax.sharding.Mesh(np.array(devices[::-1]).reshape(-1, 1), ("a", "b"))
+    target = {
+        "keys": jax.ShapeDtypeStruct((8,), keys.dtype, sharding=NamedSharding(other, P("a"))),
+        "replicated": jax.random.key(0),  # a typed key as the target: its sharding, the saved key
+    }
+    back = tc.restore(tmp_path / "c", target)
+    assert back["keys"].dtype == keys.dtype and back["keys"].sharding == target["keys"].sharding
+    np.testing.assert_array_equal(_data(back["keys"]), _data(keys))
+    np.testing.assert_array_equal(_data(back["replicated"]), _data(jax.random.key(2)))
+
+
+def test_nnx_rng_state_saves_whole(tmp_path):
+    nnx = pytest.importorskip("flax.nnx")
+    model = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=3))
+    state = nnx.state(model)
+    tc.save(tmp_path / "c", state).wait()
+    back = tc.restore(tmp_path / "c", state)
+    saved_keys = [x for x in jax.tree_util.tree_leaves(state) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
+    back_keys = [x for x in jax.tree_util.tree_leaves(back) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
+    assert saved_keys and len(back_keys) == len(saved_keys)
+    for a, b in zip(saved_keys, back_keys):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(_data(a), _data(b))

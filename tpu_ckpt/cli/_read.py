@@ -130,19 +130,17 @@ def _inspect(args: argparse.Namespace) -> int:
 def _leaf_row(leaf: LeafEntry) -> list[str]:
     if leaf.kind == "value":
         return [leaf.key, "", type(leaf.value).__name__, f"= {leaf.value!r}", "", ""]
+    if leaf.kind != "array":  # per-process: a value of each process
+        sizes = [p.length for p in leaf.pieces]
+        return [leaf.key, "", "per-process", f"{cli_format.plural(len(sizes), 'process')}, largest {cli_format.size(max(sizes, default=0))}", "", cli_format.size(sum(sizes))]
     slot = "yes" if leaf.is_slot else "no"
-    return [leaf.key, str(list(leaf.shape)), leaf.dtype, sharding_text(leaf.sharding), slot, cli_format.size(leaf.nbytes)]
+    dtype = f"{leaf.dtype} ({leaf.logical})" if leaf.logical else leaf.dtype
+    return [leaf.key, str(list(leaf.shape)), dtype, sharding_text(leaf.sharding), slot, cli_format.size(leaf.nbytes)]
 
 
 def _inspect_json(url: str, manifest: Manifest) -> dict[str, Any]:
     leaves = [
-        {"key": leaf.key, "kind": "value", "value": leaf.value}
-        if leaf.kind == "value"
-        else {
-            "key": leaf.key, "kind": "array", "shape": list(leaf.shape), "dtype": leaf.dtype,
-            "sharding": leaf.sharding, "is_slot": leaf.is_slot, "nbytes": leaf.nbytes,
-        }
-        for leaf in manifest.leaves
+        _leaf_json(leaf) for leaf in manifest.leaves
     ]
     return {
         "path": url,
@@ -154,6 +152,18 @@ def _inspect_json(url: str, manifest: Manifest) -> dict[str, Any]:
         "source": manifest.source,
         "leaves": leaves,
     }
+
+
+def _leaf_json(leaf: LeafEntry) -> dict[str, Any]:
+    if leaf.kind == "value":
+        return {"key": leaf.key, "kind": "value", "value": leaf.value}
+    if leaf.kind != "array":
+        return {"key": leaf.key, "kind": leaf.kind, "process_count": len(leaf.pieces), "sizes": [p.length for p in leaf.pieces]}
+    doc = {
+        "key": leaf.key, "kind": "array", "shape": list(leaf.shape), "dtype": leaf.dtype,
+        "sharding": leaf.sharding, "is_slot": leaf.is_slot, "nbytes": leaf.nbytes,
+    }
+    return {**doc, "logical": leaf.logical} if leaf.logical else doc
 
 
 # verify

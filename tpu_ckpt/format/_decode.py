@@ -38,6 +38,7 @@ from tpu_ckpt.format._manifest import (
     MAX_INT,
     MAX_METRICS,
     MIN_INT,
+    PER_PROCESS,
     LeafEntry,
     Manifest,
     PieceEntry,
@@ -232,8 +233,11 @@ class _Decoder:
             if not isinstance(value, _VALUE_TYPES):
                 raise self.fail(f"{field}.value", f"must be a bool, number, string or null, got {_short(value)}")
             return LeafEntry(key, path, "value", value=value)
+        if kind == PER_PROCESS:  # one piece per process (``check_layout`` counts them)
+            raw = self.array(doc.get("pieces"), f"{field}.pieces")
+            return LeafEntry(key, path, kind, pieces=tuple(self.piece(p, f"{field}.pieces[{j}]", None, 0, files) for j, p in enumerate(raw)))
         if kind != "array":
-            raise self.fail(f"{field}.kind", f"must be 'array' or 'value', got {_short(kind)}")
+            raise self.fail(f"{field}.kind", f"must be 'array', 'value' or 'per_process', got {_short(kind)}")
         if "table" in doc and self.complete:
             return self.array_leaf(doc, field, key, path, None, files)
         raw = self.array(doc.get("pieces"), f"{field}.pieces")
@@ -261,7 +265,18 @@ class _Decoder:
             )
         else:
             pieces = tuple(self.piece(p, f"{field}.pieces[{j}]", shape, itemsize, files) for j, p in enumerate(raw))
-        return LeafEntry(key, path, "array", shape, dtype, doc["is_slot"], sharding, pieces)
+        return LeafEntry(key, path, "array", shape, dtype, doc["is_slot"], sharding, pieces, logical=self.logical(doc, field, dtype, shape))
+
+    def logical(self, doc: dict[str, Any], field: str, dtype: str, shape: tuple[int, ...]) -> str:
+        """What an array leaf is restored as (format 2.1): bytes (uint8, one axis) or a typed PRNG key of
+        an impl (uint32, the key's trailing axes)."""
+        logical = doc.get("logical", "")
+        impl = logical[len("prng_key:"):] if type(logical) is str and logical.startswith("prng_key:") else None
+        if logical == "" or (logical == "bytes" and dtype == "uint8" and len(shape) == 1):
+            return logical
+        if impl is not None and impl.isidentifier() and dtype == "uint32" and shape:
+            return logical
+        raise self.fail(f"{field}.logical", f"must be 'bytes' (uint8[n]) or 'prng_key:<impl>' (uint32), got {_short(logical)}")
 
     def sharding(self, value: Any, field: str) -> dict[str, Any] | None:
         """How a leaf was saved sharded, as ``pieces.describe_sharding`` writes it: a

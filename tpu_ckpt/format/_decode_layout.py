@@ -8,7 +8,7 @@ from tpu_ckpt.errors import CorruptCheckpointError
 from tpu_ckpt.format import _keys as keys
 from tpu_ckpt.format import _piece_table as piece_table
 from tpu_ckpt.format import _slices as slices
-from tpu_ckpt.format._manifest import Manifest
+from tpu_ckpt.format._manifest import PER_PROCESS, Manifest
 
 
 def check_layout(manifest: Manifest, where: str, complete: bool, paths: bool = True) -> None:
@@ -21,6 +21,12 @@ def check_layout(manifest: Manifest, where: str, complete: bool, paths: bool = T
         if problem:
             raise CorruptCheckpointError(f"{where}: data file name {name!r} {problem}", file=where)
     _check_keys(manifest, where, paths)
+    for leaf in manifest.leaves if complete else ():
+        if leaf.kind == PER_PROCESS and [p.slice for p in leaf.pieces] != [((i, i + 1),) for i in range(manifest.process_count)]:
+            raise CorruptCheckpointError(
+                f"{where}: per-process key {leaf.key!r} does not hold exactly one value for each of the "
+                f"{manifest.process_count} processes that saved it ({len(leaf.pieces)} found)", key=leaf.key, file=where,
+            )
     check_byte_ranges(manifest, where, loaded_only=True)
     with slices.grids_shared():  # leaves of one layout share their grid
         for leaf in manifest.leaves if complete else ():

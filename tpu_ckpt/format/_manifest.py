@@ -29,6 +29,10 @@ FORMAT_NAME = "tpu_ckpt"
 FORMAT_VERSION = "2.0"
 """The on-disk format version (``MAJOR.MINOR``, FORMAT.md) this library writes. It reads any
 minor version of a major version it knows, and refuses a newer major with FormatVersionError."""
+LEAF_KINDS_VERSION = "2.1"
+"""What a manifest holding the leaves format 2.1 added (typed PRNG keys, bytes, per-process
+values: FORMAT.md "Leaf kinds") says it is; one without them still says FORMAT_VERSION."""
+PER_PROCESS = "per_process"  # a leaf kind: one value per process, in the values files
 MANIFEST_FILE = "manifest.json"
 # A step retention let go of while newer steps still reference its data files (FORMAT.md, "References").
 REFERENCED_FILE = "referenced.json"
@@ -149,13 +153,14 @@ class LeafEntry:
 
     key: str
     path: list[PathEntry]
-    kind: str  # "array" | "value"
+    kind: str  # "array" | "value" | "per_process"
     shape: tuple[int, ...] = ()
     dtype: str = ""
     is_slot: bool = False
     sharding: dict[str, Any] | None = None
     pieces: Sequence[PieceEntry] = ()  # a tuple, or (format 2) a ``piece_table.LazyPieces``
     value: Any = None
+    logical: str = ""  # an array leaf's restored type: "" (itself), "bytes", or "prng_key:<impl>"
 
     @property
     def nbytes(self) -> int:
@@ -207,7 +212,7 @@ class Manifest:
         file_index = {name: i for i, name in enumerate(self.files)}
         doc = {
             "format": FORMAT_NAME,
-            "format_version": self.version,
+            "format_version": version_for(self, self.version),
             "process_count": self.process_count,
             "sharding_callback": self.sharding_callback,
             "files": [[name, size] for name, size in self.files.items()],
@@ -268,10 +273,22 @@ def leaf_to_json(leaf: LeafEntry, file_index: dict[str, int], *, pieces: bool = 
     if leaf.kind == "value":
         doc["value"] = leaf.value
         return doc
+    if leaf.kind == PER_PROCESS:  # its pieces are its values, process by process: always inline
+        doc["pieces"] = [[p.slice, file_index[p.file], p.offset, p.length, p.crc32c] for p in leaf.pieces]
+        return doc
     doc.update(shape=list(leaf.shape), dtype=leaf.dtype, is_slot=leaf.is_slot, sharding=leaf.sharding)
+    if leaf.logical:
+        doc["logical"] = leaf.logical
     if pieces:
         doc["pieces"] = [[p.slice, file_index[p.file], p.offset, p.length, p.crc32c] for p in leaf.pieces]
     return doc
+
+
+def version_for(manifest: Manifest, version: str = FORMAT_VERSION) -> str:
+    """The format version ``manifest`` is written as: 2.1 when it holds a leaf kind 2.1 added,
+    else ``version``, so that a checkpoint older releases could read still says 2.0."""
+    new = any(leaf.logical or leaf.kind == PER_PROCESS for leaf in manifest.leaves)
+    return LEAF_KINDS_VERSION if new else version
 
 
 _SEAL = re.compile(rb',"manifest_crc32c":(0|[1-9][0-9]{0,9})}\Z')

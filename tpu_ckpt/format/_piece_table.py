@@ -25,7 +25,6 @@ import numpy as np
 from tpu_ckpt.format import _slices as slices
 from tpu_ckpt.format._manifest import (
     FORMAT_NAME,
-    FORMAT_VERSION,
     MAX_INT,
     LeafEntry,
     Manifest,
@@ -33,6 +32,7 @@ from tpu_ckpt.format._manifest import (
     crc32c,
     leaf_to_json,
     seal,
+    version_for,
 )
 from tpu_ckpt.format._table_reads import ROW, ROW_BYTES, LazyPieces, TableRef, TableSource
 
@@ -107,7 +107,7 @@ def encode_manifest(
     names = [table_file(i, table_prefix) for i in range(len(tables))]
     doc = {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": version_for(manifest),
         "process_count": manifest.process_count,
         "sharding_callback": manifest.sharding_callback,
         "files": [[name, size] for name, size in manifest.files.items()],

@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,6 +42,7 @@ from tpu_ckpt.format import (
     under,
 )
 from tpu_ckpt.options import CheckpointOptions
+from tpu_ckpt.restoring import _leaf_kinds as leaf_kinds
 from tpu_ckpt.restoring._check_reads import ReadCount
 from tpu_ckpt.restoring._mismatch import mismatches
 from tpu_ckpt.restoring._plan import ArrayRead, NoRead, needed_slices, plan_entries
@@ -48,6 +50,7 @@ from tpu_ckpt.runtime import plural, size, table
 from tpu_ckpt.settings import settings
 
 BYTES_PER_SECOND = 1e9  # one host's read throughput, for the time estimate: about a GCS bucket's
+WIDTH = 100  # describe()'s lines fit a terminal this wide (`tpu-ckpt plan`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,25 +136,37 @@ class RestoreReport:
         return doc
 
     def describe(self) -> str:
-        """The verdict and problems, a table of the arrays read, what is cast, skipped or
-        left unread, and a table of each process's reads (the command line's tables)."""
+        """The verdict and problems, a table of the arrays read (each with its saved and restored
+        form on the line below), what is cast, skipped or left unread, and a table of each
+        process's reads (the command line's tables), in lines of at most ``WIDTH`` columns
+        (but for a single key or sharding longer than that)."""
         verdict = "ok" if self.ok else f"would fail ({plural(len(self.problems), 'problem')})"
-        lines = [f"restore of {self.url}: {verdict}", *(f"  {p}" for p in self.problems)]
+        lines = [f"restore of {self.url}: {verdict}", *(_fill(p, "  ") for p in self.problems)]
         if self.leaves:
-            rows = [[x.key, x.saved, x.restored, "resharded" if x.resharded else "as saved", size(x.read_bytes), size(x.over_read)] for x in self.leaves]
-            lines += ["", table([["KEY", "SAVED", "RESTORED AS", "LAYOUT", "READ", "OVER-READ"], *rows], right={4, 5})]
+            rows = [[x.key, "resharded" if x.resharded else "as saved", size(x.read_bytes), size(x.over_read)] for x in self.leaves]
+            header, *keyed = table([["KEY, SAVED -> RESTORED AS", "LAYOUT", "READ", "OVER-READ"], *rows], right={2, 3}).split("\n")
+            lines += ["", header]
+            for line, x in zip(keyed, self.leaves):
+                lines += [line, _fill(f"{x.saved} -> {x.restored}", "  ")]
         for title, names in (
             ("cast (float -> float)", self.casts), ("skipped slot variables, not read", self.skipped_slots),
             ("in the checkpoint, not in the target, not read", self.unread_keys),
         ):
             if names:
-                lines.append(f"{title}: {', '.join(names)}")
+                lines.append(_fill(f"{title}: {', '.join(names)}", ""))
         if self.reads:
             rows = [[str(p), size(r.nbytes), str(r.requests), size(r.over_read), f"{r.nbytes / self.bytes_per_second:.2f}s"] for p, r in self.reads.items()]
             header = ["PROCESS", "READ", "REQUESTS", "OVER-READ", f"TIME AT {size(self.bytes_per_second)}/s"]
             lines += ["", table([header, *rows], right={0, 1, 2, 3, 4})]
         return "\n".join(lines)
 
+
+def _fill(text: str, indent: str) -> str:
+    """``text`` from ``indent`` on, in lines of at most WIDTH columns, the next ones indented
+    two more; a word (a key) is never cut."""
+    return textwrap.fill(
+        text, WIDTH, initial_indent=indent, subsequent_indent=indent + "  ", break_long_words=False, break_on_hyphens=False
+    )
 
 def check_restore(
     path: str | os.PathLike[str],
@@ -191,7 +206,8 @@ def check_restore(
     loc = storage.location(path)
     skip = options.skip_slot_variables
     with open_checkpoint(loc) as checkpoint:  # per process, or (a report of several) every process's rows
-        manifest = checkpoint.manifest
+        manifest, refused = leaf_kinds.unread_per_process(checkpoint.manifest, target, subtree, loc.url)
+        target = leaf_kinds.stored_target(manifest, target, subtree)
         everyone = devices_per_process is not None or jax.process_count() > 1
         checkpoint.load(needed_slices(manifest, target, subtree, skip, everyone=everyone))
         try:
@@ -203,7 +219,7 @@ def check_restore(
         checkpoint.load_all([a.leaf for a in arrays])  # loaded whole already, as every device's regions cover a leaf
         _check_references(checkpoint.store, arrays)
     count = ReadCount(manifest, arrays, read_batch_bytes(options))
-    problems = _layout_problems(manifest, loc.child(MANIFEST_FILE), count)
+    problems = refused + _layout_problems(manifest, loc.child(MANIFEST_FILE), count)
     process_of = None if devices_per_process is None else (lambda d: d.id // devices_per_process)
     return RestoreReport(
         loc.url, not problems, problems, _leaf_checks(arrays, count), _unread(manifest, entries, subtree, target),

@@ -34,6 +34,7 @@ from tpu_ckpt.format import (
 )
 from tpu_ckpt.options import CheckpointOptions, io_process
 from tpu_ckpt.restoring import _exec as restore_exec
+from tpu_ckpt.restoring import _leaf_kinds as leaf_kinds
 from tpu_ckpt.restoring import _shared_reads as shared_reads
 from tpu_ckpt.restoring._check import read_batch_bytes
 from tpu_ckpt.restoring._mismatch import all_mismatches
@@ -53,6 +54,8 @@ class ArrayMetadata:
       nbytes: the global array's size in bytes.
       is_slot: whether the leaf is optimizer slot state (``skip_slot_variables`` skips it).
       saved_sharding: the sharding it was saved with, as the manifest records it, or ``None``.
+      logical: what a restore makes of it: ``""`` (the array), ``"bytes"``, or
+        ``"prng_key:<impl>"`` (a typed PRNG key; ``shape`` and ``dtype`` are its key data's).
     """
 
     shape: tuple[int, ...]
@@ -60,6 +63,16 @@ class ArrayMetadata:
     nbytes: int
     is_slot: bool
     saved_sharding: dict[str, Any] | None
+    logical: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class PerProcessMetadata:
+    """What :func:`metadata` reports for a ``tc.PerProcess`` leaf: ``process_count`` values,
+    one saved by each process, of ``sizes[p]`` bytes as stored."""
+
+    process_count: int
+    sizes: tuple[int, ...]
 
 
 def metadata(path: str | os.PathLike[str]) -> Any:
@@ -69,7 +82,8 @@ def metadata(path: str | os.PathLike[str]) -> Any:
       path: the checkpoint directory or URL.
 
     Returns:
-      Nested dicts/lists of :class:`ArrayMetadata` for the arrays, and the saved Python values.
+      Nested dicts/lists of :class:`ArrayMetadata` for the arrays, :class:`PerProcessMetadata`
+      for the ``tc.PerProcess`` leaves, and the saved Python values.
 
     Raises:
       CheckpointNotFoundError: nothing is committed at ``path``.
@@ -80,12 +94,16 @@ def metadata(path: str | os.PathLike[str]) -> Any:
     with open_checkpoint(storage.location(path), threads=1) as checkpoint:
         manifest = checkpoint.manifest
     return unflatten_nested(
-        (leaf.path, _leaf_metadata(leaf) if leaf.kind == "array" else leaf.value) for leaf in manifest.leaves
+        (leaf.path, _leaf_metadata(leaf)) for leaf in manifest.leaves
     )
 
 
-def _leaf_metadata(leaf: LeafEntry) -> ArrayMetadata:
-    return ArrayMetadata(leaf.shape, dtype_from_name(leaf.dtype), leaf.nbytes, leaf.is_slot, leaf.sharding)
+def _leaf_metadata(leaf: LeafEntry) -> Any:
+    if leaf.kind == "value":
+        return leaf.value
+    if leaf.kind == "array":
+        return ArrayMetadata(leaf.shape, dtype_from_name(leaf.dtype), leaf.nbytes, leaf.is_slot, leaf.sharding, leaf.logical)
+    return PerProcessMetadata(len(leaf.pieces), tuple(p.length for p in leaf.pieces))
 
 
 T = TypeVar("T")
@@ -215,7 +233,9 @@ def restore_from(
     """The restored tree, its number of leaves and the bytes read: the rows the target
     needs loaded (IO, in runs: with ``load_and_broadcast`` every process's, which it plans
     with), then the plan (pure), then the reads and placement."""
-    manifest, url, skip = checkpoint.manifest, checkpoint.location.url, options.skip_slot_variables
+    url, skip = checkpoint.location.url, options.skip_slot_variables
+    manifest = leaf_kinds.with_per_process_values(checkpoint.store, checkpoint.manifest, target, subtree, url)
+    given, target = target, leaf_kinds.stored_target(manifest, target, subtree)
     shared = coord is not None and options.load_and_broadcast
     checkpoint.load(needed_slices(manifest, target, subtree, skip, everyone=shared))
     try:
@@ -226,7 +246,7 @@ def restore_from(
         check_byte_ranges(manifest, checkpoint.where, loaded_only=True)
     with gc_paused(), _piece_source(checkpoint.store, plan, options, coord) as source:
         results, nbytes = restore_exec.execute(plan, source)
-    return plan.tree(results), len(results), nbytes
+    return leaf_kinds.restored(manifest, plan.tree(results), given, subtree), len(results), nbytes
 
 
 @contextlib.contextmanager

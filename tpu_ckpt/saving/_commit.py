@@ -53,7 +53,7 @@ def index(pieces: Mapping[str, Sequence[PieceEntry]], files: Mapping[str, int]) 
 
 def commit(
     store: storage.Backend, final: storage.Location, planned: Manifest, own: Manifest, others: Iterable[int],
-    progress: Callable[[str], None] = lambda note: None, token: str = "",
+    progress: Callable[[str], None] = lambda note: None, token: str = "", finish: Callable[[Manifest], Manifest] | None = None,
 ) -> None:
     """The leader: merges its own index with those the ``others`` processes left in the
     staging area (read and checked ``io_threads`` at a time: at a thousand hosts one at a
@@ -66,7 +66,8 @@ def commit(
 
     ``progress`` hears how far it got (the coordinator's note to the processes waiting for
     the commit, so that a long one is not taken for a dead leader). ``token``: the one this
-    save's object names carry (``Staging.token``)."""
+    save's object names carry (``Staging.token``). ``finish``: what the merged manifest still
+    needs (the per-process values, ``saving/_per_process.py``)."""
     others = list(others)
     plan = IndexPlan.of(planned)
     mine = decode_index(encode_index(own, plan), where="the leader's own index", plan=plan)
@@ -81,7 +82,7 @@ def commit(
             progress(f"committing: merged {len(others) + 1} indexes, writing the piece tables and the manifest")
             for deleted in deleting:
                 deleted.result()
-            write_manifest(store, merged, grids, token)
+            write_manifest(store, merged if finish is None else finish(merged), grids, token)
     storage.publish(store.location, final, token)
 
 

@@ -17,8 +17,21 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
-from tpu_ckpt.format import TOKENED, LeafEntry, Manifest, PlannedPiece, dtype_name, flatten, metric_values, spread
+from tpu_ckpt.format import (
+    PER_PROCESS,
+    TOKENED,
+    LeafEntry,
+    Manifest,
+    PerProcess,
+    PlannedPiece,
+    dtype_name,
+    encode_value,
+    flatten,
+    metric_values,
+    spread,
+)
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.sharding import (
     BUILT_IN_POLICIES,
@@ -160,25 +173,42 @@ def _leaf_entries(
         if isinstance(leaf, _PYTHON_VALUES):
             entries.append(LeafEntry(key, path, "value", value=leaf))
             continue
-        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
-            raise TypeError(
-                f"Leaf {key!r} is a {type(leaf).__name__}; a checkpoint holds arrays and Python "
-                "bool/int/float/str/None only."
-            )
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            raise TypeError(
-                f"Leaf {key!r} is a typed PRNG key ({leaf.dtype}), which has no numpy dtype to store: save "
-                "jax.random.key_data(key) instead, and rebuild the key with jax.random.wrap_key_data(data) after a restore."
-            )
+        if isinstance(leaf, PerProcess):
+            entries.append(LeafEntry(key, path, PER_PROCESS, value=per_process_value(key, leaf, me)))
+            continue
+        leaf, logical = _stored(key, leaf)
         try:
             name = dtype_name(leaf.dtype)
         except TypeError as e:
             raise TypeError(f"Leaf {key!r}: {e}") from None
         shape = tuple(int(d) for d in leaf.shape)
         slot = key in slots
-        entries.append(LeafEntry(key, path, "array", shape, name, slot, describe_sharding(leaf)))
+        entries.append(LeafEntry(key, path, "array", shape, name, slot, describe_sharding(leaf), logical=logical))
         local.add(key, leaf, is_slot=slot)
     return entries, local
+
+
+def _stored(key: str, leaf: Any) -> tuple[Any, str]:
+    """The array a leaf is stored as, and what a restore makes of it (``LeafEntry.logical``):
+    bytes as uint8 data, a typed PRNG key as its key data and the name of its impl."""
+    if isinstance(leaf, (bytes, bytearray, memoryview)):
+        return np.frombuffer(bytes(leaf), np.uint8), "bytes"
+    if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+        raise TypeError(
+            f"Leaf {key!r} is a {type(leaf).__name__}; a checkpoint holds arrays, typed PRNG keys, bytes, "
+            "tc.PerProcess values and Python bool/int/float/str/None only."
+        )
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(leaf), f"prng_key:{jax.random.key_impl(leaf)}"
+    return leaf, ""
+
+
+def per_process_value(key: str, leaf: PerProcess, me: int) -> bytes:
+    """This process's value of a ``PerProcess`` leaf as stored (``format.encode_value``): taken
+    now, so an async save keeps the value it was given even if the caller changes it after."""
+    if leaf.reshard is not None:
+        raise TypeError(f"Leaf {key!r} is a PerProcess(reshard=...), which is a restore target; save PerProcess(value).")
+    return encode_value(leaf.value, key, me)
 
 
 def _count(n: int, one: str, many: str = "") -> str:

@@ -30,6 +30,7 @@ from tpu_ckpt.options import CheckpointOptions, io_process, path_callbacks
 from tpu_ckpt.runtime import gc_paused
 from tpu_ckpt.saving import _commit as commit
 from tpu_ckpt.saving import _data_writes as data_writes
+from tpu_ckpt.saving import _per_process as per_process
 from tpu_ckpt.saving._background import WRITER, SaveResult
 from tpu_ckpt.saving._incremental import Incremental, Reused
 from tpu_ckpt.saving._plan import SavePlan, plan_save, staged_index_file
@@ -198,7 +199,9 @@ class SaveJob:
         if reused is not None:
             self._writes.reference(reused.pieces, reused.files)
         self._copied = False  # whether the data to write are host copies of our own
-        self._own_files = (*(f.name for f in plan.files), staged_index_file(coord.me, staging.token))
+        self._own_files = (
+            *(f.name for f in plan.files), staged_index_file(coord.me, staging.token), per_process.values_file_name(coord.me, staging.token)
+        )
 
     def snapshot(self) -> None:
         """Replaces the data to write by host copies, within ``host_memory_limit``
@@ -216,15 +219,19 @@ class SaveJob:
         hands_off = False  # set once this process may delete nothing any more
         try:
             own = self.write_own(store)
+            record = per_process.write_values(store, self.manifest, coord.me, self.staging.token)
             if coord.me == self.leader:
-                coord.collect("written", "", at=self.leader)
+                records = coord.collect("written", record, at=self.leader)
                 others = [p for p in range(coord.count) if p != self.leader]
-                commit.commit(self.staging.backend, self.final, self._planned(), own, others, coord.progress, self.staging.token)
+                commit.commit(
+                    self.staging.backend, self.final, self._planned(), own, others, coord.progress, self.staging.token,
+                    finish=lambda merged: per_process.completed(merged, records),
+                )
                 hands_off = True  # committed
                 coord.publish("committed")
             else:
                 store.write(staged_index_file(coord.me, self.staging.token), [encode_index(own, IndexPlan.of(self.manifest))]).result()
-                coord.collect("written", "", at=self.leader)
+                coord.collect("written", record, at=self.leader)
                 # This process has written: the staging area is the leader's to commit or
                 # remove. On an object store it is the final prefix, which a late removal here
                 # could empty under a manifest the leader already wrote.

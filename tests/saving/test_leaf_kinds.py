@@ -1,0 +1,80 @@
+"""Bytes and tc.PerProcess leaves through save, restore, metadata, inspect and the manager."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import tpu_ckpt as tc
+
+
+def test_bytes_leaves_come_back_as_bytes_stored_outside_the_manifest(tmp_path):
+    big = os.urandom(1 << 20)
+    tree = {"state": big, "ba": bytearray(b"abc"), "mv": memoryview(b"read-only"), "empty": b""}
+    tc.save(tmp_path / "c", tree).wait()
+    assert (tmp_path / "c" / "manifest.json").stat().st_size < 4096  # the megabyte lives in a data file
+    back = tc.restore(tmp_path / "c")
+    assert back == {"state": big, "ba": b"abc", "mv": b"read-only", "empty": b""}
+    assert all(type(v) is bytes for v in back.values())
+    assert tc.restore(tmp_path / "c", {"state": b""}) == {"state": big}  # a bytes target
+
+
+def test_a_damaged_bytes_leaf_fails_its_crc(tmp_path):
+    tc.save(tmp_path / "c", {"state": b"x" * 1000}).wait()
+    data = next(p for p in (tmp_path / "c").iterdir() if p.name.endswith(".safetensors"))
+    raw = bytearray(data.read_bytes())
+    raw[-10] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(tc.CorruptCheckpointError, match="state"):
+        tc.restore(tmp_path / "c")
+
+
+def test_per_process_value_round_trips_plain(tmp_path):
+    value = {"next_index": 96, "grain": b"\x00\x01" * 100, "seen": np.arange(5, dtype=np.int16), "t": (1, 2.5, None, "s")}
+    tc.save(tmp_path / "c", {"it": tc.PerProcess(value), "w": np.ones(2)}).wait()
+    back = tc.restore(tmp_path / "c")["it"]
+    assert back.keys() == value.keys() and back["grain"] == value["grain"] and back["t"] == value["t"]
+    np.testing.assert_array_equal(back["seen"], value["seen"])
+    assert back["seen"].dtype == np.int16
+    assert tc.restore(tmp_path / "c", {"it": tc.PerProcess()})["it"]["next_index"] == 96
+    meta = tc.metadata(tmp_path / "c")["it"]
+    assert isinstance(meta, tc.PerProcessMetadata) and meta.process_count == 1 and meta.sizes[0] > 200
+    shown = subprocess.run([sys.executable, "-m", "tpu_ckpt", "inspect", str(tmp_path / "c")], capture_output=True, text=True)
+    assert "per-process" in shown.stdout and "1 process" in shown.stdout
+    doc = json.loads(subprocess.run([sys.executable, "-m", "tpu_ckpt", "inspect", "--json", str(tmp_path / "c")], capture_output=True, text=True).stdout)
+    assert [leaf for leaf in doc["leaves"] if leaf["key"] == "it"] == [{"key": "it", "kind": "per_process", "process_count": 1, "sizes": list(meta.sizes)}]
+    verified = subprocess.run([sys.executable, "-m", "tpu_ckpt", "verify", str(tmp_path / "c")], capture_output=True, text=True)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
+def test_reshard_runs_with_the_same_count_only_when_asked(tmp_path):
+    tc.save(tmp_path / "c", {"it": tc.PerProcess(5)}).wait()
+    back = tc.restore(tmp_path / "c", {"it": tc.PerProcess(reshard=lambda values, me, count: ("resharded", values))})
+    assert back == {"it": 5}  # same process count: the process's own value, the function unused
+
+
+def test_a_value_that_cannot_be_stored_names_key_and_process(tmp_path):
+    with pytest.raises(TypeError, match=r"'it' on process 0 holds a object"):
+        tc.save(tmp_path / "c", {"it": tc.PerProcess({"bad": object()})})
+    with pytest.raises(TypeError, match=r"'it' on process 0 .*jax.Array"):
+        tc.save(tmp_path / "d", {"it": tc.PerProcess(jax.numpy.ones(2))})
+    assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()
+
+
+def test_manager_async_save_keeps_the_value_given(tmp_path):
+    state = {"next_index": 1}
+    with tc.CheckpointManager(tmp_path / "run", options=tc.CheckpointOptions(enable_async=True)) as manager:
+        manager.save(0, {"it": tc.PerProcess(state), "w": np.zeros(4)})
+        state["next_index"] = 999  # changed while the save may still be writing
+        manager.wait_until_finished()
+        assert manager.restore(0)["it"] == {"next_index": 1}
+
+
+def test_serving_export_drops_per_process_values(tmp_path):
+    tc.save(tmp_path / "c", {"params": {"w": np.ones(3, np.float32)}, "it": tc.PerProcess({"i": 1})}).wait()
+    tc.export_for_serving(tmp_path / "c", tmp_path / "s")
+    assert set(tc.restore(tmp_path / "s")) == {"w"}
