@@ -37,6 +37,25 @@ def ckpt(tmp_path, mesh42):
 ROWS_COLS = P("data", "model")
 
 
+def test_the_description_fits_100_columns(tmp_path, mesh42, mesh24):
+    """Long keys, shardings on two meshes, a cast, 40 unread keys and a problem: every line of
+    describe() (what `tpu-ckpt plan` prints) fits a 100-column terminal, no key cut."""
+    deep = "params/encoder/layer_0/self_attention/query_kernel"
+    arrays = {f"layer_{i:02d}_attention_output_bias": np.zeros(2, np.float32) for i in range(40)}
+    state = {"params": {"encoder": {"layer_0": {"self_attention": {"query_kernel": jax.device_put(
+        W, NamedSharding(mesh42, P("data", "model")))}}}, "unread": arrays}}
+    tc.save(tmp_path / "c", state).wait()
+    target = {"params": {"encoder": {"layer_0": {"self_attention": {"query_kernel": sds(
+        (8, 8), jax.numpy.bfloat16, mesh24, P(None, ("data", "model")))}}}}}
+    text = tc.check_restore(tmp_path / "c", target, devices_per_process=2).describe()
+    assert max(map(len, text.splitlines())) <= 100, text
+    assert deep in text.split() and "params/unread/layer_39_attention_output_bias" in text.replace(",", " ").split()
+    assert f"cast (float -> float): {deep}: float32 -> bfloat16" in text
+    target["params"]["missing"] = np.zeros(3, np.float32)
+    text = tc.check_restore(tmp_path / "c", target).describe()
+    assert max(map(len, text.splitlines())) <= 100 and "'params/missing'" in text, text
+
+
 def target(mesh, spec=ROWS_COLS, **changes):
     params = {"w": sds((8, 8), np.float32, mesh, spec), "i": np.zeros(4, np.int64)}
     params.update(changes)
@@ -57,7 +76,9 @@ def test_each_mismatch_is_reported_and_is_what_restore_raises(ckpt, mesh42, chan
     report = tc.check_restore(ckpt, bad)
     assert not report.ok and len(report.problems) == 1
     assert repr(key) in report.problems[0] and words in report.problems[0]
-    assert report.bytes_per_process == {} and report.describe().splitlines()[1] == f"  {report.problems[0]}"
+    described = report.describe().splitlines()  # the verdict, then the problem (wrapped at 100 columns)
+    assert report.bytes_per_process == {} and described[1].startswith("  Target leaf")
+    assert " ".join(" ".join(described[1:]).split()) == " ".join(report.problems[0].split())
     with pytest.raises(tc.TargetMismatchError) as raised:
         tc.restore(ckpt, bad)
     assert str(raised.value) == report.problems[0] and raised.value.key == key
