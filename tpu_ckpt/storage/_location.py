@@ -34,9 +34,10 @@ class Location:
     @property
     def write_copies(self) -> int:
         """How many times writing a data file holds its bytes in host memory at most: a
-        local file is written from the buffers themselves; an object is joined into one
+        local file is written from the buffers themselves, through a bounce buffer no
+        larger than the file (``storage/_direct_writes.py``); an object is joined into one
         ``bytes`` and tensorstore copies that twice more (``storage/_objects.py``)."""
-        return 1 if self.is_local else 3
+        return 2 if self.is_local else 3
 
     @property
     def name(self) -> str:
