@@ -315,31 +315,29 @@ class CheckpointManager:
         return self._preemption.reached(check_step(step, "reached_preemption(step)"))
 
     def _after_commit(self, step: int, name: str, score: float | None, before: Listing) -> None:
-        """Removes leftovers and the checkpoints that retention lets go (on the leader only).
-
-        ``before`` is the listing ``save`` took: since then only this save changed the
-        directory (it committed ``name``; nobody but the leader removes), so it needs no
-        second listing."""
+        """Removes ``before``'s leftovers (each checked again first) and lets retention go on the removal
+        thread, deciding from what is committed then (manager/_references.py); on the leader only."""
         if cluster.process_index() != self._leader():
             return
         self._scores[name] = score
         self._run.committed(name)
-        removals = [(n, "an uncommitted leftover", False) for n in before.leftovers if n != name and n not in before.busy]
-        committed = {**before.committed, step: name}
+        self._run.remove((n, "an uncommitted leftover", False) for n in before.leftovers if n != name and n not in before.busy)
+        why = f"retention ({self._retention.rules})"
+        self._run.submit(functools.partial(references.retain, self._run, functools.partial(self._expired, step, name), why))
+        if not self._options.enable_async:
+            self._run.settle()  # a synchronous save returns with the directory as retention leaves it
+
+    def _expired(self, step: int, name: str, committed: dict[int, str]) -> list[int]:
+        """The steps of ``committed`` (what the run holds now) that retention lets go after ``step``."""
+        committed = {**committed, step: name}
         expired = self._retention.expired(
             list(committed), step, preserved_since=self._preserved_since,
             commit_time=lambda s: self._commit_time(committed[s]),
             score=lambda s: self._score(committed[s], s),
         )
-        rules = (f"max_to_keep={self.max_to_keep}, keep_checkpoint_every_n_hours={self.keep_checkpoint_every_n_hours}, "
-                 f"keep_best={self._retention.keep_best}")
         for old in expired:
             self._scores.pop(committed[old], None)
-        if self._incremental is not None:  # a step whose files a kept step names is retired instead
-            expired = references.retain(self._run, before, committed, expired, f"retention ({rules})")
-        self._run.remove([*removals, *((committed[old], f"retention ({rules})", True) for old in expired)])
-        if not self._options.enable_async:
-            self._run.settle()  # a synchronous save returns with the directory as retention leaves it
+        return expired
 
     def _score(self, name: str, step: int) -> float | None:
         """A step's ``best_fn`` score, read once (``retention.saved_score``)."""

@@ -1,29 +1,31 @@
-"""Retention of an incremental run: a step's data files go only once no kept step names them.
+"""Retention by references: a step's data files go only once no committed step names them.
 
 An incremental save's manifest names data files of earlier steps (``../step_<n>/<file>``,
-FORMAT.md "References"). When retention lets go of a step whose files a kept step still
-names, the step is *retired*: ``referenced.json`` is written into it first (so no cleanup
-ever takes it for a leftover, and readers still accept the references), then its manifest
-is deleted (it is no longer a step: not listed, not restorable), then every file no kept
-step names. A retired step whose files no kept step names any more is removed whole.
+FORMAT.md "References"). Every manager's retention honours them, whatever its own
+``incremental`` (a run may have been saved incrementally before a restart without it, or by
+another manager sharing the run). When retention lets go of a step whose files a kept step
+still names, the step is *retired*: ``referenced.json`` is written into it first (so no
+cleanup ever takes it for a leftover, and readers still accept the references), then its
+manifest is deleted (it is no longer a step: not listed, not restorable); its other files go
+later. A retired step whose files no kept step names any more is removed whole.
 
-Each of those is safe to interrupt: a step holding both its manifest and ``referenced.json``
-is still committed and whole; one holding ``referenced.json`` and no manifest is retired,
-and the next retention finishes the job.
-
-Which steps are retired comes from the run's listing (``Listing.retired``): on a local disk
-a fresh one, on an object store the one the manager keeps (manager/_run_directory.py), which
-saw them when it listed the run and is told of every retirement and removal since; nothing
-lists a whole object-store run per save. Retention decides after a commit (reading the kept
-steps' manifests), and its writes and deletes run on the run directory's removal thread.
+Retention decides from what is committed when it runs, not when its save started: it lists
+the run (locally one ``scandir``; on an object store the keys outside the steps it knows,
+``RunDirectory.current``), reads the manifests it has not read, and deletes in two rounds:
+first the manifests of the leaving steps, newest first; then, the run listed again (what
+another manager committed meanwhile counts too), the files no kept step names. A SIGKILL at
+any deletion leaves every listed step whole: a step holding its manifest has lost no file
+it names; one holding ``referenced.json`` and no manifest is retired, and one holding
+neither is a leftover; the next retention, or ``tpu-ckpt gc``, finishes the job. All of it
+runs on the run directory's removal thread, on the leader.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tpu_ckpt import saving, storage
@@ -63,44 +65,52 @@ def before_save(state: saving.Incremental | None, listing: Listing, where: str) 
         state.forget_unless(listing.committed.values())
 
 
-def retain(run: RunDirectory, before: Listing, committed: dict[int, str], expired: list[int], why: str) -> list[int]:
-    """Lets the ``expired`` steps go in an incremental run: those whose files a kept step
-    names are retired, the retired steps ``before`` lists are trimmed to the files kept steps
-    name (removed whole when none), on the run's removal thread. Returns the expired steps
-    to remove whole (none while a kept manifest is unreadable: what it names is unknown).
-
-    On an object store what it read and did is remembered until ``reload()``: each kept
-    step's references (a manifest is never changed), and what each retired step was trimmed
-    to (unchanged, it is not listed again)."""
-    remembers = not run.loc.is_local
-    refs = referenced(run.loc, [name for step, name in committed.items() if step not in expired], run.named if remembers else {})
+def retain(run: RunDirectory, expire: Callable[[dict[int, str]], list[int]], why: str) -> None:
+    """Lets go of the steps ``expire`` picks from the steps committed now (on the removal
+    thread), never of a file a committed manifest names: first the manifests of the steps
+    leaving, newest first (those whose files a kept step names retired), then, the run listed
+    again (a step another manager committed meanwhile keeps what it names too), the files of
+    the leaving and retired steps that no kept step names. A SIGKILL at any deletion leaves
+    every listed step whole. Nothing goes while a kept manifest is unreadable."""
+    listing = run.current()
+    leaving = [listing.committed[step] for step in sorted(expire(listing.committed), reverse=True)]
+    if not leaving:
+        return
+    named = run.named if not run.loc.is_local else {}
+    refs = referenced(run, [name for name in listing.committed.values() if name not in leaving], named)
     if refs is None:
-        return []
-    retiring = {committed[step]: refs[committed[step]] for step in expired if refs.get(committed[step])}
-    left = {name: refs.get(name, set()) for name in before.retired if name not in retiring}
-    trimmed = run.trimmed if remembers else {}
-    changed = {name: keep for name, keep in left.items() if trimmed.get(name) != keep}
-    gone = [name for name, keep in left.items() if not keep]
-    run.retire(retiring, gone, functools.partial(_let_go, run.loc, {**changed, **retiring}, trimmed, why))
-    return [step for step in expired if committed[step] not in retiring]
+        return
+    for name in leaving:
+        _retire(run, name, refs.get(name, set()), why)
+    listing = run.current()
+    refs = referenced(run, [name for name in listing.committed.values() if name not in leaving], named)
+    if refs is None:
+        return
+    for name in dict.fromkeys([*leaving, *listing.retired]):
+        _trim(run, name, refs.get(name, set()), why)
 
 
-def referenced(loc: storage.Location, kept: list[str], named: dict[str, dict[str, set[str]]]) -> dict[str, set[str]] | None:
+def referenced(run: RunDirectory, kept: list[str], named: dict[str, dict[str, set[str]]]) -> dict[str, set[str]] | None:
     """Per sibling step, its files that the manifests of the ``kept`` steps name; None if a
     kept step's manifest cannot be read (then nothing may be deleted: what it names is unknown).
-    ``named``: what earlier calls read of each step (kept up to date here). Only the
-    manifests' ``files`` are read: no piece table, no check of the references."""
+    A kept step whose manifest is gone (removed since it was listed) names nothing. ``named``:
+    what earlier calls read of each step (kept up to date here). Only the manifests' ``files``
+    are read: no piece table, no check of the references."""
     for name in set(named) - set(kept):
         del named[name]
     found: dict[str, set[str]] = {}
     for name in kept:
         if name not in named:
-            where = storage.Location(loc.child(name))
+            where = storage.Location(run.loc.child(name))
             try:
                 with storage.Store(where, threads=1) as store:
-                    manifest = decode_manifest(store.read_file(MANIFEST_FILE) or b"", where=where.child(MANIFEST_FILE))
+                    data = store.read_file(MANIFEST_FILE)
+                if data is None:
+                    run.left(name, retired=False)
+                    continue
+                manifest = decode_manifest(data, where=where.child(MANIFEST_FILE))
             except CheckpointError as error:
-                logger.warning("tpu_ckpt: keeping every old step of %s: %s", loc.url, error)
+                logger.warning("tpu_ckpt: keeping every old step of %s: %s", run.loc.url, error)
                 return None
             named[name] = {}
             for file in manifest.files:
@@ -112,29 +122,35 @@ def referenced(loc: storage.Location, kept: list[str], named: dict[str, dict[str
     return found
 
 
-def _let_go(loc: storage.Location, keep: dict[str, set[str]], trimmed: dict[str, set[str]], why: str) -> None:
-    """Makes each step of ``keep`` a retired one holding only those files, or removes it
-    whole when it keeps none (on the removal thread); ``trimmed`` records what was done."""
-    for name, files in keep.items():
-        trimmed.pop(name, None)
-        if files:
-            retire(loc, name, files, why)
-            trimmed[name] = files
-        else:
-            remove_step(loc, name, "a retired step no kept step references any more")
-
-
-def retire(loc: storage.Location, name: str, keep: set[str], why: str) -> None:
-    """Makes step ``name`` a retired one keeping only the files ``keep`` (see module
-    docstring): one listing of the step; a step already retired is only trimmed."""
-    with storage.Store(storage.Location(loc.child(name)), threads=1) as store:
-        files = store.list()
-        if MANIFEST_FILE in files or REFERENCED_FILE not in files:
+def _retire(run: RunDirectory, name: str, keep: set[str], why: str) -> None:
+    """Takes step ``name`` out of the committed steps: ``referenced.json`` first when kept steps
+    name files of it (it becomes a retired step), then its manifest."""
+    with storage.Store(storage.Location(run.loc.child(name)), threads=1) as store:
+        if keep:
             logger.info("tpu_ckpt: retiring %s (%s); keeping the %d data files newer steps reference",
-                        loc.child(name), why, len(keep))
+                        run.loc.child(name), why, len(keep))
             store.write(REFERENCED_FILE, [json.dumps({"files": sorted(keep)}).encode()]).result()
-            with contextlib.suppress(FileNotFoundError):
-                store.delete(MANIFEST_FILE)
-        for file in files:
-            if file not in keep and file not in (REFERENCED_FILE, MANIFEST_FILE):
-                store.delete(file)
+        else:
+            logger.info("tpu_ckpt: removing %s: %s", run.loc.child(name), why)
+        with contextlib.suppress(FileNotFoundError):
+            store.delete(MANIFEST_FILE)
+    run.left(name, retired=bool(keep))
+
+
+def _trim(run: RunDirectory, name: str, keep: set[str], why: str) -> None:
+    """Leaves in a step that is no longer committed only the files ``keep`` (what kept steps
+    name), ``referenced.json`` rewritten first; removes it whole when it keeps none. An
+    object store's retired step already trimmed to ``keep`` is not listed again."""
+    if not keep:
+        remove_step(run.loc, name, f"{why}; no kept step references its files")
+        run.left(name, retired=False)
+        return
+    if not run.loc.is_local and run.trimmed.get(name) == keep:
+        return
+    with storage.Store(storage.Location(run.loc.child(name)), threads=1) as store:
+        files = store.list()
+        extra = [file for file in files if file not in keep and file not in (REFERENCED_FILE, MANIFEST_FILE)]
+        if extra or REFERENCED_FILE not in files:
+            store.write(REFERENCED_FILE, [json.dumps({"files": sorted(keep)}).encode()]).result()
+        storage.remove_files(store, extra)
+    run.trimmed[name] = keep

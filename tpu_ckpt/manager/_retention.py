@@ -57,6 +57,11 @@ class Retention:
         return cls(max_to_keep, _check_hours(every_n_hours, loc), keep_best, best_fn, best_mode)
 
     @property
+    def rules(self) -> str:
+        """The rules, as removals' log lines name them."""
+        return f"max_to_keep={self.max_to_keep}, keep_checkpoint_every_n_hours={self.every_n_hours}, keep_best={self.keep_best}"
+
+    @property
     def ranks(self) -> bool:
         """Whether steps are ranked by their metrics (so their manifests must be read)."""
         return self.keep_best is not None

@@ -7,12 +7,14 @@ each restore. There the leader lists the run once, then keeps the listing: the s
 starts, the steps it commits and the steps it removes update it, and it checks only the
 manifest of a save started and not seen to commit (one read each; there are few). Nothing
 is written into the run for it. What others change (``tpu-ckpt gc``, a step deleted by
-hand, another job) is seen after :meth:`RunDirectory.reload`, as Orbax's ``reload()``.
+hand, another job) is seen after :meth:`RunDirectory.reload`, as Orbax's ``reload()``, but
+for retention, which before it deletes lists the keys outside the steps it knows
+(:meth:`RunDirectory.current`: a step another manager committed since is seen there).
 Local directories are listed anew each time: one ``scandir`` and a stat per step.
 
-Removals (retention, leftovers) leave the listing at once and their files on a thread of
-their own: the manifest first, so a crash midway leaves an uncommitted leftover that
-``tpu-ckpt gc`` removes. The next listing waits for them, so no listing sees a half-removed
+Removals (retention, leftovers) run on a thread of their own: the manifest first, so a
+crash midway leaves an uncommitted leftover that ``tpu-ckpt gc`` removes (retention's order:
+manager/_references.py). The next listing waits for them, so no listing sees a half-removed
 step.
 """
 
@@ -23,10 +25,11 @@ import dataclasses
 import logging
 import threading
 import time
+import typing
 from collections.abc import Callable, Iterable
 
 from tpu_ckpt import storage
-from tpu_ckpt.catalog import Listing, list_run, remove_leftover, remove_step
+from tpu_ckpt.catalog import Listing, list_run, parse_listing, remove_leftover, remove_step
 from tpu_ckpt.format import MANIFEST_FILE
 from tpu_ckpt.manager._collective_listing import list_on_leader
 
@@ -83,15 +86,39 @@ class RunDirectory:
                 self._started.discard(name)
             self._removing.append(self._removals.submit(self._remove, name, why, committed))
 
-    def retire(self, retiring: Iterable[str], gone: Iterable[str], work: Callable[[], None]) -> None:
-        """Runs an incremental run's retention ``work`` on the removal thread (leader only), the
-        committed steps ``retiring`` counting as retired at once and the retired ``gone`` as gone."""
-        with self._lock:
-            for name in retiring:
-                if self._committed is not None:
-                    self._committed.pop(name, None)
-            self._retired = (self._retired | set(retiring)) - set(gone)
+    def submit(self, work: Callable[[], None]) -> None:
+        """Runs ``work`` (retention, manager/_references.py) on the removal thread (leader only)."""
         self._removing.append(self._removals.submit(work))
+
+    def current(self) -> Listing:
+        """What the run holds now (on the removal thread, leader only): a local directory listed
+        again; on an object store the steps known, and what a listing of the keys outside them
+        finds (a step another manager committed, a save started since), which it then knows."""
+        if self.loc.is_local:
+            return list_run(self.loc)
+        with self._lock:
+            known = None if self._committed is None else [*self._committed, *self._retired]
+        if known is None:
+            return self._list(self.loc)
+        with storage.Store(self.loc, threads=1) as store:
+            found = parse_listing(typing.cast(storage.ObjectStore, store).list(outside=known))
+        with self._lock:
+            committed = self._committed if self._committed is not None else {}
+            committed.update({name: step for step, name in found.committed.items()})
+            self._started = (self._started | set(found.leftovers)) - set(found.committed.values())
+            self._retired |= set(found.retired)
+            return Listing({step: name for name, step in committed.items()}, found.leftovers, retired=sorted(self._retired))
+
+    def left(self, name: str, *, retired: bool) -> None:
+        """Notes that step ``name`` is no longer committed: retired, or gone (removal thread)."""
+        with self._lock:
+            if self._committed is not None:
+                self._committed.pop(name, None)
+            self._retired.discard(name)
+            if retired:
+                self._retired.add(name)
+            else:
+                self.trimmed.pop(name, None)
 
     def _remove(self, name: str, why: str, committed: bool) -> None:
         if committed:

@@ -187,10 +187,11 @@ class ObjectStore(PooledStore):
             raise
         return result.state != "missing" and len(result.value) == 1
 
-    def list(self) -> list[str]:
+    def list(self, outside: Iterable[str] = ()) -> list[str]:
         """The names under the prefix, but for those an HTTP layer would resolve elsewhere
-        (:func:`unsafe_key`): they are logged as refused, and never read nor deleted."""
-        keys = retrying(lambda: self._kv.list(_prefix_range(self._prefix)), "Listing", self.location.url)
+        (:func:`unsafe_key`): they are logged as refused, and never read nor deleted. Those under
+        its subdirectories ``outside`` (a run's known steps) are not listed at all (:func:`_around`)."""
+        keys = [k for r in _around(self._prefix, outside) for k in retrying(lambda r=r: self._kv.list(r), "Listing", self.location.url)]
         prefix = self._prefix.encode()
         names = sorted(k[len(prefix) :].decode(errors="replace") for k in keys if k.startswith(prefix))
         refused = [name for name in names if unsafe_key(self._prefix + name)]
@@ -346,6 +347,14 @@ def _prefix_range(prefix: str) -> Any:
     """The keys starting with ``prefix``, which is empty or ends with '/'."""
     import tensorstore as ts
 
-    if not prefix:
-        return ts.KvStore.KeyRange()
-    return ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))
+    return ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1)) if prefix else ts.KvStore.KeyRange()
+
+
+def _around(prefix: str, outside: Iterable[str]) -> builtins.list[Any]:
+    """The key ranges under ``prefix`` less those of its subdirectories ``outside``: one per gap."""
+    import tensorstore as ts
+
+    whole, cuts = _prefix_range(prefix), sorted((f"{prefix}{top}/", f"{prefix}{top}0") for top in set(outside))
+    starts = [whole.inclusive_min.decode(), *(stop for _, stop in cuts)]
+    stops = [*(start for start, _ in cuts), whole.exclusive_max.decode()]
+    return [ts.KvStore.KeyRange(a, b) for a, b in zip(starts, stops) if a < b or not b]
