@@ -177,17 +177,23 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _entry(name: str, value: Any, data_start: int, file: str, where: str) -> Entry:
-    ok = isinstance(value, dict) and value.get("dtype") in _DTYPES
-    shape, offsets = (value.get("shape"), value.get("data_offsets")) if ok else (None, None)
-    ok = ok and isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
-    ok = ok and isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-    if not ok:
+    known = isinstance(value, dict) and value.get("dtype") in _DTYPES
+    shape = _naturals(value.get("shape")) if known else None
+    offsets = _naturals(value.get("data_offsets"), 2) if known else None
+    if shape is None or offsets is None:
         raise _corrupt(where, f"describes tensor {name!r} wrongly (a dtype code, a shape and data_offsets needed)")
     tensor = Tensor(name, _DTYPES[value["dtype"]], tuple(shape))
     begin, end = offsets
-    if not 0 <= begin <= end or end - begin != tensor.nbytes:
+    if begin > end or end - begin != tensor.nbytes:
         raise _corrupt(where, f"gives tensor {name!r} bytes [{begin}, {end}), not the {tensor.nbytes} its shape needs")
     return Entry(tensor, file, data_start + begin, data_start + end)
+
+
+def _naturals(value: Any, length: int | None = None) -> list[int] | None:
+    """``value`` if it is a list of ints >= 0 (of ``length`` of them, if given), else None."""
+    if not isinstance(value, list) or (length is not None and len(value) != length):
+        return None
+    return value if all(type(v) is int and v >= 0 for v in value) else None
 
 
 def _corrupt(where: str, what: str) -> CorruptCheckpointError:

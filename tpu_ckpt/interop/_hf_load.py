@@ -152,8 +152,9 @@ def _load_leaf(store: storage.Backend, entry: layout.Entry, named: Named, leaf: 
         return _region(store, entry, named.transpose, full_slice(leaf.shape), dtype, batch)
     sharding = leaf.sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     by_slice: dict[SliceSpec, list[jax.Device]] = {}
-    for device, index in sharding.addressable_devices_indices_map(tuple(leaf.shape)).items():
-        by_slice.setdefault(index_to_slice(index, tuple(leaf.shape)), []).append(device)
+    shape = tuple(leaf.shape)
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        by_slice.setdefault(full_slice(shape) if index is None else index_to_slice(index, shape), []).append(device)
     arrays = []
     for spec, devices in by_slice.items():
         host = _region(store, entry, named.transpose, spec, dtype, batch)
