@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
+from safetensors.numpy import load as safetensors_load
 from safetensors.numpy import save_file
 
 import tpu_ckpt as tc
@@ -273,3 +274,15 @@ def test_two_processes_write_one_export(tmp_path):
     assert files == [f"model-0000{k}-of-00004.safetensors" for k in (1, 2, 3, 4)] + ["model.safetensors.index.json"]
     found = _tensors(tmp_path / "hf")
     assert {key: value[1].tobytes() for key, value in found.items()} == {k: v.tobytes() for k, v in VALUES.items()}
+
+
+@pytest.mark.emulator
+def test_export_and_load_on_object_stores(bucket):
+    tc.save(bucket.url("train"), {"params": {"a": PARAMS["layer"]["kernel"], "b": PARAMS["ids"]}}).wait()
+    tc.export_for_serving(bucket.url("train"), bucket.url("hf"), layout="huggingface", max_shard_size=1000)
+    assert bucket.keys("hf") == ["hf/model-00001-of-00002.safetensors", "hf/model-00002-of-00002.safetensors",
+                                 "hf/model.safetensors.index.json"]
+    assert safetensors_load(bucket.get("hf/model-00001-of-00002.safetensors"))["a"].tobytes() == PARAMS["layer"]["kernel"].tobytes()
+    out = tc.load_safetensors(bucket.url("hf"), {"a": np.zeros((32, 48), np.float32), "b": np.zeros((8, 5), np.int32)})
+    np.testing.assert_array_equal(out["a"], PARAMS["layer"]["kernel"])
+    np.testing.assert_array_equal(out["b"], PARAMS["ids"])
