@@ -53,7 +53,7 @@ def incremental_state(incremental: bool, local_directory: Any) -> saving.Increme
 
 def before_save(state: saving.Incremental | None, listing: Listing, where: str) -> None:
     """Refuses a save into a retired step (its data files are kept steps' data), and forgets
-    the last step unless it is still committed (see ``Incremental.forget_unless``)."""
+    the pieces whose step is neither committed nor retired (``Incremental.forget_unless``)."""
     name = storage.Location(where).name
     if name in listing.retired:
         raise CheckpointExistsError(
@@ -62,7 +62,7 @@ def before_save(state: saving.Incremental | None, listing: Listing, where: str) 
             file=where,
         )
     if state is not None:
-        state.forget_unless(listing.committed.values())
+        state.forget_unless([*listing.committed.values(), *listing.retired])
 
 
 def retain(run: RunDirectory, expire: Callable[[dict[int, str]], list[int]], why: str) -> None:

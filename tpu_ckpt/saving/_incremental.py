@@ -71,11 +71,24 @@ class Incremental:
         self._arrays: dict[str, weakref.ref] = {}  # key -> the jax.Array saved last time
         self._pending: tuple[dict[_Key, tuple[str, bytes]], dict[str, weakref.ref], int] = ({}, {}, 0)
 
-    def forget_unless(self, committed: Iterable[str]) -> None:
-        """Forgets the last step unless its name is among ``committed`` (deleted by other
-        means, it holds no bytes to reference): the next save then writes everything."""
-        if self.step is not None and _name(self.step) not in set(committed):
-            self.step, self._known, self._arrays = None, {}, {}
+    def forget_unless(self, listed: Iterable[str]) -> None:
+        """Forgets the pieces whose bytes lie in a step not among ``listed`` (the run's
+        committed and retired steps: one deleted by other means, or by another manager's
+        retention, holds no bytes to reference), with a warning naming it: the next save
+        writes those pieces itself."""
+        listed = set(listed)
+        gone = {step for step in (_step_of(known.entry.file) for known in self._known.values()) if step not in listed}
+        if gone:
+            logger.warning(
+                "tpu_ckpt: %s is gone, yet holds pieces the last save of this run references; the next "
+                "save writes them itself", ", ".join(sorted(gone)),
+            )
+            self._known = {key: known for key, known in self._known.items() if _step_of(known.entry.file) not in gone}
+
+    def forget(self) -> None:
+        """Forgets every piece (after a failed save, whose references may name a step gone or
+        damaged): the next save writes everything."""
+        self.step, self._known, self._arrays = None, {}, {}
 
     def apply(self, plan: SavePlan, tree: Any, final: storage.Location) -> tuple[SavePlan, Reused]:
         """``plan`` less the pieces whose bytes the last step holds, and those pieces."""
@@ -132,6 +145,11 @@ class Incremental:
             "tpu_ckpt: incremental save %s: wrote %d bytes (data files), referenced %d bytes of earlier steps",
             final.url, written, referenced,
         )
+
+
+def _step_of(reference: str) -> str:
+    """The step a known piece's file lies in: ``step_<n>`` of ``../step_<n>/<file>``."""
+    return reference.split("/", 2)[1]
 
 
 def _name(loc: storage.Location) -> str:

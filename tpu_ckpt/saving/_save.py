@@ -238,6 +238,8 @@ class SaveJob:
                 hands_off = True
                 coord.receive("committed", self.leader)
         except BaseException as error:
+            if self._incremental is not None:
+                self._incremental.forget()  # its references may name a step gone or damaged: the next save writes all
             if not hands_off:
                 self.abandon(error)
             else:

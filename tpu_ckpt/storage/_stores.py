@@ -214,15 +214,24 @@ def check_written(store: Backend, sizes: Mapping[str, int]) -> None:
 
     What a save checks just before it commits: a staging area emptied or removed while the
     save ran (``tpu-ckpt gc`` at the wrong moment, another job cleaning the same directory)
-    must not be committed as a checkpoint without its data.
+    must not be committed as a checkpoint without its data; nor an incremental save whose
+    referenced files (``../<step>/<file>``) went meanwhile, which the error says apart.
     """
     wrong = store.unwritten(sizes)
     if not wrong:
         return
-    name, found, size = wrong[0]
+    own = [entry for entry in wrong if not entry[0].startswith("../")]
+    name, found, size = (own or wrong)[0]
     where = store.location.child(name)
     what = "is missing" if found is None else f"holds {found} bytes, not the {size} written"
     more = f" (and {len(wrong) - 1} more files)" if len(wrong) > 1 else ""
+    if not own:  # only references of an incremental save (FORMAT.md, "References")
+        raise CheckpointError(
+            f"{where} {what}{more}: this incremental save references data of {name.split('/')[1]}, which was "
+            "deleted or damaged since the save began (by hand, or by another manager's retention). Nothing "
+            "was committed; the next save of this manager writes those pieces itself.",
+            file=where,
+        )
     raise CheckpointError(
         f"{where} {what}{more}: the staging area {store.location.url} changed while the save ran "
         "(`tpu-ckpt gc`, or another job cleaning the same directory?). Nothing was committed; "
