@@ -24,7 +24,11 @@ def test_the_device_fingerprint_sees_every_changed_word_and_equal_bytes_as_equal
         assert (lanes[2] != lanes[0]).all() and (lanes[3] != lanes[0]).all(), dtype
 
 
-def test_host_fingerprints_are_128_bits_and_tell_the_scheme():
-    a = np.arange(10, dtype=np.float32)
-    first, same, other = fingerprints([a, jnp.asarray(a), a + 1])
-    assert len(first) == 17 and first == same != other
+def test_host_fingerprints_are_128_bits_and_a_changed_sample_skips_the_hash():
+    a = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: the smallest piece that is sampled first
+    (sample, first), (_, same), (_, other) = fingerprints([a, jnp.asarray(a), a + 1], [None] * 3)
+    assert len(first) == 17 and first == same != other and len(sample) == 64 * 4
+    changed = a.copy()
+    changed[-1] += 1  # the last element: the sample always holds the first and the last
+    [(_, unknown), (_, hashed), (_, small)] = fingerprints([changed, a.copy(), changed[1:]], [(sample, first)] * 3)
+    assert unknown == b"" and hashed == first and len(small) == 17

@@ -44,12 +44,13 @@ _Key = tuple[str, SliceSpec]
 @dataclasses.dataclass(frozen=True)
 class _Known:
     """One piece of the last committed step: where its bytes are (a name relative to any
-    step of the run), its data file's size, its dtype and its fingerprint."""
+    step of the run), its data file's size, its dtype, and its sample and fingerprint
+    (``saving/_fingerprint.py``; an empty fingerprint is unknown)."""
 
     entry: PieceEntry
     file_size: int
     dtype: str
-    digest: bytes
+    fingerprint: tuple[bytes, bytes]
 
 
 @dataclasses.dataclass
@@ -69,7 +70,7 @@ class Incremental:
         self.step: storage.Location | None = None  # the newest committed step
         self._known: dict[_Key, _Known] = {}
         self._arrays: dict[str, weakref.ref] = {}  # key -> the jax.Array saved last time
-        self._pending: tuple[dict[_Key, tuple[str, bytes]], dict[str, weakref.ref], int] = ({}, {}, 0)
+        self._pending: tuple[dict[_Key, tuple[str, tuple[bytes, bytes]]], dict[str, weakref.ref], int] = ({}, {}, 0)
 
     def forget_unless(self, listed: Iterable[str]) -> None:
         """Forgets the pieces whose bytes lie in a step not among ``listed`` (the run's
@@ -97,14 +98,14 @@ class Incremental:
         same_run = self.step is not None and _parent(self.step) == _parent(final)
         pieces = [piece for file in plan.files for piece in file.pieces]
         known = [self._known.get((piece.key, piece.slice)) if same_run else None for piece in pieces]
-        digests = dict(zip(((p.key, p.slice) for p in pieces), self._fingerprints(pieces, known, leaves)))
+        prints = dict(zip(((p.key, p.slice) for p in pieces), self._fingerprints(pieces, known, leaves)))
         arrays = {key: weakref.ref(leaf) for key, leaf in leaves.items() if isinstance(leaf, jax.Array)}
         reused, files, last = Reused(), [], iter(known)
         for file in plan.files:
             kept: list[PlannedPiece] = []
             for piece in file.pieces:
                 before = next(last)
-                if before is not None and (before.dtype, before.digest) == (dtypes[piece.key], digests[piece.key, piece.slice]):
+                if before is not None and _same(before, dtypes[piece.key], prints[piece.key, piece.slice][1]):
                     reused.pieces[piece.key].append(before.entry._replace(slice=piece.slice))
                     reused.files[before.entry.file] = before.file_size
                     reused.nbytes += piece.nbytes
@@ -112,33 +113,35 @@ class Incremental:
                     kept.append(piece)
             if kept:
                 files.append(dataclasses.replace(file, pieces=tuple(kept), nbytes=sum(p.nbytes for p in kept)))
-        self._pending = ({k: (dtypes[k[0]], d) for k, d in digests.items()}, arrays, reused.nbytes)
+        self._pending = ({k: (dtypes[k[0]], p) for k, p in prints.items()}, arrays, reused.nbytes)
         return dataclasses.replace(plan, files=tuple(files)), reused
 
-    def _fingerprints(self, pieces: list[PlannedPiece], known: list[_Known | None], leaves: dict[str, Any]) -> list[bytes]:
-        """Each piece's fingerprint: a jax.Array that is the same object as last time (not
-        deleted) keeps its fingerprint; every other piece is fingerprinted now."""
-        out = [b""] * len(pieces)
+    def _fingerprints(
+        self, pieces: list[PlannedPiece], known: list[_Known | None], leaves: dict[str, Any]
+    ) -> list[tuple[bytes, bytes]]:
+        """Each piece's sample and fingerprint: a jax.Array that is the same object as last
+        time (not deleted) keeps its own; every other piece is fingerprinted now."""
+        kept: dict[int, tuple[bytes, bytes]] = {}
         for position, (piece, before) in enumerate(zip(pieces, known)):
             leaf, ref = leaves[piece.key], self._arrays.get(piece.key)
-            if before is not None and ref is not None and ref() is leaf and not leaf.is_deleted():
-                out[position] = before.digest
-        fresh = [position for position, digest in enumerate(out) if not digest]
-        for position, digest in zip(fresh, fingerprints([pieces[p].data for p in fresh])):
-            out[position] = digest
-        return out
+            if before is not None and before.fingerprint[1] and ref is not None and ref() is leaf and not leaf.is_deleted():
+                kept[position] = before.fingerprint
+        fresh = [position for position in range(len(pieces)) if position not in kept]
+        previous = [None if (before := known[p]) is None else before.fingerprint for p in fresh]
+        computed = dict(zip(fresh, fingerprints([pieces[p].data for p in fresh], previous)))
+        return [kept[p] if p in kept else computed[p] for p in range(len(pieces))]
 
     def committed(self, final: storage.Location, own: Manifest) -> None:
         """The save of ``apply``'s plan committed as ``final`` with this process's index ``own``."""
-        digests, arrays, referenced = self._pending
+        prints, arrays, referenced = self._pending
         self._pending = ({}, {}, 0)
         name = _name(final)
         known: dict[_Key, _Known] = {}
         for leaf in own.leaves:
             for entry in leaf.pieces:
-                dtype, digest = digests.get((leaf.key, entry.slice), ("", b""))
+                dtype, fingerprint = prints.get((leaf.key, entry.slice), ("", (b"", b"")))
                 file = entry.file if entry.file.startswith("../") else f"../{name}/{entry.file}"
-                known[leaf.key, entry.slice] = _Known(entry._replace(file=file), own.files[entry.file], dtype, digest)
+                known[leaf.key, entry.slice] = _Known(entry._replace(file=file), own.files[entry.file], dtype, fingerprint)
         self.step, self._known, self._arrays = final, known, arrays
         written = sum(size for file, size in own.files.items() if not file.startswith("../"))
         logger.info(
@@ -150,6 +153,12 @@ class Incremental:
 def _step_of(reference: str) -> str:
     """The step a known piece's file lies in: ``step_<n>`` of ``../step_<n>/<file>``."""
     return reference.split("/", 2)[1]
+
+
+def _same(before: _Known, dtype: str, fingerprint: bytes) -> bool:
+    """Whether a piece of ``dtype`` and ``fingerprint`` holds ``before``'s bytes (an unknown,
+    empty, fingerprint is never the same)."""
+    return bool(fingerprint) and (before.dtype, before.fingerprint[1]) == (dtype, fingerprint)
 
 
 def _name(loc: storage.Location) -> str:
