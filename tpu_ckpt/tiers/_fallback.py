@@ -25,7 +25,13 @@ from collections.abc import Iterable
 from typing import Any
 
 from tpu_ckpt import cluster
-from tpu_ckpt.errors import CheckpointError, InvalidShardsError, RemoteProcessError, TargetMismatchError
+from tpu_ckpt.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    InvalidShardsError,
+    RemoteProcessError,
+    TargetMismatchError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +42,12 @@ _CALLER_TYPES = {t.__name__ for t in _CALLERS}
 @dataclasses.dataclass(frozen=True)
 class Verdict:
     """The processes' common outcome: ``cause`` is None when every process restored;
-    ``fall_back`` whether the cause is one another tier may get round."""
+    ``fall_back`` whether the cause is one another tier may get round; ``damaged`` whether a
+    process found a local file damaged or of another save (a ``CorruptCheckpointError``)."""
 
     cause: str | None
     fall_back: bool = True
+    damaged: bool = False
 
 
 def recoverable(error: BaseException) -> bool:
@@ -54,7 +62,10 @@ def recoverable(error: BaseException) -> bool:
 def agree(root: str, failure: BaseException | None, timeout: float) -> Verdict:
     """The verdict on the tier restore from ``root`` (collective): ``failure`` is this
     process's own error, None if it restored."""
-    mine: dict[str, Any] = {"cause": None} if failure is None else {"cause": f"{type(failure).__name__}: {failure}", "fall_back": recoverable(failure)}
+    mine: dict[str, Any] = {"cause": None} if failure is None else {
+        "cause": f"{type(failure).__name__}: {failure}", "fall_back": recoverable(failure),
+        "damaged": isinstance(failure, CorruptCheckpointError),
+    }
     with cluster.Coordinator(f"agree on the restore from {root}", timeout) as coord:
         try:
             reports = coord.collect("outcome", json.dumps(mine), at=0)
@@ -66,7 +77,7 @@ def agree(root: str, failure: BaseException | None, timeout: float) -> Verdict:
         except Exception as error:  # noqa: BLE001 - any failure of the round: fall back, and say so
             coord.report_failure(error)
             cause = mine["cause"] or f"the agreement on the outcome failed ({type(error).__name__}: {error})"
-            return Verdict(cause, bool(mine.get("fall_back", True)))
+            return Verdict(cause, bool(mine.get("fall_back", True)), bool(mine.get("damaged")))
 
 
 def _verdict(reports: dict[int, dict[str, Any]]) -> Verdict:
@@ -78,7 +89,8 @@ def _verdict(reports: dict[int, dict[str, Any]]) -> Verdict:
     fall_back = all(r.get("fall_back", True) for r in failed.values())
     own = [p for p, r in failed.items() if not r["cause"].startswith(RemoteProcessError.__name__)]
     first = own[0] if own else min(failed)
-    return Verdict(f"process {first}: {failed[first]['cause']}", fall_back)
+    damaged = any(r.get("damaged", False) for r in failed.values())
+    return Verdict(f"process {first}: {failed[first]['cause']}", fall_back, damaged)
 
 
 def persistent_step(persistent: Iterable[int], step: int | None) -> int | None:

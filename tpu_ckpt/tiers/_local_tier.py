@@ -11,7 +11,9 @@ piece. What each host's disk holds:
         tier.json                             {"token": the save's id, the same on every host,
                                                "count": the job's process count, "copy": the
                                                processes of this host's slice when each slice
-                                               wrote a whole copy (``_slices``), else null}
+                                               wrote a whole copy (``_slices``), else null,
+                                               "step", and the crc32c of this host's plan and
+                                               parts' indexes: ``_part_checks``}
         plan.json                             the save's manifest without pieces (every leaf)
         d<p>-<n>.safetensors, index-<p>.bin   the part of each process p this host holds: its
                                               own, and those it keeps as a replica
@@ -48,15 +50,15 @@ from tpu_ckpt.errors import CheckpointError
 from tpu_ckpt.format import IndexPlan, encode_index
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.runtime import gc_paused
-from tpu_ckpt.saving import WRITER, SavePlan, SaveResult, plan_save, staged_index_file, written_by
+from tpu_ckpt.saving import WRITER, SavePlan, SaveResult, plan_save, refuse_per_process, staged_index_file, written_by
+from tpu_ckpt.tiers import _part_checks as part_checks
+from tpu_ckpt.tiers._part_checks import PLAN_FILE, TIER_FILE
 from tpu_ckpt.tiers._placement import check_size
 from tpu_ckpt.tiers._replicas import replica_roles
 from tpu_ckpt.tiers._slices import copy_group, job_slices
 
 logger = logging.getLogger(__name__)
 
-TIER_FILE = "tier.json"
-PLAN_FILE = "plan.json"  # the plan's manifest: every leaf, no piece (decoded with tiled=False)
 _COMMITTED = re.compile(r"step_(\d+)")
 _LEFTOVER = re.compile(r"step_\d+\.(tmp|old)-[0-9a-f]+")
 _proved = cluster.Proved()  # local directories this process has proved are its own (see _prove_private)
@@ -66,13 +68,15 @@ _old_warned: set[str] = set()  # local steps of JSON indexes this process has wa
 @dataclasses.dataclass(frozen=True)
 class LocalStep:
     """A committed local step on this host: the save's token, the process count it was
-    saved with, and the processes whose parts this host holds."""
+    saved with, and the processes whose parts this host holds (``owners``; ``others``: those
+    whose files are of another save, ``_part_checks``)."""
 
     step: int
     token: str
     count: int
     owners: tuple[int, ...]
     copy: tuple[int, ...] | None = None  # a slice's processes, whose parts make a whole copy (``_slices``)
+    others: tuple[int, ...] = ()
 
 
 def step_dir(root: str, step: int) -> str:
@@ -92,13 +96,15 @@ def held_steps(root: str) -> list[LocalStep]:
         path = os.path.join(root, name)
         try:
             info = storage.read_json(path, TIER_FILE, 1 << 16)  # no FIFO, device, link out or deep nesting
+            step = int(match[1])
             owners = _owners(path)
+            others = part_checks.others(path, step, info, owners)
             count = info["count"]
             if type(count) is not int or count < 1:
                 raise ValueError(f"{TIER_FILE} gives a process count of {count!r}")
             copy = info.get("copy")
             copy = None if copy is None else tuple(sorted(int(p) for p in copy))
-            found.append(LocalStep(int(match[1]), str(info["token"]), count, tuple(sorted(owners)), copy))
+            found.append(LocalStep(step, str(info["token"]), count, tuple(sorted(owners - others)), copy, tuple(sorted(others))))
         except (OSError, ValueError, KeyError, TypeError, CheckpointError) as e:
             logger.warning("tpu_ckpt: ignoring the local step %s: %s", path, e)
     return sorted(found, key=lambda s: s.step)
@@ -142,6 +148,7 @@ def save_local(
                 tree, options, process_index=coord.me, process_count=coord.count, metrics=metrics,
                 max_file_bytes=max_file_bytes, group=group,
             )
+            refuse_per_process(plan, "the local tier")
             job = _LocalSave(root, step, plan, coord, replicas, then, options.host_memory_limit, slices=slices, copy=group)
             share = sum(f.nbytes for f in plan.files)  # in memory: is the RAM disk big enough?
             check_size(root, share, len(job.keeps), max_to_keep, options.enable_async)
@@ -298,6 +305,7 @@ def _commit(root: str, step: int, staging: str, info: dict[str, Any]) -> None:
     older save of the same step (a job resumed from before it) is moved aside first: a
     leftover, removed by ``prune``, never a step mixing two saves' parts."""
     try:
+        info = {**info, **part_checks.record(staging, step)}  # what ties each part and the plan to this save
         with open(os.path.join(staging, TIER_FILE), "w") as f:
             json.dump(info, f)
             f.flush()

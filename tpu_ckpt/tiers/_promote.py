@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +38,7 @@ from tpu_ckpt.format import (
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.saving import SaveJob, SavePlan, Staging, prepare, staged_index_file, write_budget
 from tpu_ckpt.tiers import _local_tier as local_tier
+from tpu_ckpt.tiers import _part_checks as part_checks
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +64,8 @@ class Upload:
             source = local_tier.step_dir(root, self.step)
             data, where = _read(source, local_tier.PLAN_FILE)
             plan = decode_manifest(data, where=where, tiled=False)
-            index = _uploaded(source, _own_index(source, plan, coord.me))
+            parts = part_checks.check_step(source, self.step, None, data)  # the plan and index of this save
+            index = _uploaded(source, _own_index(source, plan, coord.me, parts, self.step))
             staging = prepare(self.final, coord, 0, self.options.coordination_timeout, relayed=False)
         except BaseException as error:
             with coord:
@@ -78,9 +81,11 @@ def _read(source: str, name: str) -> tuple[bytes, str]:
     return data, where
 
 
-def _own_index(source: str, plan: Manifest, me: int) -> Manifest:
-    """This process's part's index (binary rows, checked against the plan), in manifest form."""
+def _own_index(source: str, plan: Manifest, me: int, parts: dict[str, Any] | None, step: int) -> Manifest:
+    """This process's part's index (binary rows, checked against ``tier.json``'s ``parts`` and
+    the plan), in manifest form."""
     data, where = _read(source, staged_index_file(me))
+    part_checks.check_index(source, data, me, parts, step)
     rows_plan = IndexPlan.of(plan)
     return index_manifest(decode_index(data, where=where, plan=rows_plan), rows_plan)
 

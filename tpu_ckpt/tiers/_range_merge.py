@@ -36,6 +36,7 @@ from tpu_ckpt.format import (
 )
 from tpu_ckpt.saving import merge_rows, staged_index_file
 from tpu_ckpt.tiers import _local_tier as local_tier
+from tpu_ckpt.tiers import _part_checks as part_checks
 
 _BLOB = re.compile(r"rows-(\d{5,9})-(\d{5,9})\.bin")
 
@@ -57,9 +58,14 @@ def blob_owner(name: str) -> int | None:
     return None if match is None else int(match[1])
 
 
-def part_blobs(own: storage.Backend, owners: Sequence[int], plan: IndexPlan, ranges: Sequence[tuple[int, int]]) -> dict[str, bytes]:
-    """For each part of ``owners`` this host holds, its index decoded and checked against the
-    plan, cut into one index per range (``format.encode_rows``): a holder's own share."""
+def part_blobs(
+    own: storage.Backend, owners: Sequence[int], plan: IndexPlan, ranges: Sequence[tuple[int, int]],
+    recorded: dict[str, Any] | None = None, step: int = 0,
+) -> dict[str, bytes]:
+    """For each part of ``owners`` this host holds, its index checked against what its
+    ``tier.json`` records of local step ``step`` (``recorded``: ``part_checks.check_step``),
+    decoded and checked against the plan, cut into one index per range
+    (``format.encode_rows``): a holder's own share."""
     blobs = {}
     for owner in owners:
         name = staged_index_file(owner)
@@ -72,6 +78,7 @@ def part_blobs(own: storage.Backend, owners: Sequence[int], plan: IndexPlan, ran
             raise
         except CheckpointError as error:  # intact, but of another save than this host's plan
             raise _not_of_one_save(own.location, error) from error
+        part_checks.check_index(own.location.url, data, owner, recorded, step)
         files = list(zip(rows.names, rows.sizes.tolist()))
         for index, (first, stop) in enumerate(ranges):
             groups = {rank: g[(g["leaf"] >= first) & (g["leaf"] < stop)] for rank, g in rows.groups.items()}

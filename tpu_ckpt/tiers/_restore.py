@@ -28,7 +28,7 @@ import functools
 import json
 import os
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from typing import Any, Self
 
 import numpy as np
@@ -46,6 +46,7 @@ from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.restoring import restore_from
 from tpu_ckpt.saving import written_by
 from tpu_ckpt.tiers import _local_tier as local_tier
+from tpu_ckpt.tiers import _part_checks as part_checks
 from tpu_ckpt.tiers import _range_merge as range_merge
 
 
@@ -57,6 +58,7 @@ class Choice:
     step: int | None
     local: bool = False
     holders: dict[int, int] = dataclasses.field(default_factory=dict)  # owner -> serving process
+    token: str = dataclasses.field(default="", compare=False)  # a local step's save (``tier.json``)
 
     @property
     def local_step(self) -> int | None:
@@ -64,17 +66,21 @@ class Choice:
         return self.step if self.local else None
 
     def to_json(self) -> str:
-        return json.dumps([self.step, self.local, sorted(self.holders.items())])
+        return json.dumps([self.step, self.local, sorted(self.holders.items()), self.token])
 
     @classmethod
     def from_json(cls, text: str) -> Choice:
-        step, local, holders = json.loads(text)
-        return cls(step, local, {int(owner): int(holder) for owner, holder in holders})
+        step, local, holders, token = json.loads(text)
+        return cls(step, local, {int(owner): int(holder) for owner, holder in holders}, token)
 
 
-def choose(coord: cluster.Coordinator, root: str, persistent: Iterable[int], step: int | None) -> Choice:
-    """The processes' common choice (collective): ``step``, or the newest when None."""
-    held = [[s.step, s.token, s.count, list(s.owners), s.copy] for s in local_tier.held_steps(root)]
+def choose(
+    coord: cluster.Coordinator, root: str, persistent: Iterable[int], step: int | None, failed: Container[tuple[int, str]] = (),
+) -> Choice:
+    """The processes' common choice (collective): ``step``, or the newest when None; never a
+    local save of ``failed`` (step, token): one whose restore failed before."""
+    held = [[s.step, s.token, s.count, list(s.owners), s.copy, list(s.others)]
+            for s in local_tier.held_steps(root) if (s.step, s.token) not in failed]
     reports = coord.collect("held", json.dumps(held), at=0)
     if coord.me != 0:
         return Choice.from_json(coord.receive("choice", 0))
@@ -90,21 +96,38 @@ def choose(coord: cluster.Coordinator, root: str, persistent: Iterable[int], ste
 def decide(reports: dict[int, str], persistent: set[int], step: int | None) -> Choice:
     """Process 0's choice from every process's report: the newest whole local step unless the
     persistent tier has a newer one (a pure function, tested alone). Of two whole saves of
-    one step, the newer: the larger token (``local_tier._LocalSave._agreed_token``)."""
-    parts: dict[tuple[int, str, int], dict[int, list[int]]] = collections.defaultdict(dict)
-    copies: dict[tuple[int, str, int], set[tuple[int, ...]]] = collections.defaultdict(set)
-    for process, text in sorted(reports.items()):
-        for saved, token, count, owners, *copy in json.loads(text):
-            for owner in owners:
-                parts[(saved, token, count)].setdefault(owner, []).append(process)
-            if copy and copy[0] is not None:
-                copies[(saved, token, count)].add(tuple(copy[0]))
+    one step, the newer: the larger token (``local_tier._LocalSave._agreed_token``). A part
+    a host holds of another save (``_part_checks``) is taken only when no step is left
+    without it: the restore then fails naming the file."""
+    choice = _decided(reports, persistent, step, others=False)
+    return choice if choice.step is not None else _decided(reports, persistent, step, others=True)
+
+
+def _decided(reports: dict[int, str], persistent: set[int], step: int | None, others: bool) -> Choice:
+    parts, copies = _held(reports, others)
     served = {key: _served(held, key[2], copies.get(key)) for key, held in parts.items() if step in (None, key[0])}
     local = max((key for key, owners in served.items() if owners is not None), default=None)
     newest = max(persistent, default=None) if step is None else (step if step in persistent else None)
     if local is not None and (newest is None or local[0] >= newest):
-        return Choice(local[0], True, _assign({o: parts[local][o] for o in served[local] or ()}))
+        return Choice(local[0], True, _assign({o: parts[local][o] for o in served[local] or ()}), local[1])
     return Choice(newest)
+
+
+_Key = tuple[int, str, int]  # a local save: its step, token and process count
+
+
+def _held(reports: dict[int, str], others: bool) -> tuple[dict[_Key, dict[int, list[int]]], dict[_Key, set[tuple[int, ...]]]]:
+    """Each local save's holders of each part (with ``others``, those of another save's
+    files too), and its slices' copies."""
+    parts: dict[_Key, dict[int, list[int]]] = collections.defaultdict(dict)
+    copies: dict[_Key, set[tuple[int, ...]]] = collections.defaultdict(set)
+    for process, text in sorted(reports.items()):
+        for saved, token, count, owners, *rest in json.loads(text):
+            for owner in [*owners, *(rest[1] if others and len(rest) > 1 else ())]:
+                parts[(saved, token, count)].setdefault(owner, []).append(process)
+            if rest and rest[0] is not None:
+                copies[(saved, token, count)].add(tuple(rest[0]))
+    return parts, copies
 
 
 def _served(held: dict[int, list[int]], count: int, copies: set[tuple[int, ...]] | None) -> list[int] | None:
@@ -134,9 +157,11 @@ def _assign(held: dict[int, list[int]]) -> dict[int, int]:
 
 
 def restore_local(
-    coord: cluster.Coordinator, root: str, step: int, holders: dict[int, int], target: Any, options: CheckpointOptions
+    coord: cluster.Coordinator, root: str, step: int, holders: dict[int, int], target: Any, options: CheckpointOptions,
+    token: str,
 ) -> tuple[Any, int]:
-    """Restores the chosen local ``step``, each part from its server in ``holders``
+    """Restores the chosen local ``step`` of the save ``token``, each part from its server in
+    ``holders``, each holder's files checked against that save (``_part_checks``)
     (collective); returns the tree and the bytes read."""
     own = storage.Store(storage.Location(local_tier.step_dir(root, step)))
     store = _Parts(own, holders, coord)
@@ -149,7 +174,9 @@ def restore_local(
             planned = decode_manifest(data, where=store.location.child(local_tier.PLAN_FILE), tiled=False)
             ranges = range_merge.leaf_ranges(len(planned.leaves), coord.count)
             mine = [o for o, h in holders.items() if h == coord.me]
-            _serve(coord, own, mine, store.hold(range_merge.part_blobs(own, mine, IndexPlan.of(planned), ranges)), serving)
+            parts = part_checks.check_step(own.location.local_path, step, token, data) if mine else None
+            blobs = range_merge.part_blobs(own, mine, IndexPlan.of(planned), ranges, parts, step)
+            _serve(coord, own, mine, store.hold(blobs), serving)
             manifest = _agreed_manifest(coord, store, data, planned, sorted(holders), ranges, serving)
             tree, _, nbytes = restore_from(OpenCheckpoint(store, manifest), target, options, None, None)
             coord.barrier("restored")  # serves until everyone has what it needs

@@ -60,6 +60,7 @@ class LocalTier:
         self.max_to_keep = max_to_keep
         self.replicas = replicas
         self._uploader = promote.Uploader()
+        self._failed: set[tuple[int, str]] = set()  # local saves (step, token) a restore found damaged
 
     def save(
         self, step: int, tree: Any, options: CheckpointOptions, metrics: dict[str, float | int] | None,
@@ -95,7 +96,7 @@ class LocalTier:
     def choose(self, persistent: Iterable[int], step: int | None, timeout: float) -> tier_restore.Choice:
         """The step the processes would restore, and from which tier (collective)."""
         with cluster.Coordinator(f"choose a step in {self.root}", timeout) as coord:
-            return tier_restore.choose(coord, self.root, persistent, step)
+            return tier_restore.choose(coord, self.root, persistent, step, self._failed)
 
     def restore(self, persistent: Iterable[int], step: int | None, target: Any, options: CheckpointOptions) -> FromLocal | int | None:
         """Restores ``step`` (None: the newest) from the local tier if some tier-wide copy of
@@ -107,9 +108,11 @@ class LocalTier:
         try:
             with cluster.Coordinator(f"restore from {self.root}", options.coordination_timeout) as coord:
                 try:
-                    choice = tier_restore.choose(coord, self.root, persistent, step)
+                    choice = tier_restore.choose(coord, self.root, persistent, step, self._failed)
                     if choice.local_step is not None:
-                        restored = tier_restore.restore_local(coord, self.root, choice.local_step, choice.holders, target, options)
+                        restored = tier_restore.restore_local(
+                            coord, self.root, choice.local_step, choice.holders, target, options, choice.token
+                        )
                 except Exception as error:
                     coord.report_failure(error)  # wakes whoever waits on this process
                     raise
@@ -118,6 +121,8 @@ class LocalTier:
         verdict = fallback.agree(self.root, failure, options.coordination_timeout)
         if verdict.cause is not None:
             local = None if choice is None else choice.local_step
+            if choice is not None and local is not None and verdict.damaged:
+                self._failed.add((local, choice.token))  # as on every process: chosen and listed no more
             return fallback.fall_back(self.root, local, verdict, failure, persistent, step)
         if choice is None or choice.local_step is None or restored is None:
             return None if choice is None else choice.step
