@@ -39,7 +39,15 @@ if TYPE_CHECKING:
     )
     from tpu_ckpt.manager import CheckpointManager
     from tpu_ckpt.options import CheckpointOptions
-    from tpu_ckpt.restoring import ArrayMetadata, PerProcessMetadata, RestoreReport, check_restore, metadata, restore
+    from tpu_ckpt.restoring import (
+        ArrayMetadata,
+        PerProcessMetadata,
+        RestoreReport,
+        abstract_target,
+        check_restore,
+        metadata,
+        restore,
+    )
     from tpu_ckpt.saving import SaveResult, save
     from tpu_ckpt.sharding import (
         MaxShardSizePolicy,
@@ -79,6 +87,7 @@ _MODULE_OF = {
     "ShardingCallback": "sharding",
     "TargetMismatchError": "errors",
     "UncommittedCheckpointError": "errors",
+    "abstract_target": "restoring",
     "check_restore": "restoring",
     "export_for_serving": "interop",
     "export_orbax": "interop",
@@ -117,6 +126,7 @@ __all__ = (
     "ShardingCallback",
     "TargetMismatchError",
     "UncommittedCheckpointError",
+    "abstract_target",
     "check_restore",
     "export_for_serving",
     "export_orbax",

@@ -94,6 +94,7 @@ class ProcessCountMismatchError(CheckpointError):
       key: the leaf's checkpoint key.
       saved_count: the processes that saved it, as ``.saved_count``.
       process_count: the processes restoring it, as ``.process_count``.
+      file: the checkpoint, as ``.file``.
     """
 
     def __init__(self, message: str, *, key: str, saved_count: int, process_count: int, file: str | None = None):

@@ -111,7 +111,7 @@ def test_inspect_json(run_dir):
     leaves = {entry["key"]: entry for entry in doc["leaves"]}
     assert leaves["params/w"] == {
         "key": "params/w", "kind": "array", "shape": [8, 4], "dtype": "float32", "is_slot": False, "nbytes": 128,
-        "sharding": {"type": "NamedSharding", "mesh": {"data": 4, "model": 2}, "spec": ["data", "model"]},
+        "sharding": {"type": "NamedSharding", "mesh": {"data": 4, "model": 2}, "spec": ["data", "model"], "axis_types": ["Explicit", "Explicit"]},
     }
     assert [k for k, e in leaves.items() if e.get("is_slot")] == ["opt_state/0/mu/b", "opt_state/0/mu/w", "opt_state/0/nu/b", "opt_state/0/nu/w"]
     assert leaves["opt_state/0/count"]["shape"] == [] and leaves["opt_state/0/count"]["dtype"] == "int32"

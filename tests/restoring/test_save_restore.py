@@ -317,7 +317,9 @@ def test_metadata_describes_without_reading_data(tmp_path, mesh42):
     meta = tc.metadata(tmp_path / "c")
     assert meta["step"] == 7
     assert meta["w"] == tc.ArrayMetadata((8, 4), np.dtype(np.float32), 128, False, meta["w"].saved_sharding)
-    assert meta["w"].saved_sharding == {"type": "NamedSharding", "mesh": {"data": 4, "model": 2}, "spec": ["data", "model"]}
+    assert meta["w"].saved_sharding == {
+        "type": "NamedSharding", "mesh": {"data": 4, "model": 2}, "spec": ["data", "model"], "axis_types": ["Explicit", "Explicit"]
+    }
 
 
 def test_objects_are_refused_with_the_key():  # typed PRNG keys are leaves now: tests/sharding/test_prng_keys.py

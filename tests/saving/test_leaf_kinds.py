@@ -78,3 +78,18 @@ def test_serving_export_drops_per_process_values(tmp_path):
     tc.save(tmp_path / "c", {"params": {"w": np.ones(3, np.float32)}, "it": tc.PerProcess({"i": 1})}).wait()
     tc.export_for_serving(tmp_path / "c", tmp_path / "s")
     assert set(tc.restore(tmp_path / "s")) == {"w"}
+
+
+def test_the_local_tier_refuses_per_process_values_by_name(tmp_path):
+    with tc.CheckpointManager(tmp_path / "run", local_directory=tmp_path / "local", local_interval_steps=1) as manager:
+        with pytest.raises(ValueError, match=r"'it' is a tc.PerProcess value, which the local tier does not carry"):
+            manager.save(1, {"it": tc.PerProcess(1), "w": np.zeros(2)})
+
+
+def test_incremental_saves_carry_per_process_values(tmp_path):
+    w = jax.numpy.arange(1024.0)
+    with tc.CheckpointManager(tmp_path / "run", incremental=True) as manager:
+        for step in range(3):
+            manager.save(step, {"w": w, "it": tc.PerProcess({"step": step})})
+        manager.wait_until_finished()
+        assert [manager.restore(step)["it"] for step in range(3)] == [{"step": 0}, {"step": 1}, {"step": 2}]

@@ -38,6 +38,14 @@ class PerProcess:
     unless the target holds ``tc.PerProcess(reshard=fn)`` at that key: then each process gets
     ``fn(saved_values, process_index, process_count)``, ``saved_values`` being every saved
     value in process order.
+
+    Args:
+      value: what this process saves (ignored in a restore target).
+      reshard: in a restore target only: ``fn(saved_values, process_index, process_count)``,
+        called when the process count differs from the one that saved.
+
+    Raises:
+      TypeError: ``reshard`` is given but not callable.
     """
 
     __slots__ = ("reshard", "value")

@@ -68,8 +68,12 @@ class ArrayMetadata:
 
 @dataclasses.dataclass(frozen=True)
 class PerProcessMetadata:
-    """What :func:`metadata` reports for a ``tc.PerProcess`` leaf: ``process_count`` values,
-    one saved by each process, of ``sizes[p]`` bytes as stored."""
+    """What :func:`metadata` reports for a ``tc.PerProcess`` leaf.
+
+    Attributes:
+      process_count: the processes that saved it, one value each.
+      sizes: the bytes of process ``p``'s value as stored, at ``sizes[p]``.
+    """
 
     process_count: int
     sizes: tuple[int, ...]

@@ -10,6 +10,7 @@ from tpu_ckpt.saving._plan import (
     SavePlan,
     data_file_name,
     plan_save,
+    refuse_per_process,
     staged_index_file,
     written_by,
 )
@@ -17,4 +18,4 @@ from tpu_ckpt.saving._save import SaveJob, largest_file, save, write_budget
 from tpu_ckpt.saving._staging import Staging, prepare
 from tpu_ckpt.saving._stream_write import StreamWriter
 
-__all__ = ["DataFile", "Incremental", "SaveJob", "SavePlan", "SaveResult", "Staging", "StreamWriter", "WRITER", "Writes", "commit", "data_file_name", "index", "largest_file", "merge_rows", "plan_save", "prepare", "save", "snapshot", "staged_index_file", "write_all", "write_budget", "written_by"]
+__all__ = ["DataFile", "Incremental", "SaveJob", "SavePlan", "SaveResult", "Staging", "StreamWriter", "WRITER", "Writes", "commit", "data_file_name", "index", "largest_file", "merge_rows", "plan_save", "prepare", "refuse_per_process", "save", "snapshot", "staged_index_file", "write_all", "write_budget", "written_by"]

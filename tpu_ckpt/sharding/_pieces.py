@@ -344,5 +344,7 @@ def describe_sharding(leaf: Any) -> dict[str, Any] | None:
     sharding = leaf.sharding
     if isinstance(sharding, jax.sharding.NamedSharding):
         spec = [list(p) if isinstance(p, tuple) else p for p in sharding.spec]
-        return {"type": "NamedSharding", "mesh": dict(sharding.mesh.shape), "spec": spec}
+        described = {"type": "NamedSharding", "mesh": dict(sharding.mesh.shape), "spec": spec}
+        types = [t.name for t in getattr(sharding.mesh, "axis_types", ())]
+        return {**described, "axis_types": types} if any(t != "Auto" for t in types) else described
     return {"type": type(sharding).__name__, "num_devices": len(sharding.device_set)}
