@@ -109,7 +109,8 @@ def add_import_orbax(commands: Any) -> None:
         "Convert an Orbax PyTree/Standard checkpoint SRC into tpu_ckpt checkpoint DST, or an Orbax "
         "CheckpointManager directory SRC (steps 0/, 10/, ... holding an item such as default/) into a "
         "tpu_ckpt CheckpointManager directory DST (step_0/, step_10/, ...); steps already in DST are "
-        "skipped. Leaves are read in batches of at most --max-batch-bytes of arrays (a larger leaf alone), "
+        "skipped. A step's JSON items (ocp.args.JsonSave: a data iterator's state, a config) come too: the tree "
+        "is then the step's items by name ({'state': ..., 'config': ...}). Leaves are read in batches of at most --max-batch-bytes of arrays (a larger leaf alone), "
         "each written before the next is read. Needs orbax-checkpoint: pip install orbax-checkpoint (tpu_ckpt's [flax] and [orbax] extras bring it).",
         "0 converted; 2 SRC holds no Orbax checkpoint or a damaged one, DST exists, or Orbax is not installed.",
     )

@@ -34,6 +34,7 @@ from tpu_ckpt import catalog, storage
 from tpu_ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from tpu_ckpt.format import LeafEntry, byte_batches, dtype_name, flatten, join, path_entries
 from tpu_ckpt.interop import _orbax_checks as orbax_checks
+from tpu_ckpt.interop import _orbax_items as orbax_items
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.restoring import restore_from
 from tpu_ckpt.saving import StreamWriter
@@ -89,7 +90,9 @@ def import_orbax(
 
     Args:
       src: one checkpoint (as ``StandardCheckpointer.save`` writes it), one step of a
-        manager (holding items such as ``default/``), or a manager's directory.
+        manager (holding items such as ``default/``), or a manager's directory. A step's JSON
+        items (``ocp.args.JsonSave``) come too: the tree is then ``{item: tree, json_item:
+        value, ...}`` (``interop/_orbax_items.py``).
       dst: the tpu_ckpt checkpoint; for a manager's directory, a tpu_ckpt
         ``CheckpointManager`` directory of ``dst/step_<n>``.
       item: the item to convert when a step holds several PyTree items.
@@ -110,13 +113,13 @@ def import_orbax(
     if max_batch_bytes < 1:
         raise ValueError(f"max_batch_bytes must be positive, got {max_batch_bytes}")
     ocp, epath = _orbax()
-    source = epath.Path(src)
+    source = _orbax_path(epath, src)
     options = dict(max_batch_bytes=max_batch_bytes, is_slot=is_slot, target=target)
     if _is_pytree(source):
         return [_convert(ocp, source, dst, None, **options)]
     steps = orbax_checks.step_directories(source)
     if not steps:
-        return [_convert(ocp, _item(source, item), dst, None, **options)]
+        return [_convert(ocp, _item(source, item), dst, None, items=orbax_items.json_items(ocp, source), **options)]
     done = _committed_steps(dst)
     reports = []
     for step, path in steps.items():
@@ -125,7 +128,7 @@ def import_orbax(
             logger.info("tpu_ckpt: step %d is already in %s; skipped", step, dst)
             reports.append(ImportReport(str(path), target_path, step, skipped=True))
             continue
-        reports.append(_convert(ocp, _item(path, item), target_path, step, **options))
+        reports.append(_convert(ocp, _item(path, item), target_path, step, items=orbax_items.json_items(ocp, path), **options))
     return reports
 
 
@@ -157,9 +160,9 @@ def export_orbax(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, ta
         committed = {step: name for name, step in steps.items() if step is not None}
         if not committed:
             raise error from None
-        return _export_steps(ocp, epath.Path(dst), storage.location(src), committed, target)
+        return _export_steps(ocp, _orbax_path(epath, dst), storage.location(src), committed, target)
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(epath.Path(dst), _restored(checkpoint, target))
+    checkpointer.save(_orbax_path(epath, dst), _restored(checkpoint, target))
     checkpointer.wait_until_finished()
     logger.info("tpu_ckpt: exported %s to Orbax checkpoint %s", src, dst)
     return [os.fspath(dst)]
@@ -196,19 +199,35 @@ def _orbax() -> tuple[Any, Any]:
     return ocp, epath
 
 
+def _orbax_path(epath: Any, path: str | os.PathLike[str]) -> Any:
+    """``path`` as Orbax takes it: a local path made absolute (Orbax refuses a relative one)."""
+    text = os.fspath(path)
+    return epath.Path(text if "://" in text else os.path.abspath(text))
+
+
 def _convert(
-    ocp: Any, path: Any, dst: Any, step: int | None, *, max_batch_bytes: int, is_slot: SlotPredicate | None, target: Any
+    ocp: Any, path: Any, dst: Any, step: int | None, *, max_batch_bytes: int, is_slot: SlotPredicate | None, target: Any,
+    items: dict[str, Any] | None = None,
 ) -> ImportReport:
+    """Converts PyTree item ``path``, with the JSON ``items`` of its step (``_orbax_items``)."""
     root = os.fspath(path)
     orbax_checks.check_files(root)
     checkpointer = ocp.PyTreeCheckpointer()
     with orbax_checks.orbax_errors(root):  # the handler's own error, which the checkpointer logs and drops
         tree = ocp.PyTreeCheckpointHandler().metadata(path).tree
-    flat, _ = flatten(tree, keep_none=True)
+    whole, orbax_keys = orbax_items.composite(tree, path.name, items or {})
+
+    def read(keys: set[str]) -> dict[str, Any]:
+        """Leaves of the item by their keys in ``whole``."""
+        got = _read_named(checkpointer, path, tree, {orbax_keys[key] for key in keys}, ocp)
+        return {key: got[orbax_keys[key]] for key in keys}
+
+    flat, _ = flatten(whole, keep_none=True)
     is_array = {key: _is_array(ocp, meta) for key, _, meta in flat}
-    slots = _slots(tree, flat, is_array, is_slot, target)
+    slots = _slots(whole, flat, is_array, is_slot, target)
     entries = [_entry(key, path_, meta, is_array[key], key in slots) for key, path_, meta in flat]
-    values = _read_named(checkpointer, path, tree, {k for k, _, meta in flat if not is_array[k] and meta is not None}, ocp)
+    values = read({k for k, _, meta in flat if k in orbax_keys and not is_array[k] and meta is not None})
+    values.update({key: value for key, _, value in flat if key not in orbax_keys})  # the JSON items'
     entries = [dataclasses.replace(e, value=_value(e.key, values[e.key])) if e.key in values else e for e in entries]
     arrays = [e for e in entries if e.kind == "array"]
     planned = byte_batches(arrays, operator.attrgetter("nbytes"), max_batch_bytes)
@@ -216,7 +235,7 @@ def _convert(
     batches = []
     with StreamWriter(dst, entries, f"imported from Orbax checkpoint {path}") as writer:
         for batch in planned:
-            writer.write(_read_named(checkpointer, path, tree, {e.key for e in batch}, ocp))
+            writer.write(read({e.key for e in batch}))
             batches.append(sum(e.nbytes for e in batch))
         url = writer.commit()
     report = ImportReport(str(path), url, step, len(entries), sum(batches), tuple(batches))
