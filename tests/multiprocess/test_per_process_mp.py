@@ -47,6 +47,9 @@ def per_process_job(directory: str) -> dict:
         state["next_index"] = -1
         manager.wait_until_finished()
         managed = manager.restore(0, {"w": target["w"], "it": tc.PerProcess()})["it"]
+    relayed_path = os.path.join(directory, "relayed")  # io_device: the others write their values through the leader
+    tc.save(relayed_path, {"w": w, "it": tc.PerProcess(own_value(me))}, options=tc.CheckpointOptions(io_device=0)).wait()
+    relayed = tc.restore(relayed_path, {"it": tc.PerProcess()}, options=tc.CheckpointOptions(io_device=0))["it"]
     try:
         tc.save(os.path.join(directory, "bad"), {"w": w, "cfg": {"name": f"process-{me}"}}).wait()
         refused = None
@@ -61,6 +64,7 @@ def per_process_job(directory: str) -> dict:
             np.array_equal(np.asarray(s.data), KEY_DATA[s.index]) for s in jax.random.key_data(back["keys"]).addressable_shards
         ),
         "managed": managed,
+        "relayed": relayed["state"] == own_value(me)["state"],
         "refused": refused,
         "bad_committed": os.path.exists(os.path.join(directory, "bad")),
     }
@@ -75,6 +79,7 @@ def test_two_processes_save_their_own_values_and_one_restores_them(tmp_path):
     for r in results:
         me = r.result["process"]
         assert r.result["own_value"] and r.result["plain_is_own"] and r.result["keys_typed_exact"], r.result
+        assert r.result["relayed"], r.result
         assert r.result["managed"] == {"next_index": me}  # the value as given to save, not as changed after
         assert not r.result["bad_committed"] and r.result["refused"] is not None
     leader = next(r.result for r in results if r.result["process"] == 0)

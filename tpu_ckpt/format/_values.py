@@ -106,7 +106,7 @@ def _dict_key(k: Any) -> Any:
 def decode_value(data: np.ndarray | bytes, where: str, key: str) -> Any:
     """The value ``encode_value`` stored in ``data``; CorruptCheckpointError naming ``where``
     and ``key`` when anything in it does not hold together."""
-    view = memoryview(np.asarray(np.frombuffer(data, np.uint8) if isinstance(data, bytes) else data, np.uint8)).cast("B")
+    view = memoryview(data if isinstance(data, bytes) else np.ascontiguousarray(data, np.uint8).tobytes())
 
     def fail(problem: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{where}: the per-process value of key {key!r} is damaged: {problem}", key=key, file=where)

@@ -253,12 +253,14 @@ def staged_index_file(process: int, token: str = "") -> str:
     return spread(token, f"index-{process:05d}.bin")
 
 
-_OWNED_FILE = re.compile(rf"(?:{TOKENED})?(?:d(\d{{5,9}})-\d{{5,9}}\.safetensors|index-(\d{{5,9}})\.(?:json|bin))")
+_OWNED_FILE = re.compile(
+    rf"(?:{TOKENED})?(?:d(\d{{5,9}})-\d{{5,9}}\.safetensors|index-(\d{{5,9}})\.(?:json|bin)|values-(\d{{5,9}})\.bin)"
+)
 
 
 def written_by(name: str) -> int | None:
-    """The process whose data file or index ``name`` is (as named above, with or without a
+    """The process whose data file, index or values file ``name`` is (as named above, with or without a
     token: checkpoints saved before names carried one name them ``dPPPPP-NNNNN.safetensors``);
     None for any other name."""
     match = _OWNED_FILE.fullmatch(name)
-    return None if match is None else int(match[2] or match[3])
+    return None if match is None else int(match[2] or match[3] or match[4])
