@@ -4,6 +4,8 @@ the safetensors library itself, and load_safetensors of files that library wrote
 import json
 import os
 import struct
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -286,3 +288,31 @@ def test_export_and_load_on_object_stores(bucket):
     out = tc.load_safetensors(bucket.url("hf"), {"a": np.zeros((32, 48), np.float32), "b": np.zeros((8, 5), np.int32)})
     np.testing.assert_array_equal(out["a"], PARAMS["layer"]["kernel"])
     np.testing.assert_array_equal(out["b"], PARAMS["ids"])
+
+
+@pytest.mark.slow
+def test_peak_memory_under_host_memory_limit_both_ways(tmp_path):
+    """A 128 MiB leaf under a 16 MiB limit (tests/hf_memory_probe.py, a fresh process): the export
+    never holds the leaf; the load holds its result and, beyond it, about the limit."""
+    probe = os.path.join(os.path.dirname(os.path.dirname(__file__)), "hf_memory_probe.py")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, probe, str(tmp_path), "128", str(16 << 20)], capture_output=True, text=True,
+                          env=env, cwd=os.path.dirname(probe), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["exact"]
+    assert out["export"] < (16 << 20) + (48 << 20), out  # the leaf is 128 MiB
+    assert out["load"] - out["load_held"] < (16 << 20) + (32 << 20), out
+
+
+def test_a_corrupt_source_piece_fails_the_export_and_leaves_no_file(tmp_path):
+    big = np.arange(1 << 20, dtype=np.float32).reshape(256, 4096)  # 4 MiB: blocks of 4 MiB / 4 under a 16 MiB limit
+    tc.save(tmp_path / "train", {"params": {"w": big}})
+    (data,) = [p for p in (tmp_path / "train").iterdir() if p.suffix == ".safetensors"]
+    raw = bytearray(data.read_bytes())
+    raw[-5] ^= 0xFF  # in the last block of the piece: every earlier block was already written
+    data.write_bytes(bytes(raw))
+    with pytest.raises(tc.CorruptCheckpointError, match="does not match its crc32c"):
+        tc.export_for_serving(tmp_path / "train", tmp_path / "hf", layout="huggingface",
+                              options=tc.CheckpointOptions(host_memory_limit=16 << 20))
+    assert os.listdir(tmp_path / "hf") == []

@@ -2,33 +2,49 @@
 stack reads, written from every process with no consolidation pass.
 
 Every process plans the same export from the manifest (tensor names, ``_hf_layout``'s
-shard files) and takes the files given to it (balanced by bytes); it writes each file a
-block of rows at a time (``storage.FileWriter``: at offsets, on a local disk), reading only
-the pieces the block overlaps (``restoring.read_block``), so a tensor bigger than
-``host_memory_limit`` is never whole in memory. When every process has written its files,
+shard files) and takes the files given to it (balanced by bytes). It reads each piece of
+their tensors from the checkpoint once, a block of its rows at a time, checking the piece's
+crc32c across its blocks, and writes each block where it lies in the file, as the row-major
+runs of bytes it covers there (``storage.FileWriter``: at offsets, on a local disk), so a
+tensor, or a piece, bigger than ``host_memory_limit`` is never whole in memory. When every process has written its files,
 process 0 writes the index, the commit: a reader that finds it finds every file complete.
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import logging
 import math
 import os
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
 
+import crc32c as _crc32c
 import jax.numpy as jnp
 import numpy as np
 
 from tpu_ckpt import cluster, storage
 from tpu_ckpt.catalog import OpenCheckpoint, open_checkpoint
-from tpu_ckpt.errors import CheckpointExistsError
-from tpu_ckpt.format import LeafEntry, dtype_from_name, dtype_name, full_slice, join, normalise_subtree, under
+from tpu_ckpt.errors import CheckpointExistsError, CorruptCheckpointError
+from tpu_ckpt.format import (
+    LeafEntry,
+    PieceEntry,
+    SliceSpec,
+    check_byte_ranges,
+    dtype_from_name,
+    dtype_name,
+    extent,
+    full_slice,
+    join,
+    loaded_overlapping,
+    normalise_subtree,
+    under,
+)
 from tpu_ckpt.interop import _hf_layout as layout
 from tpu_ckpt.interop._hf_names import Named, Names, resolve
 from tpu_ckpt.options import CheckpointOptions
-from tpu_ckpt.restoring import missing_subtree, read_block
+from tpu_ckpt.restoring import missing_subtree
 from tpu_ckpt.settings import settings
 
 logger = logging.getLogger(__name__)
@@ -130,31 +146,74 @@ def _write_file(
     with storage.FileWriter(final, name) as writer:
         writer.write_at(0, [header])
         for output, offset in zip(outputs, offsets):
-            for at, block in _blocks(checkpoint, output, block_bytes):
-                writer.write_at(offset + at, [block])
-                done += block.nbytes
+            for spec, data in _blocks(checkpoint, output.leaf, block_bytes):
+                _write_block(writer, offset, output, spec, data)
+                done += data.nbytes
                 if progress is not None:
                     progress(done, total)
 
 
-def _blocks(checkpoint: OpenCheckpoint, output: Output, block_bytes: int) -> Any:
-    """``(byte offset in the tensor, bytes)`` of an output tensor, a block of its rows at a time."""
-    shape, leaf = output.tensor.shape, output.leaf
-    if not shape or 0 in shape:
-        yield 0, _stored(read_block(checkpoint, leaf, full_slice(leaf.shape)), output)
+def _blocks(checkpoint: OpenCheckpoint, leaf: LeafEntry, block_bytes: int) -> Iterator[tuple[SliceSpec, np.ndarray]]:
+    """The leaf's data, piece by piece, each piece read once, a block of its rows at a time
+    (the next block's read in flight while this one is written): ``(global slice, array)``.
+    A piece's crc32c is checked across its blocks, after the last one; a mismatch fails the
+    export before its file is committed."""
+    whole = full_slice(leaf.shape)
+    checkpoint.load([(leaf, [whole])])
+    if checkpoint.manifest.tables:  # format 2: the pieces loaded share no byte (as a restore checks)
+        check_byte_ranges(checkpoint.manifest, checkpoint.where, loaded_only=True)
+    dtype = dtype_from_name(leaf.dtype)
+    for piece in loaded_overlapping(leaf, whole):
+        yield from _piece_blocks(checkpoint, leaf, piece, dtype, block_bytes)
+
+
+def _piece_blocks(
+    checkpoint: OpenCheckpoint, leaf: LeafEntry, piece: PieceEntry, dtype: np.dtype, block_bytes: int
+) -> Iterator[tuple[SliceSpec, np.ndarray]]:
+    shape = extent(piece.slice)
+    if math.prod(shape) * dtype.itemsize != piece.length:
+        raise _corrupt(checkpoint, leaf, piece, f"holds {piece.length} bytes, not {shape} of {dtype}")
+    if piece.length == 0:
         return
-    row_items = math.prod(shape[1:])
-    rows = max(1, block_bytes // max(1, row_items * dtype_from_name(leaf.dtype).itemsize))
-    for start in range(0, shape[0], rows):
-        stop = min(start + rows, shape[0])
-        block = list(full_slice(leaf.shape))
-        block[-1 if output.named.transpose else 0] = (start, stop)
-        data = read_block(checkpoint, leaf, tuple(block))
-        yield start * row_items * dtype_from_name(output.tensor.dtype).itemsize, _stored(data, output)
+    row = piece.length // shape[0] if shape else piece.length  # a scalar: one row, no axis
+    rows = max(1, block_bytes // row)
+    spans = [(k, min(k + rows, shape[0])) for k in range(0, shape[0], rows)] if shape else [(0, 1)]
+    reads = collections.deque([_read_rows(checkpoint, piece, row, spans[0])])
+    crc = 0
+    for i, (start, stop) in enumerate(spans):
+        if i + 1 < len(spans):
+            reads.append(_read_rows(checkpoint, piece, row, spans[i + 1]))
+        (chunk,) = reads.popleft().result()
+        crc = _crc32c.crc32c(chunk, crc)
+        if not shape:
+            yield (), chunk.view(dtype).reshape(())
+            continue
+        first = piece.slice[0][0]
+        yield ((first + start, first + stop), *piece.slice[1:]), chunk.view(dtype).reshape((stop - start, *shape[1:]))
+    if crc != piece.crc32c:
+        raise _corrupt(checkpoint, leaf, piece, "does not match its crc32c")
 
 
-def _stored(data: np.ndarray, output: Output) -> np.ndarray:
-    """A block's bytes as the file stores them: axes reversed if asked, cast, row-major."""
+def _read_rows(checkpoint: OpenCheckpoint, piece: PieceEntry, row: int, span: tuple[int, int]) -> concurrent.futures.Future:
+    return checkpoint.store.read(piece.file, piece.offset + span[0] * row, [(span[1] - span[0]) * row])
+
+
+def _corrupt(checkpoint: OpenCheckpoint, leaf: LeafEntry, piece: PieceEntry, what: str) -> CorruptCheckpointError:
+    where = checkpoint.location.child(piece.file)
+    return CorruptCheckpointError(
+        f"key {leaf.key!r} slice {list(piece.slice)} in {where} {what}: the checkpoint is corrupt; export another",
+        key=leaf.key, file=where,
+    )
+
+
+def _write_block(writer: storage.FileWriter, offset: int, output: Output, spec: SliceSpec, data: np.ndarray) -> None:
+    """A block at its place in the tensor: axes reversed if asked, cast, as the row-major
+    runs of bytes its slice of the tensor is made of."""
     if output.named.transpose:
-        data = data.transpose()
-    return np.ascontiguousarray(data, dtype=dtype_from_name(output.tensor.dtype)).reshape(-1).view(np.uint8)
+        spec, data = tuple(reversed(spec)), data.transpose()
+    dtype = dtype_from_name(output.tensor.dtype)
+    flat = np.ascontiguousarray(data, dtype=dtype).reshape(-1).view(np.uint8)
+    at = 0
+    for start, length in layout.runs_of(output.tensor.shape, dtype.itemsize, spec):
+        writer.write_at(offset + start, [flat[at : at + length]])
+        at += length

@@ -20,11 +20,13 @@ import json
 import math
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
+
 from tpu_ckpt.errors import CorruptCheckpointError
-from tpu_ckpt.format import SAFETENSORS_CODES, dtype_itemsize
+from tpu_ckpt.format import SAFETENSORS_CODES, SliceSpec, dtype_itemsize, extent
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -115,6 +117,27 @@ def encode_header(tensors: Sequence[Tensor]) -> tuple[bytes, list[int]]:
     data_start = 8 + len(text)
     offsets = [data_start + entries[t.name]["data_offsets"][0] for t in tensors]
     return struct.pack("<Q", len(text)) + text, offsets
+
+
+def runs_of(shape: Sequence[int], itemsize: int, spec: SliceSpec) -> Iterator[tuple[int, int]]:
+    """The ``(start, length)`` byte runs of slice ``spec`` of a row-major tensor, in order:
+    its trailing whole dimensions and the one before them are contiguous."""
+    if math.prod(extent(spec)) == 0:
+        return
+    whole = len(shape)
+    while whole > 0 and tuple(spec[whole - 1]) == (0, shape[whole - 1]):
+        whole -= 1
+    strides = [math.prod(shape[d + 1 :]) * itemsize for d in range(len(shape))]
+    if whole == 0:
+        yield 0, math.prod(shape) * itemsize
+        return
+    length = (spec[whole - 1][1] - spec[whole - 1][0]) * strides[whole - 1]
+    base = sum(spec[d][0] * strides[d] for d in range(whole))
+    starts = np.zeros(1, np.int64)
+    for d in range(whole - 1):
+        starts = (starts[:, None] + np.arange(spec[d][1] - spec[d][0], dtype=np.int64) * strides[d]).ravel()
+    for start in starts.tolist():
+        yield base + start, length
 
 
 def encode_index(weight_map: dict[str, str], total_size: int) -> bytes:

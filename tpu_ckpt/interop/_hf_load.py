@@ -169,7 +169,7 @@ def _region(store: storage.Backend, entry: layout.Entry, transpose: bool, spec: 
     saved = dtype_from_name(entry.tensor.dtype)
     out = storage.aligned_empty(math.prod(extent(stored)) * saved.itemsize)
     at = 0
-    for runs in _batches(runs_of(entry.tensor.shape, saved.itemsize, stored), batch):
+    for runs in _batches(layout.runs_of(entry.tensor.shape, saved.itemsize, stored), batch):
         futures = [store.read(entry.file, entry.start + start, [length]) for start, length in runs]
         for future, (_, length) in zip(futures, runs):
             (chunk,) = future.result()
@@ -179,27 +179,6 @@ def _region(store: storage.Backend, entry: layout.Entry, transpose: bool, spec: 
     if transpose:
         host = host.transpose()
     return host.astype(dtype, order="C", copy=False)
-
-
-def runs_of(shape: Sequence[int], itemsize: int, spec: SliceSpec) -> Iterator[tuple[int, int]]:
-    """The ``(start, length)`` byte runs of slice ``spec`` of a row-major tensor, in order:
-    its trailing whole dimensions and the one before them are contiguous."""
-    if math.prod(extent(spec)) == 0:
-        return
-    whole = len(shape)
-    while whole > 0 and tuple(spec[whole - 1]) == (0, shape[whole - 1]):
-        whole -= 1
-    strides = [math.prod(shape[d + 1 :]) * itemsize for d in range(len(shape))]
-    if whole == 0:
-        yield 0, math.prod(shape) * itemsize
-        return
-    length = (spec[whole - 1][1] - spec[whole - 1][0]) * strides[whole - 1]
-    base = sum(spec[d][0] * strides[d] for d in range(whole))
-    starts = np.zeros(1, np.int64)
-    for d in range(whole - 1):
-        starts = (starts[:, None] + np.arange(spec[d][1] - spec[d][0], dtype=np.int64) * strides[d]).ravel()
-    for start in starts.tolist():
-        yield base + start, length
 
 
 def _batches(runs: Iterator[tuple[int, int]], batch: int) -> Iterator[list[tuple[int, int]]]:
