@@ -123,8 +123,7 @@ class Incremental:
         time (not deleted) keeps its own; every other piece is fingerprinted now."""
         kept: dict[int, tuple[bytes, bytes]] = {}
         for position, (piece, before) in enumerate(zip(pieces, known)):
-            leaf, ref = leaves[piece.key], self._arrays.get(piece.key)
-            if before is not None and before.fingerprint[1] and ref is not None and ref() is leaf and not leaf.is_deleted():
+            if before is not None and before.fingerprint[1] and _unchanged(self._arrays.get(piece.key), leaves[piece.key]):
                 kept[position] = before.fingerprint
         fresh = [position for position in range(len(pieces)) if position not in kept]
         previous = [None if (before := known[p]) is None else before.fingerprint for p in fresh]
@@ -153,6 +152,11 @@ class Incremental:
 def _step_of(reference: str) -> str:
     """The step a known piece's file lies in: ``step_<n>`` of ``../step_<n>/<file>``."""
     return reference.split("/", 2)[1]
+
+
+def _unchanged(ref: weakref.ref | None, leaf: Any) -> bool:
+    """Whether ``leaf`` is the jax.Array ``ref`` names, not deleted (so its bytes are the same)."""
+    return isinstance(leaf, jax.Array) and not leaf.is_deleted() and ref is not None and ref() is leaf
 
 
 def _same(before: _Known, dtype: str, fingerprint: bytes) -> bool:
