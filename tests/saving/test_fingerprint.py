@@ -1,9 +1,11 @@
 """Fingerprints of pieces' bytes, which incremental saves compare (saving/_fingerprint.py)."""
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from tpu_ckpt.saving import _fingerprint
 from tpu_ckpt.saving._fingerprint import _lanes, fingerprints
 
 
@@ -32,3 +34,18 @@ def test_host_fingerprints_are_128_bits_and_a_changed_sample_skips_the_hash():
     changed[-1] += 1  # the last element: the sample always holds the first and the last
     [(_, unknown), (_, hashed), (_, small)] = fingerprints([changed, a.copy(), changed[1:]], [(sample, first)] * 3)
     assert unknown == b"" and hashed == first and len(small) == 17
+
+
+def test_pieces_on_a_device_are_fingerprinted_there_in_groups(monkeypatch):
+    """On an accelerator the device scheme runs; here it is chosen for the CPU's arrays,
+    with groups of 3 pieces, to run the real programs and check the grouping."""
+    monkeypatch.setattr(_fingerprint, "_on_device", lambda data: isinstance(data, jax.Array))
+    monkeypatch.setattr(_fingerprint, "_GROUP", 3)
+    pieces = [jnp.arange(10 + i, dtype=jnp.float32) for i in range(7)] + [np.arange(5), jnp.ones(3, jnp.bfloat16)]
+    first = fingerprints(pieces, [None] * len(pieces))
+    assert [digest[:1] for _, digest in first] == [b"x"] * 7 + [b"b", b"x"]
+    assert all(len(digest) == 17 for _, digest in first) and len({digest for _, digest in first}) == len(pieces)
+    copies = [jnp.array(np.asarray(p)) if isinstance(p, jax.Array) else p.copy() for p in pieces]
+    assert fingerprints(copies, first) == first
+    lanes = np.asarray(_lanes((pieces[0],)))[0]
+    assert first[0][1] == b"x" + lanes.astype("<u4").tobytes()
