@@ -39,6 +39,20 @@ def names_a_step(arg: Any) -> bool:
     return True
 
 
+def restore_arguments(step: Any, target: Any, orbax: Mapping[str, Any]) -> tuple[int | None, Any]:
+    """``CheckpointManager.restore``'s step (checked) and target: ``restore(target)``, Orbax's
+    habit, is ``restore(None, target)``; a non-integer step with a target is a TypeError."""
+    refuse_orbax_keywords("restore(step, abstract_state)", orbax)
+    if step is not None and not names_a_step(step):
+        if target is not None:
+            raise TypeError(
+                f"restore() got a {type(step).__name__} as its step, and a target: call "
+                "restore(target) for the latest step, or restore(step, target) with an integer step."
+            )
+        step, target = None, step
+    return (None if step is None else check_step(step, "restore(step, target)")), target
+
+
 NO_TREE = object()  # CheckpointManager.save's tree when none is given (Orbax passes it as args=)
 
 

@@ -31,11 +31,12 @@ from typing import Any
 
 from tpu_ckpt import cluster, storage, tiers
 from tpu_ckpt.catalog import Listing, remove_leftover
-from tpu_ckpt.errors import CheckpointExistsError, CheckpointNotFoundError
+from tpu_ckpt.errors import CheckpointExistsError
 from tpu_ckpt.format import MANIFEST_FILE, metric_values
+from tpu_ckpt.manager import _intact as intact
 from tpu_ckpt.manager import _references as references
 from tpu_ckpt.manager import _retention as retention
-from tpu_ckpt.manager._arguments import NO_TREE, check_step, manager_options, names_a_step, refuse_orbax_keywords
+from tpu_ckpt.manager._arguments import NO_TREE, check_step, manager_options, refuse_orbax_keywords, restore_arguments
 from tpu_ckpt.manager._preemption import PreemptionWatch
 from tpu_ckpt.manager._run_directory import RunDirectory
 from tpu_ckpt.options import CheckpointOptions
@@ -116,6 +117,7 @@ class CheckpointManager:
         self._pending: SaveResult | None = None
         self._scores: dict[str, float | None] = {}  # step directory -> its best_fn score
         self._run = RunDirectory(self._location, self._leader())
+        self._checks = intact.Checks(self._location, self._leader())  # which newest steps fail their checks
         # TF's last_preserved_timestamp, which TF reads from its state file (see Args).
         self._preserved_since = time.time() - 1 if not self._list().committed else -math.inf
         self._preemption = PreemptionWatch()
@@ -209,10 +211,18 @@ class CheckpointManager:
             coord.publish("due", "yes" if due else "no")
             return due
 
-    def restore(self, step: Any = None, target: Any = None, *, options: CheckpointOptions | None = None, **orbax: Any) -> Any:
+    def restore(
+        self, step: Any = None, target: Any = None, *, options: CheckpointOptions | None = None, fallback: bool = False,
+        **orbax: Any,
+    ) -> Any:
         """Restores step ``step`` (``None``: the latest committed one) into ``target``, with
         ``options`` (default: the manager's); see :func:`tpu_ckpt.restore`. ``restore(target)``,
         Orbax's habit, is ``restore(None, target)``: a first argument that is no integer is the target.
+
+        The latest step's manifest is checked first (its seal, crc32c, and fields): if it fails,
+        the restore raises ``CorruptCheckpointError`` naming the step, unless ``fallback`` is
+        set: then each step failing its check is skipped, with a warning naming it, and the
+        newest intact step is restored (what :meth:`latest_step` names).
 
         With ``local_directory``: from the local tier when every process's part of the step is
         on some live host (its own disk or a replica) and ``directory`` has no newer step; else
@@ -222,36 +232,19 @@ class CheckpointManager:
 
         Raises:
           CheckpointNotFoundError: no committed checkpoint, or none for ``step``.
+          CorruptCheckpointError: the latest step is damaged (without ``fallback``), or ``step`` is.
           TypeError: Orbax's keywords (``**orbax``, e.g. ``args=``), or a non-integer step and a target.
         """
-        refuse_orbax_keywords("restore(step, abstract_state)", orbax)
-        if step is not None and not names_a_step(step):
-            if target is not None:
-                raise TypeError(
-                    f"restore() got a {type(step).__name__} as its step, and a target: call "
-                    "restore(target) for the latest step, or restore(step, target) with an integer step."
-                )
-            step, target = None, step
+        step, target = restore_arguments(step, target, orbax)  # checked, before any wait or listing
         self.wait_until_finished()
         committed = self._list().committed
         options = options if options is not None else self._options
-        step = None if step is None else check_step(step, "restore(step, target)")
-        if self._tier is not None:
-            restored = self._tier.restore(committed, step, target, options)
-            if isinstance(restored, tiers.FromLocal):
-                self._cadence.counts_from(restored.step)
-                return restored.tree
-            step = restored if restored is not None else step
-        if step is None:
-            if not committed:
-                raise CheckpointNotFoundError(f"No committed checkpoint in {self.directory}", file=self.directory)
-            step = max(committed)
-        elif step not in committed:
-            raise CheckpointNotFoundError(
-                f"No committed checkpoint for step {step} in {self.directory}; "
-                f"the committed steps are {sorted(committed)}",
-                file=self.directory,
-            )
+        tier = None if self._tier is None else functools.partial(self._tier.restore, step=step, target=target, options=options)
+        found = self._checks.restorable(self.directory, committed, step, fallback, options.coordination_timeout, tier)
+        if isinstance(found, tiers.FromLocal):
+            self._cadence.counts_from(found.step)
+            return found.tree
+        step = found
         tree = restore(self._location.child(committed[step]), target, options=options)
         self._cadence.counts_from(step)
         if self._tier is not None:
@@ -259,16 +252,17 @@ class CheckpointManager:
         return tree
 
     def latest_step(self) -> int | None:
-        """The highest committed step, or ``None``. A save still in flight does not count.
+        """The highest committed step whose manifest is intact, or ``None``: what
+        ``restore(fallback=True)`` restores. A save still in flight does not count.
         With ``local_directory``: the step :meth:`restore` would restore, from either tier."""
-        committed = self._list().committed
-        if self._tier is None:
-            return max(committed, default=None)
-        return self._tier.choose(committed, None, self._options.coordination_timeout).step
+        timeout = self._options.coordination_timeout
+        tier = None if self._tier is None else lambda listed: self._tier.choose(listed, None, timeout).step  # type: ignore[union-attr]
+        return self._checks.latest(self._list().committed, timeout, tier)
 
     def all_steps(self) -> list[int]:
-        """Every committed step (of ``directory``, the persistent tier), in ascending order."""
-        return sorted(self._list().committed)
+        """Every committed step (of ``directory``, the persistent tier), in ascending order,
+        but those above the newest intact one that fail their checks (see :meth:`restore`)."""
+        return self._checks.intact(self._list().committed, self._options.coordination_timeout)
 
     def wait_until_finished(self) -> None:
         """Waits until the save in flight (and an upload to ``directory``) is committed; raises its failure (once)."""
@@ -328,13 +322,14 @@ class CheckpointManager:
             self._run.settle()  # a synchronous save returns with the directory as retention leaves it
 
     def _expired(self, step: int, name: str, committed: dict[int, str]) -> list[int]:
-        """The steps of ``committed`` (what the run holds now) that retention lets go after ``step``."""
+        """The steps of ``committed`` (what the run holds now) that retention lets go after
+        ``step``: never the newest intact one, though newer steps fail their checks (``_intact``)."""
         committed = {**committed, step: name}
-        expired = self._retention.expired(
+        expired = self._checks.spare(committed, step, self._retention.expired(
             list(committed), step, preserved_since=self._preserved_since,
             commit_time=lambda s: self._commit_time(committed[s]),
             score=lambda s: self._score(committed[s], s),
-        )
+        ))
         for old in expired:
             self._scores.pop(committed[old], None)
         return expired

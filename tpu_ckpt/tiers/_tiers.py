@@ -3,7 +3,7 @@
 The manager (manager/_manager.py) keeps its rules for the persistent ``directory``; this object owns
 the local tier's cadence, its saves (``tiers/_local_tier.py``), the background uploads of local steps
 to ``directory`` (``tiers/_promote.py``) and the choice, at restore, between the tiers
-(``tiers/_restore.py``). Every call is collective, like the manager's own.
+(``tiers/_choice.py``, ``tiers/_restore.py``). Every call is collective, like the manager's own.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 from tpu_ckpt import cluster, storage
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.saving import SaveResult, largest_file
+from tpu_ckpt.tiers import _choice as tier_choice
 from tpu_ckpt.tiers import _fallback as fallback
 from tpu_ckpt.tiers import _local_tier as local_tier
 from tpu_ckpt.tiers import _placement as placement
@@ -93,10 +94,10 @@ class LocalTier:
         """Waits for the upload in flight, and raises its failure (once)."""
         self._uploader.wait()
 
-    def choose(self, persistent: Iterable[int], step: int | None, timeout: float) -> tier_restore.Choice:
+    def choose(self, persistent: Iterable[int], step: int | None, timeout: float) -> tier_choice.Choice:
         """The step the processes would restore, and from which tier (collective)."""
         with cluster.Coordinator(f"choose a step in {self.root}", timeout) as coord:
-            return tier_restore.choose(coord, self.root, persistent, step, self._failed)
+            return tier_choice.choose(coord, self.root, persistent, step, self._failed)
 
     def restore(self, persistent: Iterable[int], step: int | None, target: Any, options: CheckpointOptions) -> FromLocal | int | None:
         """Restores ``step`` (None: the newest) from the local tier if some tier-wide copy of
@@ -108,7 +109,7 @@ class LocalTier:
         try:
             with cluster.Coordinator(f"restore from {self.root}", options.coordination_timeout) as coord:
                 try:
-                    choice = tier_restore.choose(coord, self.root, persistent, step, self._failed)
+                    choice = tier_choice.choose(coord, self.root, persistent, step, self._failed)
                     if choice.local_step is not None:
                         restored = tier_restore.restore_local(
                             coord, self.root, choice.local_step, choice.holders, target, options, choice.token
