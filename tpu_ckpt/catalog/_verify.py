@@ -221,8 +221,11 @@ def _per_piece(store: storage.CheckpointStore, read: Read) -> list[Problem]:
             _start(store, Read.of(key, p)).result()
         except _Mismatch:
             problems.append(_crc_problem(store, key, p))
-        except CorruptCheckpointError:
-            problems.append(Problem("truncated", store.location.child(p.file), (key,), "the file ends before its pieces do"))
+        except CorruptCheckpointError as e:
+            if "truncated" in str(e):
+                problems.append(Problem("truncated", store.location.child(p.file), (key,), "the file ends before its pieces do"))
+            else:  # not a regular file, a link out of the checkpoint: its own words say what it is
+                problems.append(Problem("unreadable", store.location.child(p.file), (key,), str(e)))
         except (CheckpointError, OSError) as e:
             problems.append(Problem("unreadable", store.location.child(p.file), (key,), str(e)))
     return problems

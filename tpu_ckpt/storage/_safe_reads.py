@@ -86,6 +86,13 @@ def _confined(root: str, name: str) -> tuple[str, str]:
         sibling = os.path.join(os.path.dirname(root.rstrip(os.sep)), parts[1])
         if parts[1] != os.pardir and any(os.path.isfile(os.path.join(sibling, f)) for f in (MANIFEST_FILE, REFERENCED_FILE)):
             return sibling, os.path.join(sibling, *parts[2:])
+        if step_reference(name) is not None:
+            raise CorruptCheckpointError(
+                f"{root} is an incremental step whose data file {name!r} is held by step {sibling}, which was deleted "
+                f"(it holds neither {MANIFEST_FILE} nor {REFERENCED_FILE}): an incremental step needs the steps it "
+                "references. Restore another checkpoint, or put that step back.",
+                file=os.path.join(sibling, *parts[2:]),
+            )
     raise outside_error(root, name)
 
 
