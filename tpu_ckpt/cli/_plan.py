@@ -49,6 +49,7 @@ def add_plan(commands: Any) -> None:
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--like", metavar="OTHER_CKPT", help="a checkpoint saved as the target is laid out")
     target.add_argument("--target", metavar="FILE.json", help="the target's shapes, dtypes, mesh and specs")
+    target.add_argument("--template", action="store_true", help="print CKPT's own layout as a --target file, to edit")
     p.add_argument("--skip-slot-variables", action="store_true", help="as CheckpointOptions(skip_slot_variables=True)")
     p.add_argument("--devices-per-process", type=int, default=None, metavar="N",
                    help="count devices 0..N-1 as process 0, N..2N-1 as process 1, ...: a multi-host job's reads")
@@ -60,6 +61,9 @@ def add_plan(commands: Any) -> None:
 def _plan(args: argparse.Namespace) -> int:
     if args.throughput <= 0 or (args.devices_per_process is not None and args.devices_per_process <= 0):
         raise ValueError("--throughput and --devices-per-process must be positive")
+    if args.template:
+        print(json.dumps(_template(args.ckpt, args.subtree), indent=2))
+        return 0
     target = _target_like(args.like, args.subtree) if args.like is not None else _target_from(args.target)
     from tpu_ckpt.options import CheckpointOptions
     from tpu_ckpt.restoring import check_restore
@@ -78,6 +82,23 @@ def _target_like(other: str, subtree: str | None) -> Any:
     leaves = [leaf for leaf in cli_format.manifest_of(other).leaves if under(leaf.key, prefix)]
     _use_cpu_devices(max((_mesh_size(leaf.sharding) for leaf in leaves), default=1), other)
     return unflatten_nested((leaf.path[depth:], _like(leaf)) for leaf in leaves)
+
+
+def _template(ckpt: str, subtree: str | None) -> dict[str, Any]:
+    """The --target file of ``ckpt``'s own layout (below ``subtree``): its arrays with their
+    saved shapes, dtypes and specs on the first saved mesh, and its numbers."""
+    prefix, _ = normalise_subtree(subtree)
+    leaves = [leaf for leaf in cli_format.manifest_of(ckpt).leaves if under(leaf.key, prefix)]
+    meshes = [leaf.sharding["mesh"] for leaf in leaves if (leaf.sharding or {}).get("type") == "NamedSharding"]
+    doc: dict[str, Any] = {"mesh": meshes[0] if meshes else {}, "leaves": {}}
+    for leaf in leaves:
+        key = leaf.key[len(prefix) + 1:] if prefix else leaf.key
+        if leaf.kind == "array":
+            on_mesh = bool(meshes) and (leaf.sharding or {}).get("mesh") == meshes[0]
+            doc["leaves"][key] = {"shape": list(leaf.shape), "dtype": leaf.dtype, "spec": leaf.sharding["spec"] if on_mesh else []}
+        elif leaf.kind == "value" and isinstance(leaf.value, (bool, int, float)):
+            doc["leaves"][key] = leaf.value
+    return doc
 
 
 def _target_from(path: str) -> Any:
@@ -111,8 +132,8 @@ def _like(leaf: LeafEntry) -> Any:
 
     from tpu_ckpt.format import dtype_from_name
 
-    if leaf.kind == "value":
-        return leaf.value
+    if leaf.kind != "array":
+        return leaf.value  # a per-process leaf: None, read as a value
     description = leaf.sharding or {}
     sharding = None
     if description.get("type") == "NamedSharding":
