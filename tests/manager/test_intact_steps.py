@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 import tpu_ckpt as tc
+from tests.manager.test_deleters_race import run_url  # noqa: F401 - the fixture: local, gs, s3
+from tpu_ckpt import storage
 
 
 def _tree(step: int) -> dict:
@@ -54,6 +56,23 @@ def test_a_bad_newest_step_is_named_by_restore_and_skipped_only_with_fallback(tm
         with pytest.raises(tc.CorruptCheckpointError):
             manager.restore(bad, _tree(0))  # asked for by number: refused, naming what is wrong
         _same(manager.restore(1, _tree(0)), 1)
+
+
+def test_a_stray_newest_step_locally_and_on_object_stores_is_skipped_only_with_fallback(run_url, caplog):  # noqa: F811
+    with tc.CheckpointManager(run_url, max_to_keep=None) as manager:
+        for step in (1, 2):
+            manager.save(step, _tree(step))
+    if "://" not in run_url:
+        os.makedirs(f"{run_url}/step_9")
+    with storage.Store(storage.location(f"{run_url}/step_9")) as store:
+        store.write("manifest.json", [b'{"format": "not ours"}']).result()
+    with tc.CheckpointManager(run_url, max_to_keep=None) as manager:
+        assert manager.latest_step() == 2 and manager.all_steps() == [1, 2]
+        with pytest.raises(tc.CorruptCheckpointError, match=", 9, cannot be restored"):
+            manager.restore(None, _tree(0))
+        with caplog.at_level(logging.WARNING, logger="tpu_ckpt"):
+            _same(manager.restore(None, _tree(0), fallback=True), 2)
+        assert "skipping step 9 " in caplog.text
 
 
 def test_every_step_damaged_is_not_found_naming_them(tmp_path):

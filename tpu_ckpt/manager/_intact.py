@@ -36,6 +36,7 @@ class Checks:
     def damaged(self, committed: dict[int, str], timeout: float) -> dict[int, str]:
         """The steps of ``committed`` newer than its newest intact one, each with what is
         wrong with it (collective: the leader reads, the others are told)."""
+        self._intact &= set(committed.values())  # a step removed and saved again is read again
         if cluster.process_count() == 1:
             return self._above_intact(committed)
         with cluster.Coordinator(f"check the newest steps of {self._loc.url}", timeout) as coord:
@@ -98,7 +99,6 @@ class Checks:
         return [s for s in expired if s != newest]
 
     def _above_intact(self, committed: dict[int, str]) -> dict[int, str]:
-        self._intact &= set(committed.values())  # a step removed and saved again is read again
         found = {}
         for step in sorted(committed, reverse=True):
             problem = self._problem(committed[step])
