@@ -229,7 +229,9 @@ def _count(n: int, one: str, many: str = "") -> str:
 def _leaf_text(leaf: LeafEntry) -> str:
     if leaf.kind == "value":
         return f"value {leaf.value!r}"
-    text = f"{leaf.dtype}[{','.join(map(str, leaf.shape))}]"
+    if leaf.kind == PER_PROCESS:
+        return f"per-process value, {len(leaf.value)} bytes from this process"
+    text = f"{leaf.dtype}[{','.join(map(str, leaf.shape))}]" + (f" ({leaf.logical})" if leaf.logical else "")
     if leaf.is_slot:
         text += "  slot"
     sharding = leaf.sharding
