@@ -1,16 +1,15 @@
 """load_safetensors(): Hugging Face safetensors files straight onto a target's shardings.
 
 The headers are read and checked first (``_hf_layout``), and the whole target with them:
-every name, shape and dtype that does not fit is reported at once. Then, per leaf, each
-distinct slice this process's devices hold (or the whole tensor, for a numpy target) is
-read as the row-major runs of bytes it is made of: a slice whose trailing dimensions are
-whole is one run per combination of its leading indices, and an unsharded tensor is one
-run. Runs are read a batch at a time into the slice's host array, then placed.
+every name, shape and dtype that does not fit is reported at once. Then, per leaf, the
+distinct slices this process's devices hold (or the whole tensor, for a numpy target): their
+bounding box, read once when they tile it, else each by itself, a batch of rows at a time,
+each block read as the row-major runs of bytes it is made of (one run when its trailing
+dimensions are whole), and copied into the slices it overlaps, which are then placed.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -21,7 +20,7 @@ import numpy as np
 
 from tpu_ckpt import storage
 from tpu_ckpt.errors import CorruptCheckpointError, TargetMismatchError
-from tpu_ckpt.format import SliceSpec, dtype_from_name, extent, flatten, full_slice
+from tpu_ckpt.format import SliceSpec, dtype_from_name, extent, flatten, full_slice, intersect, relative, volume
 from tpu_ckpt.interop import _hf_layout as layout
 from tpu_ckpt.interop._hf_names import Named, Names, resolve
 from tpu_ckpt.options import CheckpointOptions
@@ -147,51 +146,62 @@ def _check(triples: Sequence[tuple[str, Any, Any]], found: Sequence[Named | None
 
 
 def _load_leaf(store: storage.Backend, entry: layout.Entry, named: Named, leaf: Any, batch: int) -> Any:
-    dtype = np.dtype(leaf.dtype)
+    dtype, shape = np.dtype(leaf.dtype), tuple(leaf.shape)
     if isinstance(leaf, np.ndarray):
-        return _region(store, entry, named.transpose, full_slice(leaf.shape), dtype, batch)
+        return _read_slices(store, entry, named.transpose, [full_slice(shape)], dtype, batch)[0]
     sharding = leaf.sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     by_slice: dict[SliceSpec, list[jax.Device]] = {}
-    shape = tuple(leaf.shape)
     for device, index in sharding.addressable_devices_indices_map(shape).items():
         by_slice.setdefault(full_slice(shape) if index is None else index_to_slice(index, shape), []).append(device)
-    arrays = []
-    for spec, devices in by_slice.items():
-        host = _region(store, entry, named.transpose, spec, dtype, batch)
-        arrays.extend(jax.device_put([host] * len(devices), devices))
-        jax.block_until_ready(arrays[-1])
-    return jax.make_array_from_single_device_arrays(tuple(leaf.shape), sharding, arrays)
+    hosts = _read_slices(store, entry, named.transpose, list(by_slice), dtype, batch)
+    arrays = [a for host, devices in zip(hosts, by_slice.values()) for a in jax.device_put([host] * len(devices), devices)]
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
-def _region(store: storage.Backend, entry: layout.Entry, transpose: bool, spec: SliceSpec, dtype: np.dtype, batch: int) -> np.ndarray:
-    """The slice ``spec`` of the target leaf, read from its tensor's runs of bytes."""
-    stored = tuple(reversed(spec)) if transpose else spec
+def _read_slices(
+    store: storage.Backend, entry: layout.Entry, transpose: bool, specs: list[SliceSpec], dtype: np.dtype, batch: int
+) -> list[np.ndarray]:
+    """Distinct slices of the target leaf (a sharding's: they tile what they cover), as host
+    arrays. Their bounding box is read once when they tile it (a host's devices usually hold
+    one block of the mesh), else each slice by itself; a box a batch of its rows at a time."""
     saved = dtype_from_name(entry.tensor.dtype)
-    out = storage.aligned_empty(math.prod(extent(stored)) * saved.itemsize)
+    stored = [tuple(reversed(s)) if transpose else s for s in specs]
+    hosts = [storage.aligned_empty(volume(s) * saved.itemsize).view(saved).reshape(extent(s)) for s in stored]
+    box = tuple((min(s[d][0] for s in stored), max(s[d][1] for s in stored)) for d in range(len(stored[0])))
+    for each in [box] if sum(map(volume, stored)) == volume(box) else stored:
+        for part in _row_blocks(each, saved.itemsize, batch):
+            data = _read_box(store, entry, saved, part)
+            for spec, host in zip(stored, hosts):
+                overlap = intersect(spec, part)
+                if overlap is not None:
+                    host[relative(overlap, spec)] = data[relative(overlap, part)]
+    hosts.reverse()  # each let go of as soon as it is converted
+    return [_converted(hosts.pop(), transpose, dtype) for _ in range(len(hosts))]
+
+
+def _converted(host: np.ndarray, transpose: bool, dtype: np.dtype) -> np.ndarray:
+    return (host.transpose() if transpose else host).astype(dtype, order="C", copy=False)
+
+
+def _row_blocks(box: SliceSpec, itemsize: int, batch: int) -> Iterator[SliceSpec]:
+    """``box`` cut along its first axis into blocks of about ``batch`` bytes (one row at least)."""
+    if not box:
+        yield box
+        return
+    (start, stop), rest = box[0], box[1:]
+    rows = max(1, batch // max(1, volume(rest) * itemsize))
+    for k in range(start, stop, rows):
+        yield ((k, min(k + rows, stop)), *rest)
+
+
+def _read_box(store: storage.Backend, entry: layout.Entry, saved: np.dtype, box: SliceSpec) -> np.ndarray:
+    """A block of the stored tensor, read as the row-major runs of bytes it is made of."""
+    runs = list(layout.runs_of(entry.tensor.shape, saved.itemsize, box))
+    futures = [store.read(entry.file, entry.start + start, [length]) for start, length in runs]
+    out = storage.aligned_empty(volume(box) * saved.itemsize)
     at = 0
-    for runs in _batches(layout.runs_of(entry.tensor.shape, saved.itemsize, stored), batch):
-        futures = [store.read(entry.file, entry.start + start, [length]) for start, length in runs]
-        for future, (_, length) in zip(futures, runs):
-            (chunk,) = future.result()
-            out[at : at + length] = chunk
-            at += length
-    host = out.view(saved).reshape(extent(stored))
-    if transpose:
-        host = host.transpose()
-    return host.astype(dtype, order="C", copy=False)
-
-
-def _batches(runs: Iterator[tuple[int, int]], batch: int) -> Iterator[list[tuple[int, int]]]:
-    """The runs in groups of about ``batch`` bytes, each read at once."""
-    current: list[tuple[int, int]] = []
-    size = 0
-    for start, length in runs:
-        for at in range(start, start + length, batch):  # a run longer than a batch, in parts
-            part = (at, min(batch, start + length - at))
-            if current and size + part[1] > batch:
-                yield current
-                current, size = [], 0
-            current.append(part)
-            size += part[1]
-    if current:
-        yield current
+    for future, (_, length) in zip(futures, runs):
+        (chunk,) = future.result()
+        out[at : at + length] = chunk
+        at += length
+    return out.view(saved).reshape(extent(box))
