@@ -49,3 +49,14 @@ def test_pieces_on_a_device_are_fingerprinted_there_in_groups(monkeypatch):
     assert fingerprints(copies, first) == first
     lanes = np.asarray(_lanes((pieces[0],)))[0]
     assert first[0][1] == b"x" + lanes.astype("<u4").tobytes()
+
+
+def test_a_piece_of_several_chunks_is_hashed_by_chunks(monkeypatch):
+    monkeypatch.setattr(_fingerprint, "_CHUNK", 1024)
+    a = np.arange(1000, dtype=np.float32)  # 4 chunks, the last one short
+    changed = a.copy()
+    changed[300] = -1  # in the second chunk
+    [(_, whole), (_, same), (_, other)] = fingerprints([a, a.copy(), changed], [None] * 3)
+    assert len(whole) == 17 and whole == same != other
+    monkeypatch.setattr(_fingerprint, "_CHUNK", 16 << 20)
+    assert fingerprints([a], [None])[0][1] not in (whole, other)  # one chunk: the digest of the bytes themselves
