@@ -22,8 +22,9 @@ import shutil
 
 import jax
 
+import tpu_ckpt as tc
 from tests.mp_scenarios import GLOBAL, _job_mesh, _mismatches, _reversed_mesh, _targets
-from tests.tiers.tier_scenarios import _manager, _state
+from tests.tiers.tier_scenarios import _enter_host, _manager, _state
 
 CASES = ("part", "index", "data", "plan")
 
@@ -68,4 +69,30 @@ def swapped(directory: str) -> dict:
                 "mismatches": _mismatches(restored, {"w": GLOBAL + step, "step": step}),
                 "again": _mismatches(manager.restore(None, _targets(_state(0), _job_mesh())), {"w": GLOBAL + step, "step": step}),
             }
+    return out
+
+
+def stray_persistent_step(directory: str) -> dict:
+    """Local steps 1-3 (step 1 also persistent), then a stray persistent ``step_9`` (a
+    manifest that is no checkpoint of ours, put there by process 0, which lists for all):
+    ``latest_step()`` names local step 3, ``restore()`` raises naming step 9 on every
+    process, ``restore(fallback=True)`` restores local step 3."""
+    me = jax.process_index()
+    persistent = _enter_host(directory)
+    with _manager(persistent, enable_async=False, every=100) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, _state(step))
+    if me == 0:
+        os.makedirs(os.path.join(persistent, "step_9"))
+        with open(os.path.join(persistent, "step_9", "manifest.json"), "w") as f:
+            f.write('{"format": "not ours"}')
+    with _manager(persistent, enable_async=False, every=100) as manager:
+        out: dict = {"latest": manager.latest_step(), "all": manager.all_steps()}
+        try:
+            manager.restore(None, _targets(_state(0), _job_mesh()))
+        except tc.CheckpointError as e:
+            out["error"] = [type(e).__name__, str(e)]
+        restored = manager.restore(None, _targets(_state(0), _reversed_mesh()), fallback=True)
+        out["step"] = int(restored["step"])
+        out["mismatches"] = _mismatches(restored, {"w": GLOBAL + 3, "step": 3})
     return out
