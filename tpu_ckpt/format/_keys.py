@@ -193,9 +193,9 @@ def _materialize(node: Any) -> Any:
         for (_, i), child in node.items():
             out[i] = _materialize(child)
         return out
-    out = {name: _materialize(child) for (_, name), child in node.items()}
-    if len(out) < len(node):
+    named = {name: _materialize(child) for (_, name), child in node.items()}
+    if len(named) < len(node):
         names = [name for _, name in node]
         twice = next(name for name in names if names.count(name) > 1)
         raise ValueError(f"two children of one node are both named {twice!r} (an attribute and a dict entry, say)")
-    return out
+    return named
