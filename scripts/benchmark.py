@@ -16,8 +16,15 @@ writes_in_flight, and reports each library's sync save throughput as a share of 
     python scripts/benchmark.py --scale 0.1 --reps 2
     python scripts/benchmark.py --workload many --reps 1 --json /tmp/bench.json
     python scripts/benchmark.py --workload cli
+    python scripts/benchmark.py --workload lm --scale 0.5 --reps 4 --saves-only   # the write floor
 
-Restores are also held to the read floor: a naive reader (NaiveReader) that np.fromfile's
+Sync saves are also held to the write floor: a naive writer (Naive.save, issue 41) that
+np.save's every shard's host copy into a file of its own on 8 threads, fsync'ing each; the
+table gives each library's wall, user and system CPU seconds, and tpu_ckpt's per-rep ratios
+to the naive writer's. Every timed save and restore starts from an empty page cache where the
+process may drop it (/proc/sys/vm/drop_caches, root on Linux; the run says whether it could).
+
+Restores are also held to the read floor: a naive reader (Naive.restore) that np.fromfile's
 every piece of tpu_ckpt's checkpoint into fresh memory on 8 threads and builds the arrays
 with jax.make_array_from_callback, with no check at all. Its table gives, per restore, the
 median over reps of tpu_ckpt's time / the naive reader's in the same rep, wall and CPU
@@ -89,6 +96,8 @@ FLOOR_TARGETS = {
 }
 # metric -> largest passing tpu_ckpt/naive reader ratio (the read floor, measured in the same run).
 FLOOR_RATIO_TARGETS = {"restore_same_s": 1.1, "restore_resharded_s": 1.3}
+# metric -> largest passing tpu_ckpt/naive writer ratio, sync save (the write floor, issue 41).
+SAVE_FLOOR_TARGETS = {"save_s": 1.1, "save_cpu_s": 1.2}
 NO_RATIO = {"step_donated"}  # reported side by side, neither compared nor judged
 BASELINE_STEPS = 3  # steps with no save in flight per rep, their median the baseline (one is noisy)
 MIN_BANDWIDTH_SHARE = 0.8  # lm sync save throughput / fsync'd sequential write bandwidth
@@ -216,15 +225,31 @@ class Orbax:
         return jax.block_until_ready(self.ckptr.restore(path, target))
 
 
-class NaiveReader:
-    """The floor a restore is held to: every piece of tpu_ckpt's checkpoint (the manifest
-    says where) read with np.fromfile into fresh memory on 8 threads, then each leaf built
-    with jax.make_array_from_callback, a device's part being a piece as it is when it is
-    exactly that part, else copied out of the pieces overlapping it. No checksum, bounds or
-    tiling check, no batching: what a reader that trusts its files does."""
+class Naive:
+    """The floors a save and a restore are held to. Save (issue 41's naive writer): every
+    shard's host copy (np.asarray(shard.data), one per replica group) np.save'd to a file of
+    its own on 8 threads, each file fsync'd; no header, checksum, index or commit. Restore:
+    every piece of tpu_ckpt's checkpoint (the manifest says where) read with np.fromfile into
+    fresh memory on 8 threads, then each leaf built with jax.make_array_from_callback, a
+    device's part being a piece as it is when it is exactly that part, else copied out of
+    the pieces overlapping it. No checksum, bounds or tiling check, no batching: what a
+    reader that trusts its files does."""
     name = "naive"
     reads = "tpu_ckpt"  # restores the checkpoint this library saved
     THREADS = 8
+
+    def save(self, path, tree):
+        os.mkdir(path)
+        shards = [s for leaf in jax.tree.leaves(tree) for s in leaf.addressable_shards if s.replica_id == 0]
+        with concurrent.futures.ThreadPoolExecutor(self.THREADS) as pool:
+            list(pool.map(self._save_shard, [os.path.join(path, f"{i}.npy") for i in range(len(shards))], shards))
+
+    @staticmethod
+    def _save_shard(name, shard):
+        with open(name, "wb") as f:
+            np.save(f, np.asarray(shard.data))
+            f.flush()
+            os.fsync(f.fileno())
 
     def restore(self, path, target):
         with open_checkpoint(path) as checkpoint:
@@ -291,19 +316,35 @@ def release_free_memory():
 
 
 def cpu_seconds():
-    """User + system CPU seconds of this process, all threads (getrusage)."""
+    """(user, system) CPU seconds of this process, all threads (getrusage)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    return usage.ru_utime, usage.ru_stime
 
 
 def measure(fn, *args):
     """Runs fn(*args), returning (its result, wall seconds, RSS peak minus RSS at start in MB,
-    CPU seconds): on a shared machine the CPU time is the steadier measure."""
+    (user, system) CPU seconds): on a shared machine the CPU time is the steadier measure."""
     with PeakRss() as rss:
         cpu, start = cpu_seconds(), time.perf_counter()
         result = fn(*args)
-        seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu
-    return result, seconds, (rss.peak - rss.start) / MB, cpu
+        seconds, after = time.perf_counter() - start, cpu_seconds()
+    return result, seconds, (rss.peak - rss.start) / MB, (after[0] - cpu[0], after[1] - cpu[1])
+
+
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+
+def drop_caches():
+    """Writes back dirty pages (os.sync), then drops the clean page cache where this process
+    may (root on Linux), so every timed operation starts from the same cache state rather
+    than one that drifts with what ran before (issue 41). Returns whether it dropped."""
+    os.sync()
+    try:
+        with open(DROP_CACHES, "w") as f:
+            f.write("3\n")
+    except OSError:
+        return False
+    return True
 
 
 def disk_usage(path):
@@ -367,7 +408,7 @@ def raw_save(path, files):
 def raw_throughput(raw_files, workdir, label):
     """MB/s of writing `raw_files` raw (see raw_save), starting with no dirty pages to drain."""
     path = os.path.join(workdir, f"raw-{label}")
-    os.sync()
+    drop_caches()
     _, seconds, _, _ = measure(raw_save, path, raw_files)
     size = disk_usage(path)[0]
     shutil.rmtree(path)
@@ -378,8 +419,9 @@ def one_rep(name, tree, targets, libs, workdir, rep, reps, log, raw_files=None):
     """One interleaved rep: (given `raw_files`, the raw baseline, right before tpu_ckpt's
     save), save, restore same sharding, restore onto mesh (2, 4), each operation run for
     every library before the next starts, into fresh directories that are removed afterwards.
-    Every write starts with no dirty pages left to drain (os.sync), so none pays for the
-    writeback of the one before. Rep 0 is the warm-up. Reports each library's times with
+    Every write and restore starts with no dirty pages left to drain and, where permitted, an
+    empty page cache (drop_caches), so none pays for the writeback of the one before and the
+    ratios do not drift with the cache's state. Rep 0 is the warm-up. Reports each library's times with
     `log`. Returns {lib: {metric: value}}."""
     label = f"rep {rep}/{reps}" if rep else "warm-up"
     paths = {lib.name: os.path.join(workdir, f"{name}-{lib.name}-rep{rep}") for lib in libs}
@@ -387,39 +429,43 @@ def one_rep(name, tree, targets, libs, workdir, rep, reps, log, raw_files=None):
     raw_mbps = raw_throughput(raw_files, workdir, rep) if raw_files is not None else None
     savers = [lib for lib in libs if hasattr(lib, "save")]
     for lib in savers:
-        os.sync()
-        _, seconds, rss, _ = measure(lib.save, paths[lib.name], tree)
+        drop_caches()
+        _, seconds, rss, (user, system) = measure(lib.save, paths[lib.name], tree)
         size, files = disk_usage(paths[lib.name])
         out[lib.name].update(save_s=seconds, save_rss_mb=rss, bytes_mb=size / MB, files=files,
-                             save_mbps=size / MB / seconds)
+                             save_mbps=size / MB / seconds, save_user_s=user, save_sys_s=system,
+                             save_cpu_s=user + system)
         if raw_mbps:  # a share of the raw baseline measured in the same rep
             out[lib.name]["raw_share"] = size / MB / seconds / raw_mbps
     raw = f" (raw write+fsync {raw_mbps:.0f} MB/s)" if raw_mbps else ""
     for op, target in targets.items():
         for lib in libs:
             release_free_memory()  # every reader reads into fresh memory, as a new process does
+            drop_caches()  # and from the disk: a save written around the page cache left nothing there
             restored, seconds, rss, cpu = measure(lib.restore, paths[getattr(lib, "reads", lib.name)], target)
             free(restored)
             del restored
-            out[lib.name].update({f"{op}_s": seconds, f"{op}_rss_mb": rss, f"{op}_cpu_s": cpu})
+            out[lib.name].update({f"{op}_s": seconds, f"{op}_rss_mb": rss, f"{op}_cpu_s": sum(cpu)})
     for lib in savers:
         shutil.rmtree(paths[lib.name])
     for lib in libs:
         r = out[lib.name]
-        saved = f"save {r['save_s']:.3f}s " if "save_s" in r else ""
-        log(f"[{name} {label}] {lib.name:8s} {saved}restore {r['restore_same_s']:.3f}s "
-            f"({r['restore_same_cpu_s']:.2f}s CPU) restore{RESTORE_MESH} {r['restore_resharded_s']:.3f}s "
-            f"({r['restore_resharded_cpu_s']:.2f}s CPU){raw}")
+        saved = (f"save {r['save_s']:.3f}s (user {r['save_user_s']:.2f}s sys {r['save_sys_s']:.2f}s) "
+                 if "save_s" in r else "")
+        restored = (f"restore {r['restore_same_s']:.3f}s ({r['restore_same_cpu_s']:.2f}s CPU) restore{RESTORE_MESH} "
+                    f"{r['restore_resharded_s']:.3f}s ({r['restore_resharded_cpu_s']:.2f}s CPU)" if targets else "")
+        log(f"[{name} {label}] {lib.name:8s} {saved}{restored}{raw}")
     return out
 
 
-def run_workload(name, tree, libs, workdir, reps):
+def run_workload(name, tree, libs, workdir, reps, restores=True):
     """An untimed warm-up rep, then `reps` measured ones. The warm-up keeps one-time costs
     out of the medians (Orbax compiles per leaf shape/dtype/sharding on its first save, which
     for `many` is minutes; both libraries start thread pools): a training loop saves the
-    same tree over and over, so the steady state is what matters. Returns {lib: {metric: [samples]}}."""
+    same tree over and over, so the steady state is what matters. `restores`: False times the
+    saves alone. Returns {lib: {metric: [samples]}}."""
     targets = {"restore_same": abstract(tree, mesh(SAVE_MESH)),
-               "restore_resharded": abstract(tree, mesh(RESTORE_MESH))}
+               "restore_resharded": abstract(tree, mesh(RESTORE_MESH))} if restores else {}
     raw_files = plan_save(tree).files if name == "lm" else None  # numpy views of the arrays' buffers
     samples = {lib.name: {} for lib in libs}
     with Progress(f"{name} reps", reps + 1, unit="reps") as bar:
@@ -468,6 +514,7 @@ def async_rep(name, state, libs, workdir, rep, reps, log):
     for lib in libs:
         path = os.path.join(workdir, f"{name}-{lib.name}-async-rep{rep}")
         release_free_memory()
+        drop_caches()
         with PeakRss() as rss:
             start = time.perf_counter()
             handle = lib.save_async(path, state)
@@ -532,6 +579,9 @@ METRICS = (  # (key, label, format)
     ("restore_resharded_s", f"restore mesh {RESTORE_MESH} (s)", "{:.3f}"),
     ("restore_same_cpu_s", f"restore mesh {SAVE_MESH} (CPU s)", "{:.3f}"),
     ("restore_resharded_cpu_s", f"restore mesh {RESTORE_MESH} (CPU s)", "{:.3f}"),
+    ("save_user_s", "sync save user CPU (s)", "{:.3f}"),
+    ("save_sys_s", "sync save system CPU (s)", "{:.3f}"),
+    ("save_cpu_s", "sync save CPU (s)", "{:.3f}"),
     ("save_mbps", "save throughput (MB/s)", "{:.0f}"),
     ("raw_share", "sync save vs raw write+fsync", "{:.2f}"),
     ("bytes_mb", "bytes written (MB)", "{:.1f}"),
@@ -586,10 +636,32 @@ def report(name, samples, bandwidth, transfer_floor_s=None):
                  "target": f">= {wanted:.0%}" if wanted else "",
                  "result": ("PASS" if share["tpu_ckpt"] >= wanted else "FAIL") if wanted else ""})
     print_table(f"workload {name} (medians)", ("metric", "tpu_ckpt", "orbax", "ratio", "target", "result"), rows)
+    writes = save_floor_rows(samples)
+    print_table(f"workload {name}: sync saves vs the naive writer (medians; ratios: medians of per-rep ratios)",
+                ("metric", "tpu_ckpt", "naive", "orbax", "ratio", "target", "result"), writes)
+    if "restore_same_s" not in samples["tpu_ckpt"]:
+        return rows + writes  # --saves-only
     floor = floor_rows(samples, transfer_floor_s)
     print_table(f"workload {name}: restores vs the naive reader (medians of per-rep ratios)",
                 ("metric", "tpu_ckpt", "naive", "orbax", "ratio", "ratio cpu", "target", "result"), floor)
-    return rows + floor
+    return rows + writes + floor
+
+
+def save_floor_rows(samples):
+    """Each library's sync save, wall and CPU (user, system, both), beside the naive writer's
+    (Naive.save) in the same reps; tpu_ckpt's wall and CPU as the median of its per-rep ratios
+    to the naive writer's, against SAVE_FLOOR_TARGETS."""
+    rows = []
+    for key in ("save_s", "save_user_s", "save_sys_s", "save_cpu_s"):
+        label = next(label for k, label, _ in METRICS if k == key)
+        ours, naive, theirs = (samples[lib][key] for lib in ("tpu_ckpt", "naive", "orbax"))
+        limit = SAVE_FLOOR_TARGETS.get(key)
+        ratio = statistics.median(a / b if b else float("inf") for a, b in zip(ours, naive))
+        rows.append({"metric": label, "tpu_ckpt": f"{statistics.median(ours):.3f}",
+                     "naive": f"{statistics.median(naive):.3f}", "orbax": f"{statistics.median(theirs):.3f}",
+                     "ratio": f"{ratio:.3f}x", "target": f"<= {limit}x" if limit else "",
+                     "result": ("PASS" if ratio <= limit else "FAIL") if limit else ""})
+    return rows
 
 
 def floor_rows(samples, transfer_floor_s=None):
@@ -667,6 +739,9 @@ def main():
     parser.add_argument("--dir", help="existing directory (on the disk to test) to hold the scratch directory; "
                         "default: the system temp dir")
     parser.add_argument("--json", help="also write all samples and rows to this file")
+    parser.add_argument("--saves-only", action="store_true",
+                        help="time the sync saves alone (issue 41's write floor): no restores, async saves, "
+                        "CLI or incremental rows")
     parser.add_argument("--no-async", dest="run_async", action="store_false",
                         help="skip the lm workload's asynchronous-save metrics")
     args = parser.parse_args()
@@ -674,12 +749,15 @@ def main():
     if args.dir and not os.path.isdir(args.dir):
         parser.error(f"--dir {args.dir} is not an existing directory")
     workdir = os.path.abspath(tempfile.mkdtemp(prefix="tpu_ckpt_bench_", dir=args.dir))
-    libs = [TpuCkpt(), Orbax(), NaiveReader()]
+    libs = [TpuCkpt(), Orbax(), Naive()]
     try:
         workloads = {"all": ("lm", "many"), "cli": ()}.get(args.workload, (args.workload,))
         bandwidth = disk_bandwidth(workdir, args.scale) if workloads else None  # cli writes no data to speak of
         if workloads:
             print(f"disk: fsync'd sequential write {bandwidth:.0f} MB/s ({workdir})")
+            dropped = drop_caches()
+            print(f"page cache: {'dropped' if dropped else 'NOT dropped (' + DROP_CACHES + ' is not writable here)'}"
+                  " before every timed save and restore")
         results = {"disk_write_mbps": bandwidth, "scale": args.scale, "reps": args.reps, "workloads": {}}
         for name in workloads:
             tree = lm_state(args.scale) if name == "lm" else many_state()
@@ -687,14 +765,15 @@ def main():
             state_bytes = sum(x.nbytes for x in leaves)
             print(f"\n{name}: {len(leaves)} leaves, {state_bytes / MB:.1f} MB",
                   file=sys.stderr, flush=True)
-            samples = run_workload(name, tree, libs, workdir, args.reps)
-            if name == "lm" and args.run_async:
+            samples = run_workload(name, tree, libs, workdir, args.reps, restores=not args.saves_only)
+            if name == "lm" and args.run_async and not args.saves_only:
                 tree = run_async(name, tree, libs[:2], workdir, args.reps, samples)  # donates `tree`
             free(tree)
             rows = report(name, samples, bandwidth, transfer_floor_seconds(state_bytes))
             results["workloads"][name] = {"samples": samples, "rows": rows}
-        results["cli_startup"] = cli_startup(workdir)
-        if workloads:
+        if not args.saves_only:
+            results["cli_startup"] = cli_startup(workdir)
+        if workloads and not args.saves_only:
             from bench_incremental import incremental_rows  # scripts/: issue #25's LoRA loop
 
             results["incremental"] = incremental_rows(workdir)

@@ -1,7 +1,8 @@
 """One process's data files on their way to storage: host copies, and the writes themselves.
 
-A sync save writes each piece straight from its array's buffer (no copy on CPU; off CPU a
-file's pieces are fetched when a write slot is free). An async save first takes a host copy
+A sync save writes each piece straight from its array's buffer (no copy on CPU but the
+store's: a large local file goes through a bounce buffer, ``storage/_direct_writes.py``; off
+CPU a file's pieces are fetched when a write slot is free). An async save first takes a host copy
 of every piece (``snapshot``) so that the caller may donate its buffers at once.
 
 Host memory is bounded twice: ``Writes`` keeps at most ``writes_in_flight`` files, and at
