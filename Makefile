@@ -1,8 +1,12 @@
-# Two entry points on a fresh machine: `make demo` and `make test`. Both build .venv first.
+# Two entry points on a fresh machine: `make demo` and `make test`. Both build .venv first:
+# `make demo` (and `make wheel`) with only what they need, `make test` with everything.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-flax
+# pytest-xdist workers of `make test`; `make test WORKERS=0` runs the suite in one process.
+WORKERS ?= 2
 # The oldest supported versions (constraints-oldest.txt) get a virtualenv of their own.
 COMPAT := .venv-compat
 COMPAT_STAMP := $(COMPAT)/.installed
@@ -10,17 +14,26 @@ FAST_TIER := not slow and not multiprocess and not emulator and not notebook and
 
 .PHONY: demo test test-fast test-compat bench pod-scale lint wheel docs clean
 
-$(STAMP): pyproject.toml
+$(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test,bench,docs]"
-	touch $(STAMP)
 
-demo: $(STAMP)
+# The library and Flax: what the demo imports (about a minute, where everything takes four).
+$(DEMO_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e ".[flax]"
+	touch $(DEMO_STAMP)
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e ".[test,bench,docs]"
+	touch $(STAMP) $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(PY) scripts/demo.py
 
+# Multi-process and emulator tests each run on one worker (tests/conftest.py: xdist_group), the rest
+# wherever a worker is free (`make test WORKERS=0`: serially, in one process).
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q --durations=25 -n $(WORKERS) --dist loadgroup
 	$(MAKE) test-compat
 	$(MAKE) docs
 	$(MAKE) lint
@@ -37,14 +50,15 @@ test-fast: $(STAMP)
 
 # The fast tier again, on the oldest versions pyproject.toml accepts (a couple of minutes to
 # build the first time, then about a minute): the supported range's lower end, tested.
+# Only the library and pytest (.[test-fast]): the fast tier collects no module that imports more.
 $(COMPAT_STAMP): pyproject.toml constraints-oldest.txt
 	$(PYTHON) -m venv $(COMPAT)
 	$(COMPAT)/bin/python -m pip install --quiet --upgrade pip
-	$(COMPAT)/bin/python -m pip install --quiet -e ".[test]" -c constraints-oldest.txt
+	$(COMPAT)/bin/python -m pip install --quiet -e ".[test-fast]" -c constraints-oldest.txt
 	touch $(COMPAT_STAMP)
 
 test-compat: $(COMPAT_STAMP)
-	$(COMPAT)/bin/python -m pytest -q -m "$(FAST_TIER)"
+	$(COMPAT)/bin/python -m pytest -q -m "$(FAST_TIER)" -n $(WORKERS)
 
 bench: $(STAMP)
 	$(PY) scripts/benchmark.py
@@ -61,7 +75,8 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy tpu_ckpt
 
 # dist/tpu_ckpt-<version>-py3-none-any.whl, for machines without a clone (the notebooks' first cell).
-wheel: $(STAMP)
+# Needs pip alone (it builds with flit_core, in isolation), not the library's dependencies.
+wheel: | $(PY)
 	$(PY) -m pip wheel --quiet --no-deps --wheel-dir dist .
 
 clean:

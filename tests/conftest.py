@@ -1,6 +1,7 @@
 """Test set-up: 8 simulated CPU devices, configured before anything imports jax."""
 
 import dataclasses
+import inspect
 import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -48,8 +49,45 @@ def _is_heavy(path) -> bool:
     return any(f"import {name}" in text or f"from {name}" in text for name in _HEAVY_IMPORTS)
 
 
+def pytest_ignore_collect(collection_path, config):
+    """A run that leaves ``heavy`` out (``make test-fast``, ``make test-compat``) does not even
+    import the heavy modules: collecting them imports Orbax, Flax and optax (seconds), and the
+    compatibility virtualenv does not install those."""
+    expression = config.getoption("markexpr", "") or ""
+    if "not heavy" in expression and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        return _is_heavy(collection_path) or None
+    return None
+
+
+# Tests that must not run beside one of their kind (pytest-xdist, `make test`): each group runs
+# on one worker, one test at a time, while the other workers take the rest. Multi-process tests
+# start several JAX processes each (two at once on 2 cores starve each other's coordination);
+# emulator tests then start their emulators (session fixtures) on that one worker only.
+_EMULATOR_FIXTURES = {"gcs_server", "s3_server", "bucket"}
+_STARTS_PROCESSES = ("process_group.run", "run_script(")
+
+
+def _group(item) -> str | None:
+    if item.get_closest_marker("multiprocess") or any(call in _source(item) for call in _STARTS_PROCESSES):
+        return "processes"
+    if item.get_closest_marker("emulator") or _EMULATOR_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return "emulators"
+    return None
+
+
+def _source(item) -> str:
+    try:
+        return inspect.getsource(item.function)
+    except (AttributeError, OSError, TypeError):
+        return ""
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(items):
     heavy: dict = {}
     for item in items:
         if heavy.setdefault(item.path, _is_heavy(item.path)):
             item.add_marker(pytest.mark.heavy)
+        group = _group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))

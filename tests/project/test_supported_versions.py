@@ -6,11 +6,15 @@ runs) installs exactly those into a second virtualenv and runs the fast tier the
 or a minimum would claim support nobody tested.
 """
 
+import ast
 import os
 import pathlib
 import re
 import subprocess
+import sys
 import tomllib
+
+from tests.conftest import _is_heavy
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -56,8 +60,61 @@ def test_make_test_runs_the_fast_tier_with_the_pins():
     assert out.returncode == 0, out.stderr
     commands = out.stdout.splitlines()
     install = next(c for c in commands if "pip install" in c and "-c constraints-oldest.txt" in c)
-    assert install.startswith(".venv-compat/bin/python ") and '".[test]"' in install
-    compat_tier = f'.venv-compat/bin/python -m pytest -q -m "{FAST_TIER}"'
+    assert install.startswith(".venv-compat/bin/python ") and '".[test-fast]"' in install
+    compat_tier = f'.venv-compat/bin/python -m pytest -q -m "{FAST_TIER}" -n 2'
     assert compat_tier in commands  # after the main suite, which runs first
     main_suite = next(i for i, c in enumerate(commands) if c.startswith(".venv/bin/python -m pytest -q"))
     assert commands.index(compat_tier) > main_suite
+
+
+def _make_commands(*argv: str) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    out = subprocess.run(["make", "-n", "-B", *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()
+
+
+def test_the_demo_and_the_wheel_install_only_what_they_need():
+    """A newcomer's `make demo` installs the library and Flax, not the tests' moto, mypy and
+    mkdocs (minutes); `make wheel` needs pip alone. `make test` still installs everything."""
+    demo = [c for c in _make_commands("demo") if "pip install" in c and "--upgrade pip" not in c]
+    assert demo == ['.venv/bin/python -m pip install --quiet -e ".[flax]"']
+    assert not [c for c in _make_commands("wheel") if "pip install" in c and "--upgrade pip" not in c]
+    assert '.venv/bin/python -m pip install --quiet -e ".[test,bench,docs]"' in _make_commands("test")
+
+
+def test_the_fast_tier_installs_what_its_modules_import():
+    """The compatibility virtualenv holds `.[test-fast]` alone: every module the fast tier
+    collects (tests/conftest.py leaves the heavy ones uncollected), and every tests module they
+    import, imports only the standard library, pytest, the library and its core dependencies."""
+    extras = PROJECT["optional-dependencies"]
+    assert {re.match(r"[\w-]+", r)[0] for r in extras["test-fast"]} == {"pytest", "pytest-timeout", "pytest-xdist"}
+    assert "tpu_ckpt[test-fast]" in extras["test"]
+    allowed = set(sys.stdlib_module_names) | {"pytest", "tpu_ckpt", "jax", "numpy", "ml_dtypes", "tensorstore", "crc32c"}
+    todo = [p for p in (ROOT / "tests").rglob("test_*.py") if not _is_heavy(p)]
+    todo += [ROOT / "tests" / "conftest.py", ROOT / "tests" / "object_stores.py"]  # and its pytest_plugins
+    seen: set[pathlib.Path] = set()
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for name in _imports(path):
+            local = ROOT.joinpath(*name.split(".")).with_suffix(".py")
+            if name.split(".")[0] == "tests":
+                todo += [local] if local.exists() else []
+            else:
+                assert name.split(".")[0] in allowed, f"{path.relative_to(ROOT)} imports {name}"
+    test = '.venv/bin/python -m pytest -q --durations=25 -n 2 --dist loadgroup'
+    assert test in _make_commands("test") and "-n 0" in " ".join(_make_commands("test", "WORKERS=0"))
+
+
+def _imports(path: pathlib.Path) -> list[str]:
+    """The modules ``path`` imports at its top level (those a collection imports)."""
+    found = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names if node.module == "tests"]
+    return found
