@@ -12,11 +12,9 @@ process 0 writes the index, the commit: a reader that finds it finds every file 
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import dataclasses
 import logging
-import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 
@@ -36,10 +34,13 @@ from tpu_ckpt.format import (
     dtype_name,
     extent,
     full_slice,
+    intersect,
     join,
     loaded_overlapping,
     normalise_subtree,
+    relative,
     under,
+    volume,
 )
 from tpu_ckpt.interop import _hf_layout as layout
 from tpu_ckpt.interop._hf_names import Named, Names, resolve
@@ -154,48 +155,52 @@ def _write_file(
 
 
 def _blocks(checkpoint: OpenCheckpoint, leaf: LeafEntry, block_bytes: int) -> Iterator[tuple[SliceSpec, np.ndarray]]:
-    """The leaf's data, piece by piece, each piece read once, a block of its rows at a time
-    (the next block's read in flight while this one is written): ``(global slice, array)``.
-    A piece's crc32c is checked across its blocks, after the last one; a mismatch fails the
-    export before its file is committed."""
-    whole = full_slice(leaf.shape)
+    """The leaf as blocks of whole rows, ``(global slice, array)``, each assembled from the
+    rows of the pieces it overlaps; every piece is read once, in row order, the next block's
+    reads in flight while this one is written. A piece's crc32c is checked across its
+    blocks, at its last row; a mismatch fails the export before its file is committed."""
+    whole, dtype = full_slice(leaf.shape), dtype_from_name(leaf.dtype)
     checkpoint.load([(leaf, [whole])])
     if checkpoint.manifest.tables:  # format 2: the pieces loaded share no byte (as a restore checks)
         check_byte_ranges(checkpoint.manifest, checkpoint.where, loaded_only=True)
-    dtype = dtype_from_name(leaf.dtype)
-    for piece in loaded_overlapping(leaf, whole):
-        yield from _piece_blocks(checkpoint, leaf, piece, dtype, block_bytes)
+    pieces = [p for p in loaded_overlapping(leaf, whole) if p.length or volume(p.slice)]
+    for piece in pieces:
+        if volume(piece.slice) * dtype.itemsize != piece.length:
+            raise _corrupt(checkpoint, leaf, piece, f"holds {piece.length} bytes, not {extent(piece.slice)} of {dtype}")
+    if not leaf.shape:  # a scalar: one piece, one block
+        spans: list[SliceSpec] = [()] if pieces else []
+    else:
+        rows = max(1, block_bytes // max(1, volume(whole[1:]) * dtype.itemsize))
+        spans = [((k, min(k + rows, leaf.shape[0])), *whole[1:]) for k in range(0, leaf.shape[0], rows)]
+    crcs = dict.fromkeys(pieces, 0)
+    pending = _start_reads(checkpoint, pieces, spans[0]) if spans else []
+    for i, span in enumerate(spans):
+        current, pending = pending, _start_reads(checkpoint, pieces, spans[i + 1]) if i + 1 < len(spans) else []
+        block = np.empty(extent(span), dtype)
+        for piece, part, future in current:
+            (chunk,) = future.result()
+            crcs[piece] = _crc32c.crc32c(chunk, crcs[piece])
+            block[relative(part, span)] = chunk.view(dtype).reshape(extent(part))
+            if (not part or part[0][1] == piece.slice[0][1]) and crcs[piece] != piece.crc32c:
+                raise _corrupt(checkpoint, leaf, piece, "does not match its crc32c")
+        yield span, block
 
 
-def _piece_blocks(
-    checkpoint: OpenCheckpoint, leaf: LeafEntry, piece: PieceEntry, dtype: np.dtype, block_bytes: int
-) -> Iterator[tuple[SliceSpec, np.ndarray]]:
-    shape = extent(piece.slice)
-    if math.prod(shape) * dtype.itemsize != piece.length:
-        raise _corrupt(checkpoint, leaf, piece, f"holds {piece.length} bytes, not {shape} of {dtype}")
-    if piece.length == 0:
-        return
-    row = piece.length // shape[0] if shape else piece.length  # a scalar: one row, no axis
-    rows = max(1, block_bytes // row)
-    spans = [(k, min(k + rows, shape[0])) for k in range(0, shape[0], rows)] if shape else [(0, 1)]
-    reads = collections.deque([_read_rows(checkpoint, piece, row, spans[0])])
-    crc = 0
-    for i, (start, stop) in enumerate(spans):
-        if i + 1 < len(spans):
-            reads.append(_read_rows(checkpoint, piece, row, spans[i + 1]))
-        (chunk,) = reads.popleft().result()
-        crc = _crc32c.crc32c(chunk, crc)
-        if not shape:
-            yield (), chunk.view(dtype).reshape(())
+def _start_reads(
+    checkpoint: OpenCheckpoint, pieces: Sequence[PieceEntry], span: SliceSpec
+) -> list[tuple[PieceEntry, SliceSpec, concurrent.futures.Future]]:
+    """Starts reading the rows of each piece inside the block ``span`` (whole rows of the
+    leaf): a contiguous range of the piece's bytes."""
+    reads = []
+    for piece in pieces:
+        part = intersect(piece.slice, span) if span else ()
+        if part is None:
             continue
-        first = piece.slice[0][0]
-        yield ((first + start, first + stop), *piece.slice[1:]), chunk.view(dtype).reshape((stop - start, *shape[1:]))
-    if crc != piece.crc32c:
-        raise _corrupt(checkpoint, leaf, piece, "does not match its crc32c")
-
-
-def _read_rows(checkpoint: OpenCheckpoint, piece: PieceEntry, row: int, span: tuple[int, int]) -> concurrent.futures.Future:
-    return checkpoint.store.read(piece.file, piece.offset + span[0] * row, [(span[1] - span[0]) * row])
+        first = piece.slice[0][0] if span else 0
+        row = piece.length // max(1, extent(piece.slice)[0]) if span else piece.length
+        start, stop = (part[0][0] - first, part[0][1] - first) if span else (0, 1)
+        reads.append((piece, part, checkpoint.store.read(piece.file, piece.offset + start * row, [(stop - start) * row])))
+    return reads
 
 
 def _corrupt(checkpoint: OpenCheckpoint, leaf: LeafEntry, piece: PieceEntry, what: str) -> CorruptCheckpointError:
