@@ -263,16 +263,37 @@ def add_gc(commands: Any) -> None:
         "nor is anything else the library did not write. On gs:// and s3:// it also removes, from each "
         "checkpoint, the stray objects of a save that never committed it (a stalled writer's: named with "
         "its token, named by no manifest of DIR). A leftover whose save started less than its grace period "
-        "(an hour) ago may still be running: it is kept, and said so; so are the strays of a checkpoint "
-        "holding such a save's staging marker.",
+        "(an hour; --grace shortens it) ago may still be running: it is kept, and said so; so are the strays "
+        "of a checkpoint holding such a save's staging marker. A save whose writing process is provably dead "
+        "(its marker names this host, this boot and a process that is gone) is removed at once.",
         "0 removed (or nothing to remove); 2 DIR does not exist or is a checkpoint itself.",
     )
     p.add_argument("dir", metavar="DIR", help="a directory or gs:// / s3:// prefix")
     p.add_argument("-n", "--dry-run", action="store_true", help="list what would be removed, remove nothing")
+    p.add_argument(
+        "--grace", type=_seconds, metavar="SECONDS",
+        help="count a save as possibly running for at most SECONDS after it started (default: its marker's hour); "
+        "for a job you know is dead",
+    )
     p.set_defaults(run=_gc)
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"--grace takes a number of seconds, 0 or more, not {text!r}")
+    return value
+
+
 def _gc(args: argparse.Namespace) -> int:
+    with storage.shorter_grace(args.grace):
+        return _gc_within_grace(args)
+
+
+def _gc_within_grace(args: argparse.Namespace) -> int:
     now = time.time()
     leftovers = [e for e in catalog.scan(args.dir) if not e.committed]
     strays = catalog.strays(args.dir)

@@ -191,7 +191,7 @@ class ObjectStore(PooledStore):
         """The names under the prefix, but for those an HTTP layer would resolve elsewhere
         (:func:`unsafe_key`): they are logged as refused, and never read nor deleted. Those under
         its subdirectories ``outside`` (a run's known steps) are not listed at all (:func:`_around`)."""
-        keys = [k for r in _around(self._prefix, outside) for k in retrying(lambda r=r: self._kv.list(r), "Listing", self.location.url)]
+        keys = [k for r in _around(self._prefix, outside) for k in retrying(functools.partial(self._kv.list, r), "Listing", self.location.url)]
         prefix = self._prefix.encode()
         names = sorted(k[len(prefix) :].decode(errors="replace") for k in keys if k.startswith(prefix))
         refused = [name for name in names if unsafe_key(self._prefix + name)]

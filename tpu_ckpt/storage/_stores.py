@@ -30,6 +30,7 @@ from tpu_ckpt.format import MANIFEST_FILE, spread, token_of
 from tpu_ckpt.settings import settings
 from tpu_ckpt.storage import _local as local_store
 from tpu_ckpt.storage import _objects as object_store
+from tpu_ckpt.storage import _writers as writers
 from tpu_ckpt.storage._location import Location
 from tpu_ckpt.storage._protocols import Backend
 
@@ -102,8 +103,9 @@ def mark_staging(store: Backend, final: Location, token: str) -> None:
     save: which checkpoint the staging area becomes, when the save started, and for how long
     cleanups must leave it alone. Whether a directory is a leftover is decided by this
     marker and the manifest, never by its name alone: a user's checkpoint may be named
-    ``model.tmp-1``."""
-    marker = {"final": final.name, "token": token, "started": time.time(), "grace_s": STAGING_GRACE_S}
+    ``model.tmp-1``. It records its writer (host, boot, process: ``_writers.identity``), so
+    that a cleanup on the same host knows a dead writer's leftover at once."""
+    marker = {"final": final.name, "token": token, "started": time.time(), "grace_s": STAGING_GRACE_S, **writers.identity()}
     store.write(marker_name(store.location, token), [json.dumps(marker).encode()]).result()
 
 
@@ -136,17 +138,19 @@ class Marker:
     started: float
     grace_s: float
     token: str | None = None  # the save's; None: unreadable
+    dead: bool = False  # its writer is provably gone (``_writers.dead``): held no longer
 
     @property
     def held_until(self) -> float:  # until when the staging area may be a save still running
-        return self.started + self.grace_s
+        return self.started if self.dead else self.started + self.grace_s
 
 
 def read_marker(loc: Location, name: str = STAGING_MARKER) -> Marker | None:
     """The staging marker ``name`` at ``loc``; None when there is none. An unreadable one
     (written by hand, damaged) names no checkpoint, so it makes no manifest beside it
     uncommitted, and holds its directory back for the grace period from its last change
-    (local files), or not at all (objects, which no save leaves half-written)."""
+    (local files), or not at all (objects, which no save leaves half-written). The grace
+    period is at most ``_writers.shorter_grace``'s; none once its writer is provably dead."""
     with Store(loc, threads=1) as store:
         try:
             data = store.read_file(name, 1 << 16)
@@ -159,9 +163,9 @@ def read_marker(loc: Location, name: str = STAGING_MARKER) -> Marker | None:
         started, grace_s = float(marker["started"]), float(marker["grace_s"])
         if math.isnan(started + grace_s):  # no time: it would compare as neither held nor not
             raise ValueError(f"no time: started {started}, grace_s {grace_s}")
-        return Marker(str(marker["final"]), started, grace_s, str(marker.get("token", "")))
+        return Marker(str(marker["final"]), started, writers.grace(grace_s), str(marker.get("token", "")), writers.dead(marker))
     except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError):
-        return Marker(None, _changed(loc, name), STAGING_GRACE_S)
+        return Marker(None, _changed(loc, name), writers.grace(STAGING_GRACE_S))
 
 
 def latest_marker(loc: Location, names: Iterable[str] | None = None) -> Marker | None:
