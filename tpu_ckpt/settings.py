@@ -49,6 +49,10 @@ class Settings:
     # (saving/_data_writes.py): the snapshot's bytes stay resident between saves, and the copy runs
     # at the memory's speed instead of at the page faults' of fresh memory.
     reuse_snapshot_buffers: bool = True
+    # Local data files of 8 MiB or more written around the page cache, through a reused bounce
+    # buffer with O_DIRECT (storage/_direct_writes.py): on a VM whose free memory the host takes
+    # back, filling fresh page-cache pages cost 10x the write. False: every write is buffered.
+    direct_writes: bool = True
     # The largest object a save writes to an object store (gs://, s3://, memory://), header
     # included: data files are cut to it when the save is planned, so a write holds one such
     # object (three times while tensorstore copies it in) and a retried request re-sends one.
@@ -117,7 +121,7 @@ class Settings:
 
 MIN_REQUESTS_PER_SECOND = 0.01  # a slower pace would make one request wait hours (or overflow time.sleep)
 _FROM_ENVIRONMENT = ("relay_host", "relay_ports", "aws_endpoint_url", "slices")
-_MAY_BE_ZERO = ("relay_socket_buffer_bytes", "reuse_snapshot_buffers", "object_requests_per_second")
+_MAY_BE_ZERO = ("relay_socket_buffer_bytes", "reuse_snapshot_buffers", "direct_writes", "object_requests_per_second")
 
 
 def _port_range(text: str | None) -> tuple[int, int] | None:

@@ -2,6 +2,7 @@
 (storage/_direct_writes.py); the bytes on disk and the restored values must be exact for
 pieces larger than the bounce buffer, odd sizes, and where direct IO is refused."""
 
+import dataclasses
 import os
 
 import jax
@@ -10,6 +11,7 @@ import pytest
 
 import tpu_ckpt as tc
 from tpu_ckpt import storage
+from tpu_ckpt.settings import configure, settings
 from tpu_ckpt.storage import _direct_writes as direct_writes
 
 CHUNK = direct_writes.CHUNK
@@ -89,3 +91,16 @@ def test_saves_through_the_bounce_buffer_restore_bit_exact(tmp_path, monkeypatch
     for key, value in tree.items():
         got = np.asarray(restored[key])
         assert got.dtype == np.asarray(value).dtype and got.tobytes() == np.asarray(value).tobytes(), key
+
+
+def test_the_direct_writes_setting_turns_the_bounce_buffer_off(tmp_path, monkeypatch):
+    buffers = _random_bytes([CHUNK + 1])
+    direct = _counting(monkeypatch, "write_file")
+    previous = configure(dataclasses.replace(settings(), direct_writes=False))
+    try:
+        with storage.Store(storage.location(tmp_path)) as store:
+            store.write("f", buffers).result()
+    finally:
+        configure(previous)
+    assert (tmp_path / "f").read_bytes() == buffers[0].tobytes()
+    assert direct == []

@@ -16,7 +16,8 @@ tmpfs before Linux 6.6, some FUSE and network file systems, a larger alignment t
 ``ALIGNMENT``), the rest of the file goes through the page cache as before. The last chunk
 is written padded to ``ALIGNMENT`` with zeros and the file truncated to its size after.
 Only files of at least ``CHUNK`` bytes come here, so a bounce buffer never holds more
-than the file it writes (``Location.write_copies`` counts it).
+than the file it writes (``Location.write_copies`` counts it); the ``direct_writes``
+setting turns it off.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from tpu_ckpt.settings import settings
 
 CHUNK = 8 << 20  # bytes per O_DIRECT write: larger chunks measured no faster
 ALIGNMENT = 4096  # of file offsets, lengths and memory for O_DIRECT on common block devices
@@ -57,6 +60,11 @@ class _Bounces:
 
 
 _BOUNCES = _Bounces()
+
+
+def wanted(nbytes: int) -> bool:
+    """Whether a file of ``nbytes`` is written here (the ``direct_writes`` setting)."""
+    return SUPPORTED and nbytes >= CHUNK and settings().direct_writes
 
 
 def write_file(fd: int, views: Sequence[Any]) -> None:
@@ -104,7 +112,7 @@ class _Chunks:
             os.ftruncate(self.fd, size)
 
     def _put(self, length: int) -> None:
-        data = memoryview(self.bounce)[:length]
+        data = self.bounce[:length].data  # a memoryview
         done = 0
         while done < length:
             try:

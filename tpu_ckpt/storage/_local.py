@@ -94,7 +94,7 @@ class LocalStore(PooledStore):
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 views = [v for v in map(safe_reads.byte_view, buffers) if len(v)]
-                if direct_writes.SUPPORTED and sum(map(len, views)) >= direct_writes.CHUNK:
+                if direct_writes.wanted(sum(map(len, views))):
                     direct_writes.write_file(fd, views)
                     views = []
                 while views:
