@@ -1,6 +1,7 @@
 """An Orbax Composite step's JSON items (ocp.args.JsonSave: a data iterator's state, a
 config) come into the imported tree, and relative paths work, with real Orbax."""
 
+import json
 import logging
 import os
 
@@ -76,7 +77,7 @@ def test_an_empty_list_in_a_json_item_is_left_out_with_a_warning(tmp_path, caplo
     assert any("'iterator' holds an empty list at '/buffer'" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("damage", ["fifo", "huge"])
+@pytest.mark.parametrize("damage", ["fifo", "huge", "outside"])
 def test_a_damaged_json_item_is_refused_before_orbax_reads_it(tmp_path, damage):
     with ocp.CheckpointManager(tmp_path / "orbax") as manager:
         args = ocp.args.Composite(state=ocp.args.StandardSave({"w": np.ones(4, np.float32)}), config=ocp.args.JsonSave(CONFIG))
@@ -84,10 +85,17 @@ def test_a_damaged_json_item_is_refused_before_orbax_reads_it(tmp_path, damage):
         manager.wait_until_finished()
     [name] = [f for f in os.listdir(tmp_path / "orbax" / "0" / "config") if "commit" not in f]
     path = tmp_path / "orbax" / "0" / "config" / name
-    path.unlink()
-    if damage == "fifo":
+    if damage == "outside":  # the step's metadata names a JSON item out of the step
+        metadata = tmp_path / "orbax" / "0" / "_CHECKPOINT_METADATA"
+        record = json.loads(metadata.read_text())
+        record["item_handlers"]["../../config"] = record["item_handlers"].pop("config")
+        metadata.write_text(json.dumps(record))
+        (tmp_path / "config").mkdir()
+    elif damage == "fifo":
+        path.unlink()
         os.mkfifo(path)  # Orbax would wait on it forever
     else:
+        path.unlink()
         with open(path, "wb") as f:
             f.truncate(_orbax_items.MAX_JSON_ITEM_BYTES + 1)
     with pytest.raises(tc.CorruptCheckpointError, match="config"):

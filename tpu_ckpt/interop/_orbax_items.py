@@ -42,10 +42,17 @@ def json_items(ocp: Any, step: Any) -> dict[str, Any]:
         return {}
     with orbax_checks.orbax_errors(root):
         handlers = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).metadata(step).item_handlers
-    names = sorted(name for name, handler in (handlers or {}).items() if str(handler).endswith(".JsonCheckpointHandler"))
+    handlers = handlers if isinstance(handlers, dict) else {}  # none recorded (or a damaged record): no JSON items
+    names = sorted(str(name) for name, handler in handlers.items() if str(handler).endswith(".JsonCheckpointHandler"))
     items = {}
     for name in names:
         item = os.path.join(root, name)
+        if name in ("", ".", "..") or "/" in name or os.sep in name or os.path.islink(item) or not os.path.isdir(item):
+            raise CorruptCheckpointError(
+                f"Orbax step {root} names JSON item {name!r}, which is no directory of the step: its "
+                f"{_STEP_METADATA} is damaged. Copy the step again, or import another one.",
+                file=os.path.join(root, _STEP_METADATA),
+            )
         for directory, _, files in os.walk(item):
             for file in files:
                 _checked(item, os.path.relpath(os.path.join(directory, file), item))
