@@ -96,11 +96,11 @@ def test_sigkill_at_every_deletion_of_retention_leaves_every_listed_step_restora
 
 @pytest.mark.slow
 @pytest.mark.parametrize("a_incremental", [True, False], ids=["a_incremental", "a_full"])
-def test_two_managers_interleaving_async_and_sync_saves_lose_no_acknowledged_step(tmp_path, a_incremental):
+def test_two_managers_interleaving_async_and_sync_saves_lose_no_acknowledged_step(run_url, a_incremental):  # noqa: F811
     """Manager A saves asynchronously, manager B synchronously (one of them incremental), both
     with max_to_keep=2 on one run, 10 rounds: B lists the run while A's save is in flight. After
     every round each listed step restores, and the two newest acknowledged steps are listed."""
-    url = str(tmp_path)
+    url = run_url
     a = tc.CheckpointManager(url, max_to_keep=2, incremental=a_incremental, options=tc.CheckpointOptions(enable_async=True))
     b = tc.CheckpointManager(url, max_to_keep=2, incremental=not a_incremental)
     acknowledged = []
