@@ -13,7 +13,8 @@ Steps: jax (np.asarray(shard.data) views, what a CPU save wrote from), copy (num
 them), reuse (jax views into a file whose just-unlinked predecessor's page-cache pages the
 kernel hands straight back), anon (fill fresh anonymous memory: no file at all), direct
 (tpu_ckpt's path: a reused bounce buffer and O_DIRECT, storage/_direct_writes.py), save
-(tc.save(...).wait()). Found (docs/memory.md "Fresh pages on a VM"): the cost is not the
+(tc.save(...).wait()), buffered-save (the same with Settings.direct_writes=False: the
+page-cache path saves took before). Found (docs/memory.md "Fresh pages on a VM"): the cost is not the
 source buffers but the first touch of the fresh pages the page cache takes from free memory,
 which this VM's host has taken back (page_reporting in /proc/cmdline, virtio_balloon).
 """
@@ -23,6 +24,7 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -32,6 +34,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import tpu_ckpt as tc  # noqa: E402
+from tpu_ckpt.settings import configure, settings  # noqa: E402
 from tpu_ckpt.storage import _direct_writes as direct_writes  # noqa: E402
 
 VMSTAT = ("pgalloc_normal", "pgfree", "pgfault", "thp_fault_alloc", "thp_split_pmd", "compact_stall", "nr_dirty")
@@ -87,6 +90,14 @@ def step_reuse(path, views, tree):
     timed("writev jax views, freed pages", writev_file, path, views)
 
 
+def buffered_save(path, tree):
+    previous = configure(dataclasses.replace(settings(), direct_writes=False))
+    try:
+        tc.save(path, tree).wait()
+    finally:
+        configure(previous)
+
+
 STEPS = {
     "jax": lambda path, views, tree: timed("writev jax views, new file", writev_file, path, views),
     "copy": step_copy,
@@ -94,13 +105,14 @@ STEPS = {
     "anon": lambda path, views, tree: timed("fill fresh anonymous memory", np.full, sum(v.nbytes for v in views), 1, np.uint8),
     "direct": lambda path, views, tree: timed("bounce buffer + O_DIRECT", direct_file, path, views),
     "save": lambda path, views, tree: timed("tc.save(...).wait()", lambda: tc.save(path, tree).wait()),
+    "buffered-save": lambda path, views, tree: timed("tc.save, direct_writes=False", buffered_save, path, tree),
 }
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--leaves", type=int, default=40)
-    parser.add_argument("--steps", default="jax,jax,copy,reuse,anon,direct,direct,save,save")
+    parser.add_argument("--steps", default="jax,jax,copy,reuse,anon,direct,direct,save,buffered-save,save,buffered-save")
     parser.add_argument("--dir", help="where to write (default: a temporary directory)")
     args = parser.parse_args()
     sharding = NamedSharding(Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b")), PartitionSpec("a", "b"))
