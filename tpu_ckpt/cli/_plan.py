@@ -89,13 +89,14 @@ def _template(ckpt: str, subtree: str | None) -> dict[str, Any]:
     saved shapes, dtypes and specs on the first saved mesh, and its numbers."""
     prefix, _ = normalise_subtree(subtree)
     leaves = [leaf for leaf in cli_format.manifest_of(ckpt).leaves if under(leaf.key, prefix)]
-    meshes = [leaf.sharding["mesh"] for leaf in leaves if (leaf.sharding or {}).get("type") == "NamedSharding"]
+    shardings = [leaf.sharding or {} for leaf in leaves]
+    meshes = [sharding["mesh"] for sharding in shardings if sharding.get("type") == "NamedSharding"]
     doc: dict[str, Any] = {"mesh": meshes[0] if meshes else {}, "leaves": {}}
-    for leaf in leaves:
+    for leaf, sharding in zip(leaves, shardings):
         key = leaf.key[len(prefix) + 1:] if prefix else leaf.key
         if leaf.kind == "array":
-            on_mesh = bool(meshes) and (leaf.sharding or {}).get("mesh") == meshes[0]
-            doc["leaves"][key] = {"shape": list(leaf.shape), "dtype": leaf.dtype, "spec": leaf.sharding["spec"] if on_mesh else []}
+            on_mesh = bool(meshes) and sharding.get("mesh") == meshes[0]
+            doc["leaves"][key] = {"shape": list(leaf.shape), "dtype": leaf.dtype, "spec": sharding["spec"] if on_mesh else []}
         elif leaf.kind == "value" and isinstance(leaf.value, (bool, int, float)):
             doc["leaves"][key] = leaf.value
     return doc
