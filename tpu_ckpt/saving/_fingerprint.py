@@ -50,10 +50,15 @@ _MULTIPLIERS = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F)
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}
 
 
-def fingerprints(pieces: Sequence[Any], previous: Sequence[tuple[bytes, bytes] | None]) -> list[tuple[bytes, bytes]]:
+def fingerprints(
+    pieces: Sequence[Any], previous: Sequence[tuple[bytes, bytes] | None], unchanged: Sequence[bool]
+) -> list[tuple[bytes, bytes]]:
     """Each piece's sample and fingerprint (17 bytes: the scheme and 128 bits), given the
-    same piece's last time (``previous``, or None). A host piece whose sample differs from
-    the last gets an empty fingerprint (module docstring). The device programs are all
+    same piece's last time (``previous``, or None), and whether its bytes are known to be
+    the same (``unchanged``: the same immutable jax.Array, not deleted). A host piece known
+    unchanged keeps its fingerprint; one whose sample differs from the last gets an empty
+    fingerprint (module docstring). Every piece on a device is fingerprinted, so that its
+    programs, the same at every save of a run, compile once. The device programs are all
     started before the host's work, and waited on last."""
     out: list[tuple[bytes, bytes]] = [(b"", b"")] * len(pieces)
     started: list[tuple[list[int], jax.Array]] = []
@@ -66,7 +71,11 @@ def fingerprints(pieces: Sequence[Any], previous: Sequence[tuple[bytes, bytes] |
             group = positions[first : first + _GROUP]
             started.append((group, _lanes(tuple(pieces[p] for p in group))))
     on_host = [position for position, data in enumerate(pieces) if not _on_device(data)]
-    for position, fingerprint in zip(on_host, _host([pieces[p] for p in on_host], [previous[p] for p in on_host])):
+    for position in on_host:
+        if unchanged[position] and (before := previous[position]) is not None and before[1]:
+            out[position] = before
+    hashed = [position for position in on_host if not out[position][1]]
+    for position, fingerprint in zip(hashed, _host([pieces[p] for p in hashed], [previous[p] for p in hashed])):
         out[position] = fingerprint
     for group, lanes in started:
         for position, row in zip(group, np.asarray(jax.device_get(lanes))):

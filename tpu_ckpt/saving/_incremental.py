@@ -119,16 +119,11 @@ class Incremental:
     def _fingerprints(
         self, pieces: list[PlannedPiece], known: list[_Known | None], leaves: dict[str, Any]
     ) -> list[tuple[bytes, bytes]]:
-        """Each piece's sample and fingerprint: a jax.Array that is the same object as last
-        time (not deleted) keeps its own; every other piece is fingerprinted now."""
-        kept: dict[int, tuple[bytes, bytes]] = {}
-        for position, (piece, before) in enumerate(zip(pieces, known)):
-            if before is not None and before.fingerprint[1] and _unchanged(self._arrays.get(piece.key), leaves[piece.key]):
-                kept[position] = before.fingerprint
-        fresh = [position for position in range(len(pieces)) if position not in kept]
-        previous = [None if (before := known[p]) is None else before.fingerprint for p in fresh]
-        computed = dict(zip(fresh, fingerprints([pieces[p].data for p in fresh], previous)))
-        return [kept[p] if p in kept else computed[p] for p in range(len(pieces))]
+        """Each piece's sample and fingerprint (``saving/_fingerprint.py``): a jax.Array that
+        is the same object as last time, not deleted, holds the same bytes."""
+        unchanged = [before is not None and _unchanged(self._arrays.get(p.key), leaves[p.key]) for p, before in zip(pieces, known)]
+        previous = [None if before is None else before.fingerprint for before in known]
+        return fingerprints([piece.data for piece in pieces], previous, unchanged)
 
     def committed(self, final: storage.Location, own: Manifest) -> None:
         """The save of ``apply``'s plan committed as ``final`` with this process's index ``own``."""
