@@ -13,9 +13,9 @@ with the same leaf, slice and dtype: a ``jax.Array`` in an accelerator's memory 
 fingerprinted there, so an unchanged piece is never copied to the host, and a host array
 (or a CPU device's) by BLAKE2b. So a new ``jax.Array`` with the bytes of the last step's
 (what ``optax.apply_updates`` returns for a frozen parameter) is referenced too. A
-``jax.Array`` is immutable, so the same object as last time, not deleted, is not even
-fingerprinted again: it keeps its fingerprint (a weak reference tells, so the manager keeps
-no old state alive). The fingerprints live in this object, in memory: a manager started
+``jax.Array`` is immutable, so the same object as last time, not deleted, holds the same
+bytes: on the host it is not hashed again (a weak reference tells, so the manager keeps no
+old state alive). The fingerprints live in this object, in memory: a manager started
 anew (a resumed run) writes its first save whole, and compares from there (FORMAT.md,
 "References"). Each save logs (INFO) the bytes it wrote and those it referenced.
 """
