@@ -25,6 +25,7 @@ from tpu_ckpt import storage
 from tpu_ckpt.catalog._open import open_checkpoint
 from tpu_ckpt.errors import CorruptCheckpointError
 from tpu_ckpt.format import (
+    PER_PROCESS,
     LeafEntry,
     PieceEntry,
     Read,
@@ -86,6 +87,9 @@ def _structure(key: str, a: LeafEntry | None, b: LeafEntry | None) -> list[Chang
         return [Change("kind", key, _describe(a), _describe(b))]
     if a.kind == "value":
         return [] if _same_value(a.value, b.value) else [Change("value", key, repr(a.value), repr(b.value))]
+    if a.kind == PER_PROCESS:  # the manifest's crc32c of each process's value tell, with nothing read
+        same = [(p.length, p.crc32c) for p in a.pieces] == [(p.length, p.crc32c) for p in b.pieces]
+        return [] if same else [Change("value", key, _describe(a), _describe(b))]
     changes = []
     if a.shape != b.shape:
         changes.append(Change("shape", key, str(list(a.shape)), str(list(b.shape))))
@@ -95,6 +99,10 @@ def _structure(key: str, a: LeafEntry | None, b: LeafEntry | None) -> list[Chang
 
 
 def _describe(leaf: Any) -> str:
+    if leaf.kind == PER_PROCESS:
+        count, crcs = len(leaf.pieces), ",".join(f"{p.crc32c:08x}" for p in leaf.pieces[:4])
+        more = "..." if count > 4 else ""
+        return f"per-process values of {count} process{'es' if count != 1 else ''} (crc32c {crcs}{more})"
     return f"{leaf.dtype}{list(leaf.shape)}" if leaf.kind == "array" else f"= {leaf.value!r}"
 
 
