@@ -104,3 +104,30 @@ def test_two_processes_save_their_own_values_and_one_restores_them(tmp_path):
     assert back["it"] == {"next_index": 129, "states": [b"\x01", b"\x02"]} and back["step"] == 3
     assert back["keys"].dtype == key_type
     np.testing.assert_array_equal(np.asarray(jax.random.key_data(back["keys"])), KEY_DATA)
+
+
+def reshard_one_to_two(directory: str) -> dict:
+    import tpu_ckpt as tc
+
+    def split(values, process_index, process_count):  # one saved stream, dealt out by stride
+        (saved,) = values
+        return {"start": saved["next_index"] + process_index, "stride": process_count}
+
+    back = tc.restore(os.path.join(directory, "one"), {"it": tc.PerProcess(reshard=split)})
+    try:
+        tc.restore(os.path.join(directory, "one"))
+        refused = None
+    except tc.ProcessCountMismatchError as error:
+        refused = [error.key, error.saved_count, error.process_count]
+    return {"process": jax.process_index(), "it": back["it"], "refused": refused}
+
+
+def test_one_process_saves_and_two_reshard(tmp_path):
+    import tpu_ckpt as tc
+
+    tc.save(tmp_path / "one", {"it": tc.PerProcess({"next_index": 40})}).wait()
+    results = process_group.run("multiprocess.test_per_process_mp.reshard_one_to_two", 2, str(tmp_path), timeout=600)
+    for r in results:
+        assert r.returncode == 0 and r.result is not None, r.output[-4000:]
+        me = r.result["process"]
+        assert r.result["it"] == {"start": 40 + me, "stride": 2} and r.result["refused"] == ["it", 1, 2]
