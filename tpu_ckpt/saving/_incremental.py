@@ -121,7 +121,7 @@ class Incremental:
     ) -> list[tuple[bytes, bytes]]:
         """Each piece's sample and fingerprint (``saving/_fingerprint.py``): a jax.Array that
         is the same object as last time, not deleted, holds the same bytes."""
-        unchanged = [before is not None and _unchanged(self._arrays.get(p.key), leaves[p.key]) for p, before in zip(pieces, known)]
+        unchanged = [before is not None and _unchanged(self._arrays.get(p.key), leaves.get(p.key)) for p, before in zip(pieces, known)]
         previous = [None if before is None else before.fingerprint for before in known]
         return fingerprints([piece.data for piece in pieces], previous, unchanged)
 
