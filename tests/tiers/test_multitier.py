@@ -6,6 +6,7 @@ import os
 import pytest
 
 from tests import process_group
+from tests.mp_scenarios import GLOBAL
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -124,3 +125,15 @@ def test_replicas_inside_a_single_slice_are_warned_of_and_none_are_accepted(tmp_
     for res in _ok(process_group.run("tiers.tier_slice_scenarios.one_slice_warns", 2, str(tmp_path))):
         assert len(res["1"]) == 1 and "local_replicas=1" in res["1"][0], res
         assert len(res["0"]) == 1, res  # no second warning for local_replicas=0
+
+
+def test_each_slice_restores_its_own_copy_and_only_a_wiped_slice_is_filled(tmp_path, monkeypatch):
+    monkeypatch.setenv("TPU_CKPT_SLICES", "0,0,1,1")
+    results = _ok(process_group.run("tiers.tier_slice_scenarios.every_slice_own_copy", 4, str(tmp_path)))
+    for me, res in enumerate(results):
+        for case in ("intact", "slice_1_wiped"):
+            assert res[case]["step"] == 3 and res[case]["mismatches"] == [], res
+        assert res["intact"]["data"] == 0, res  # every slice reads its own copy: no data byte between hosts
+        share = GLOBAL.nbytes // 2  # a slice shards w over its 2 processes
+        assert res["slice_1_wiped"]["data"] == (share if me in (2, 3) else 0), res  # the lost slice's bytes, once
+    print({me: res for me, res in enumerate(results)})

@@ -39,3 +39,16 @@ def test_the_slices_come_from_the_environment(text, slices):
 def test_unreadable_slices_are_refused_naming_the_variable(text):
     with pytest.raises(ValueError, match="TPU_CKPT_SLICES"):
         Settings.from_environment({"TPU_CKPT_SLICES": text})
+
+
+def test_each_whole_slice_reads_its_own_copy_and_a_lost_slice_a_whole_one():
+    # Slices 0-1 / 2-3 / 4-5 each wrote a copy; slice 1 (processes 2, 3) lost theirs.
+    mine = [(5, "t", 6, [p], [2 * (p // 2), 2 * (p // 2) + 1]) for p in range(6)]
+    reports = {p: ("[]" if p in (2, 3) else _report(mine[p])) for p in range(6)}
+    choice = decide(reports, set(), None)
+    assert choice.copies == ((0, 1), (4, 5)) and choice.holders == {0: 0, 1: 1, 4: 4, 5: 5}
+    assert Choice.from_json(choice.to_json()).copies == choice.copies
+    assert choice.reads(0, 6) == ([0, 1], [0, 1, 2]) and choice.reads(5, 6) == ([4, 5], [3, 4, 5])
+    assert choice.reads(2, 6) == ([0, 1], [0, 1, 2]) and choice.reads(3, 6) == ([4, 5], [3, 4, 5])
+    plain = decide({0: _report((5, "t", 2, [0, 1])), 1: "[]"}, set(), None)
+    assert plain.reads(1, 2) == ([0, 1], [0, 1])

@@ -83,3 +83,58 @@ def one_slice_warns(directory: str) -> dict:
         tc.CheckpointManager(persistent, local_directory="local", local_replicas=replicas).close()
         out[str(replicas)] = [m for m in warnings.messages if "slice restart" in m]
     return out
+
+
+def _counting_reads() -> dict[str, int]:
+    """Bytes this process asks other hosts' relay servers for from now on: of data files
+    (``data``: a part's pieces) and of everything else (``other``: plans, rows, manifests)."""
+    from tpu_ckpt.saving import written_by
+
+    got = {"data": 0, "other": 0}
+    read, read_file = relay.RelayStore.read, relay.RelayStore.read_file
+
+    def kind(name: str) -> str:
+        return "data" if written_by(name) is not None and not name.startswith("index-") else "other"
+
+    def counted_read(self, name, start, lengths, then=None):
+        got[kind(name)] += sum(lengths)
+        return read(self, name, start, lengths, then)
+
+    def counted_read_file(self, name):
+        data = read_file(self, name)
+        got[kind(name)] += 0 if data is None else len(data)
+        return data
+
+    relay.RelayStore.read, relay.RelayStore.read_file = counted_read, counted_read_file
+    return got
+
+
+def every_slice_own_copy(directory: str) -> dict:
+    """Local step 3 saved as slice copies; restored with every copy whole (each slice reads
+    its own disks), then again after slice 1's hosts lost theirs (only they are filled, from
+    slice 0): the bytes each process asked other hosts for, both times."""
+    me = jax.process_index()
+    persistent = _enter_host(directory)
+    options = tc.CheckpointOptions(enable_async=False, coordination_timeout=30)
+
+    def manager() -> tc.CheckpointManager:
+        return tc.CheckpointManager(persistent, save_interval_steps=10, local_directory="local", local_replicas=1,
+                                    options=options)
+
+    with manager() as saving:
+        for step in (1, 2, 3):
+            saving.save(step, _state(step))
+    target, out = _targets(_state(0), _slice_mesh()), {}
+    for case in ("intact", "slice_1_wiped"):
+        if case == "slice_1_wiped" and me in (2, 3):
+            shutil.rmtree("local")
+        got = _counting_reads()
+        with manager() as restoring:
+            restored = restoring.restore(None, target)
+        out[case] = {**got, "step": int(restored["step"]),
+                     "mismatches": _mismatches(restored, {"w": GLOBAL + 3, "step": 3})}
+        relay.RelayStore.read, relay.RelayStore.read_file = _ORIGINAL_READS
+    return out
+
+
+_ORIGINAL_READS = (relay.RelayStore.read, relay.RelayStore.read_file)

@@ -30,6 +30,8 @@ class Choice:
     local: bool = False
     holders: dict[int, int] = dataclasses.field(default_factory=dict)  # owner -> serving process
     token: str = dataclasses.field(default="", compare=False)  # a local step's save (``tier.json``)
+    # Of a step saved as slice copies, the whole copies (each slice's owners); () otherwise.
+    copies: tuple[tuple[int, ...], ...] = dataclasses.field(default=(), compare=False)
 
     @property
     def local_step(self) -> int | None:
@@ -37,12 +39,26 @@ class Choice:
         return self.step if self.local else None
 
     def to_json(self) -> str:
-        return json.dumps([self.step, self.local, sorted(self.holders.items()), self.token])
+        return json.dumps([self.step, self.local, sorted(self.holders.items()), self.token, self.copies])
 
     @classmethod
     def from_json(cls, text: str) -> Choice:
-        step, local, holders, token = json.loads(text)
-        return cls(step, local, {int(owner): int(holder) for owner, holder in holders}, token)
+        step, local, holders, token, copies = json.loads(text)
+        return cls(step, local, {int(o): int(h) for o, h in holders}, token, tuple(tuple(c) for c in copies))
+
+    def reads(self, process: int, count: int) -> tuple[list[int], list[int]]:
+        """(the owners whose parts ``process`` reads, the processes that read those same parts):
+        every part, by every process; of slice copies, a slice's own copy when it is whole
+        (its disks hold the slice's share: nothing crosses hosts), else a whole copy picked
+        by process number, so the slices that lost theirs spread over the whole ones."""
+        if not self.copies:
+            return sorted(self.holders), list(range(count))
+
+        def copy_of(p: int) -> tuple[int, ...]:
+            return next((c for c in self.copies if p in c), self.copies[p % len(self.copies)])
+
+        mine = copy_of(process)
+        return list(mine), [p for p in range(count) if copy_of(p) == mine]
 
 
 def choose(
@@ -80,7 +96,8 @@ def _decided(reports: dict[int, str], persistent: set[int], step: int | None, ot
     local = max((key for key, owners in served.items() if owners is not None), default=None)
     newest = max(persistent, default=None) if step is None else (step if step in persistent else None)
     if local is not None and (newest is None or local[0] >= newest):
-        return Choice(local[0], True, _assign({o: parts[local][o] for o in served[local] or ()}), local[1])
+        holders = _assign({o: parts[local][o] for o in served[local] or ()})
+        return Choice(local[0], True, holders, local[1], _whole(parts[local], copies.get(local)))
     return Choice(newest)
 
 
@@ -103,12 +120,17 @@ def _held(reports: dict[int, str], others: bool) -> tuple[dict[_Key, dict[int, l
 
 def _served(held: dict[int, list[int]], count: int, copies: set[tuple[int, ...]] | None) -> list[int] | None:
     """The parts a restore reads, if the held ones make the step whole: every process's part;
-    of a save where each slice wrote a copy, the parts of the first slice whose parts are all
-    held (another slice's would repeat its pieces)."""
+    of a save where each slice wrote a copy, the parts of every slice whose parts are all
+    held (each slice reads one copy: ``Choice.reads``)."""
     if copies is None:
         return sorted(held) if _covers(held, count) else None
-    whole = [copy for copy in sorted(copies) if copy and all(owner in held for owner in copy)]
-    return list(whole[0]) if whole else None
+    whole = _whole(held, copies)
+    return sorted(owner for copy in whole for owner in copy) if whole else None
+
+
+def _whole(held: dict[int, list[int]], copies: set[tuple[int, ...]] | None) -> tuple[tuple[int, ...], ...]:
+    """The slice copies whose parts are all held, in order (none where the step has none)."""
+    return tuple(copy for copy in sorted(copies or ()) if copy and all(owner in held for owner in copy))
 
 
 def _covers(held: dict[int, list[int]], count: int) -> bool:

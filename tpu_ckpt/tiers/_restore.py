@@ -39,17 +39,20 @@ from tpu_ckpt.saving import written_by
 from tpu_ckpt.tiers import _local_tier as local_tier
 from tpu_ckpt.tiers import _part_checks as part_checks
 from tpu_ckpt.tiers import _range_merge as range_merge
+from tpu_ckpt.tiers._choice import Choice
 
 
 def restore_local(
-    coord: cluster.Coordinator, root: str, step: int, holders: dict[int, int], target: Any, options: CheckpointOptions,
-    token: str,
+    coord: cluster.Coordinator, root: str, choice: Choice, target: Any, options: CheckpointOptions,
 ) -> tuple[Any, int]:
-    """Restores the chosen local ``step`` of the save ``token``, each part from its server in
-    ``holders``, each holder's files checked against that save (``_part_checks``)
-    (collective); returns the tree and the bytes read."""
+    """Restores the chosen local step of the save ``choice.token``, each part from its server
+    in ``choice.holders``, each holder's files checked against that save (``_part_checks``)
+    (collective); returns the tree and the bytes read. Of slice copies, each process reads
+    one copy's parts (``Choice.reads``), merged by the processes reading the same copy."""
+    step, holders, token = choice.local_step or 0, choice.holders, choice.token
+    owners, members = choice.reads(coord.me, coord.count)
     own = storage.Store(storage.Location(local_tier.step_dir(root, step)))
-    store = _Parts(own, holders, coord)
+    store = _Parts(own, {owner: holders[owner] for owner in owners}, coord)
     with contextlib.ExitStack() as serving:  # servers stop first, then the stores close
         serving.callback(store.close)
         try:
@@ -57,12 +60,12 @@ def restore_local(
             if data is None:
                 raise CorruptCheckpointError(f"{store.location.child(local_tier.PLAN_FILE)} is missing", file=store.location.url)
             planned = decode_manifest(data, where=store.location.child(local_tier.PLAN_FILE), tiled=False)
-            ranges = range_merge.leaf_ranges(len(planned.leaves), coord.count)
+            ranges = range_merge.leaf_ranges(len(planned.leaves), len(members))
             mine = [o for o, h in holders.items() if h == coord.me]
             parts = part_checks.check_step(own.location.local_path, step, token, data) if mine else None
             blobs = range_merge.part_blobs(own, mine, IndexPlan.of(planned), ranges, parts, step)
-            _serve(coord, own, mine, store.hold(blobs), serving)
-            manifest = _agreed_manifest(coord, store, data, planned, sorted(holders), ranges, serving)
+            _serve(coord, own, mine, store.hold(blobs), len(members) - 1, serving)
+            manifest = _agreed_manifest(coord, store, data, planned, owners, members[: len(ranges)], ranges, serving)
             tree, _, nbytes = restore_from(OpenCheckpoint(store, manifest), target, options, None, None)
             coord.barrier("restored")  # serves until everyone has what it needs
         except BaseException as error:
@@ -74,37 +77,39 @@ def restore_local(
 
 
 def _serve(
-    coord: cluster.Coordinator, own: storage.Backend, parts: list[int], held: _Layered, serving: contextlib.ExitStack
+    coord: cluster.Coordinator, own: storage.Backend, parts: list[int], held: _Layered, peers: int,
+    serving: contextlib.ExitStack,
 ) -> None:
     """Serves the files of the parts assigned to this process, and their rows cut by range
-    (``held``: the disk and those rows), and nothing else."""
-    if not parts or coord.count == 1:
+    (``held``: the disk and those rows), and nothing else, to ``peers`` processes."""
+    if not parts or peers == 0:
         return
     root = own.location.local_path
     names = [n for n in os.listdir(root) if written_by(n) in parts or n == local_tier.PLAN_FILE]
     serves = {n: os.lstat(os.path.join(root, n)).st_size for n in names}  # a link's own size: its reads are refused
     serves.update(held.sizes)
-    server = cluster.serve(coord, f"serve{coord.me}", held, coord.count - 1, serves=serves)
+    server = cluster.serve(coord, f"serve{coord.me}", held, peers, serves=serves)
     serving.callback(server.close)
 
 
 def _agreed_manifest(
     coord: cluster.Coordinator, store: _Parts, plan: bytes, planned: Manifest, owners: list[int],
-    ranges: list[tuple[int, int]], serving: contextlib.ExitStack,
+    mergers: list[int], ranges: list[tuple[int, int]], serving: contextlib.ExitStack,
 ) -> Manifest:
-    """Process ``r`` of the first ``len(ranges)`` merges range ``r``'s rows of every part
-    and serves that range's manifest and piece tables (:func:`_merged_range`); every process
+    """Process ``mergers[r]`` merges range ``r``'s rows of every part of ``owners`` and
+    serves that range's manifest and piece tables (:func:`_merged_range`); every process
     reads each range's manifest (one entry per leaf), 8 at a time, and joins them, then
     loads, lazily, the piece-table rows of its own cells from their range's server, checked
     as any manifest's. No process reads more of the parts' rows than its range's, nor holds
     an object per piece of the job."""
-    own = _merged_range(coord, store, plan, owners, ranges, serving) if coord.me < len(ranges) else None
+    index = mergers.index(coord.me) if coord.me in mergers else None
+    own = None if index is None else _merged_range(coord, store, plan, owners, index, ranges, serving)
     servers: list[storage.ReadableStore] = []
-    for index in range(len(ranges)):
-        if index == coord.me and own is not None:
+    for merger in mergers:
+        if merger == coord.me and own is not None:
             servers.append(own)
         else:
-            servers.append(cluster.connect(coord, f"range{index}", index, store.location, connections=1))
+            servers.append(cluster.connect(coord, f"range{merger}", merger, store.location, connections=1))
             serving.callback(servers[-1].close)  # the tables are read while the restore plans
     where = f"the merged manifest of {store.location.url}"
 
@@ -119,19 +124,19 @@ def _agreed_manifest(
 
 
 def _merged_range(
-    coord: cluster.Coordinator, store: _Parts, plan: bytes, owners: list[int], ranges: list[tuple[int, int]],
+    coord: cluster.Coordinator, store: _Parts, plan: bytes, owners: list[int], index: int, ranges: list[tuple[int, int]],
     serving: contextlib.ExitStack,
 ) -> _InMemory:
-    """This process's range of leaves merged from every part's rows of it (read from their
+    """Range ``index`` of leaves merged from every part's rows of it (read from their
     holders, 8 at a time: ``range_merge.merge_range``), served to the others."""
-    blobs = [range_merge.blob_name(owner, coord.me) for owner in owners]
+    blobs = [range_merge.blob_name(owner, index) for owner in owners]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         found = dict(zip(blobs, pool.map(store.read_file, blobs)))
     read = [(name, data) for name, data in found.items() if data is not None]
     if len(read) < len(blobs):
         missing = next(name for name, data in found.items() if data is None)
         raise CorruptCheckpointError(f"{store.location.child(missing)} is missing", file=store.location.url)
-    body, tables = range_merge.merge_range(plan, read, store.location, ranges[coord.me], table_prefix=f"r{coord.me:05d}-")
+    body, tables = range_merge.merge_range(plan, read, store.location, ranges[index], table_prefix=f"r{index:05d}-")
     source = _InMemory(store.location, {MANIFEST_FILE: body, **tables})
     if coord.count > 1:
         serves = {MANIFEST_FILE: None, **{name: len(data) for name, data in tables.items()}}

@@ -111,9 +111,7 @@ class LocalTier:
                 try:
                     choice = tier_choice.choose(coord, self.root, persistent, step, self._failed)
                     if choice.local_step is not None:
-                        restored = tier_restore.restore_local(
-                            coord, self.root, choice.local_step, choice.holders, target, options, choice.token
-                        )
+                        restored = tier_restore.restore_local(coord, self.root, choice, target, options)
                 except Exception as error:
                     coord.report_failure(error)  # wakes whoever waits on this process
                     raise
