@@ -132,10 +132,11 @@ def _prepare(final: storage.Location) -> None:
 
 
 def _block_bytes(options: CheckpointOptions) -> int:
-    """The source bytes of one block: a quarter of ``host_memory_limit`` (the block, its
-    transposed and its cast copy fit in it), else the read batch."""
+    """The bytes of one block of rows: an eighth of ``host_memory_limit`` (the block being
+    assembled, its reads and the next block's, the one being written and its transposed or
+    cast copy fit in it), else the read batch."""
     limit = options.host_memory_limit
-    return settings().read_batch_bytes if limit is None else max(limit // 4, 1)
+    return settings().read_batch_bytes if limit is None else max(limit // 8, 1)
 
 
 def _write_file(
@@ -176,14 +177,25 @@ def _blocks(checkpoint: OpenCheckpoint, leaf: LeafEntry, block_bytes: int) -> It
     pending = _start_reads(checkpoint, pieces, spans[0]) if spans else []
     for i, span in enumerate(spans):
         current, pending = pending, _start_reads(checkpoint, pieces, spans[i + 1]) if i + 1 < len(spans) else []
-        block = np.empty(extent(span), dtype)
-        for piece, part, future in current:
-            (chunk,) = future.result()
-            crcs[piece] = _crc32c.crc32c(chunk, crcs[piece])
-            block[relative(part, span)] = chunk.view(dtype).reshape(extent(part))
-            if (not part or part[0][1] == piece.slice[0][1]) and crcs[piece] != piece.crc32c:
-                raise _corrupt(checkpoint, leaf, piece, "does not match its crc32c")
+        block = _assemble(checkpoint, leaf, current, span, dtype, crcs)
         yield span, block
+        del block  # before the next block is assembled
+
+
+def _assemble(
+    checkpoint: OpenCheckpoint, leaf: LeafEntry, reads: list[tuple[PieceEntry, SliceSpec, concurrent.futures.Future]],
+    span: SliceSpec, dtype: np.dtype, crcs: dict[PieceEntry, int],
+) -> np.ndarray:
+    """A block from its pieces' reads, each let go of once copied and added to its piece's crc32c."""
+    block = np.empty(extent(span), dtype)
+    while reads:
+        piece, part, future = reads.pop()
+        (chunk,) = future.result()
+        crcs[piece] = _crc32c.crc32c(chunk, crcs[piece])
+        block[relative(part, span)] = chunk.view(dtype).reshape(extent(part))
+        if (not part or part[0][1] == piece.slice[0][1]) and crcs[piece] != piece.crc32c:
+            raise _corrupt(checkpoint, leaf, piece, "does not match its crc32c")
+    return block
 
 
 def _start_reads(

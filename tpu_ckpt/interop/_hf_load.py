@@ -148,21 +148,26 @@ def _check(triples: Sequence[tuple[str, Any, Any]], found: Sequence[Named | None
 def _load_leaf(store: storage.Backend, entry: layout.Entry, named: Named, leaf: Any, batch: int) -> Any:
     dtype, shape = np.dtype(leaf.dtype), tuple(leaf.shape)
     if isinstance(leaf, np.ndarray):
-        return _read_slices(store, entry, named.transpose, [full_slice(shape)], dtype, batch)[0]
+        return _converted(_read_slices(store, entry, named.transpose, [full_slice(shape)], batch)[0], named.transpose, dtype)
     sharding = leaf.sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     by_slice: dict[SliceSpec, list[jax.Device]] = {}
     for device, index in sharding.addressable_devices_indices_map(shape).items():
         by_slice.setdefault(full_slice(shape) if index is None else index_to_slice(index, shape), []).append(device)
-    hosts = _read_slices(store, entry, named.transpose, list(by_slice), dtype, batch)
-    arrays = [a for host, devices in zip(hosts, by_slice.values()) for a in jax.device_put([host] * len(devices), devices)]
+    hosts = _read_slices(store, entry, named.transpose, list(by_slice), batch)
+    hosts.reverse()  # each slice let go of as soon as it is on its devices
+    arrays = []
+    for devices in by_slice.values():
+        host = _converted(hosts.pop(), named.transpose, dtype)
+        arrays.extend(jax.device_put([host] * len(devices), devices))
+        jax.block_until_ready(arrays[-1])
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
 def _read_slices(
-    store: storage.Backend, entry: layout.Entry, transpose: bool, specs: list[SliceSpec], dtype: np.dtype, batch: int
+    store: storage.Backend, entry: layout.Entry, transpose: bool, specs: list[SliceSpec], batch: int
 ) -> list[np.ndarray]:
     """Distinct slices of the target leaf (a sharding's: they tile what they cover), as host
-    arrays. Their bounding box is read once when they tile it (a host's devices usually hold
+    arrays as stored (axes reversed when ``transpose``, the file's dtype). Their bounding box is read once when they tile it (a host's devices usually hold
     one block of the mesh), else each slice by itself; a box a batch of its rows at a time."""
     saved = dtype_from_name(entry.tensor.dtype)
     stored = [tuple(reversed(s)) if transpose else s for s in specs]
@@ -175,11 +180,11 @@ def _read_slices(
                 overlap = intersect(spec, part)
                 if overlap is not None:
                     host[relative(overlap, spec)] = data[relative(overlap, part)]
-    hosts.reverse()  # each let go of as soon as it is converted
-    return [_converted(hosts.pop(), transpose, dtype) for _ in range(len(hosts))]
+    return hosts
 
 
 def _converted(host: np.ndarray, transpose: bool, dtype: np.dtype) -> np.ndarray:
+    """A slice as stored, as the target wants it: axes reversed back, cast, row-major."""
     return (host.transpose() if transpose else host).astype(dtype, order="C", copy=False)
 
 

@@ -58,6 +58,8 @@ class IOPool:
                     future.set_result(result)
                 else:
                     future.set_exception(error)
+                del result, error
+            del future  # an idle thread must not keep its last read's bytes alive (nor its future)
 
 
 def _run(fn: Callable[..., Any], args: tuple[Any, ...], then: Callable[[Any], Any] | None) -> tuple[Any, BaseException | None]:
