@@ -114,3 +114,16 @@ def test_two_managers_interleaving_async_and_sync_saves_lose_no_acknowledged_ste
         assert set(sorted(acknowledged)[-2:]) <= set(listed), (round_, listed)
     a.close()
     b.close()
+
+
+@pytest.mark.parametrize("prefix", ["run/", ""])
+def test_an_object_listing_around_known_steps_lists_only_the_others(prefix):
+    """What retention lists on an object store (RunDirectory.current): every key but those of the known steps."""
+    loc = storage.location(f"memory://around-{len(prefix)}/{prefix}")
+    names = ["a.json", "step_1/x", "step_10/x", "step_1a/x", "step_2/manifest.json", "step_2/y", "step_3/z", "zz/w"]
+    with storage.Store(loc, threads=1) as store:
+        for name in names:
+            store.write(name, [b"1"]).result()
+        assert store.list() == names
+        assert store.list(outside=["step_1", "step_2"]) == ["a.json", "step_10/x", "step_1a/x", "step_3/z", "zz/w"]
+        assert store.list(outside=["zz", "a.json", "step_3"]) == [n for n in names if not n.startswith(("zz/", "step_3/"))]

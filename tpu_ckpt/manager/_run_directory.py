@@ -92,22 +92,27 @@ class RunDirectory:
 
     def current(self) -> Listing:
         """What the run holds now (on the removal thread, leader only): a local directory listed
-        again; on an object store the steps known, and what a listing of the keys outside them
-        finds (a step another manager committed, a save started since), which it then knows."""
+        again; on an object store the steps known, the saves started that committed since (a
+        read of each manifest), and what a listing of the keys outside all those finds (a step
+        another manager committed, a save it started), which it then knows. A save in flight
+        is never listed key by key."""
         if self.loc.is_local:
             return list_run(self.loc)
         with self._lock:
-            known = None if self._committed is None else [*self._committed, *self._retired]
+            known = None if self._committed is None else [*self._committed, *self._retired, *self._started]
         if known is None:
             return self._list(self.loc)
         with storage.Store(self.loc, threads=1) as store:
             found = parse_listing(typing.cast(storage.ObjectStore, store).list(outside=known))
+        for name in [name for name in known if name in self._started and _holds_manifest(self.loc, name)]:
+            self.committed(name)
         with self._lock:
             committed = self._committed if self._committed is not None else {}
             committed.update({name: step for step, name in found.committed.items()})
             self._started = (self._started | set(found.leftovers)) - set(found.committed.values())
             self._retired |= set(found.retired)
-            return Listing({step: name for name, step in committed.items()}, found.leftovers, retired=sorted(self._retired))
+            leftovers = sorted(self._started)
+            return Listing({step: name for name, step in committed.items()}, leftovers, retired=sorted(self._retired))
 
     def left(self, name: str, *, retired: bool) -> None:
         """Notes that step ``name`` is no longer committed: retired, or gone (removal thread)."""
