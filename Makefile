@@ -43,10 +43,10 @@ test: $(STAMP)
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --quiet
 
-# The inner loop (<= 60 s on a quiet 2-core machine): in-process tests only, no emulators, notebooks,
-# process groups, subprocesses, Orbax or Flax (tests/conftest.py marks those heavy).
+# The inner loop (<= 45 s on a quiet 2-core machine): in-process tests only, no emulators, notebooks,
+# process groups, subprocesses, Orbax or Flax (tests/conftest.py marks those heavy and leaves them uncollected).
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "$(FAST_TIER)"
+	$(PY) -m pytest -q -m "$(FAST_TIER)" -n $(WORKERS)
 
 # The fast tier again, on the oldest versions pyproject.toml accepts (a couple of minutes to
 # build the first time, then about a minute): the supported range's lower end, tested.
