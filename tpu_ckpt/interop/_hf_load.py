@@ -167,25 +167,34 @@ def _read_slices(
     store: storage.Backend, entry: layout.Entry, transpose: bool, specs: list[SliceSpec], batch: int
 ) -> list[np.ndarray]:
     """Distinct slices of the target leaf (a sharding's: they tile what they cover), as host
-    arrays as stored (axes reversed when ``transpose``, the file's dtype). Their bounding box is read once when they tile it (a host's devices usually hold
-    one block of the mesh), else each slice by itself; a box a batch of its rows at a time."""
+    arrays as stored (axes reversed when ``transpose``, the file's dtype). Their bounding box
+    is read once when they tile it (a host's devices usually hold one block of the mesh),
+    else each slice by itself; a box a batch of its rows at a time. A block that is exactly
+    one slice is that slice, not copied."""
     saved = dtype_from_name(entry.tensor.dtype)
     stored = [tuple(reversed(s)) if transpose else s for s in specs]
-    hosts = [storage.aligned_empty(volume(s) * saved.itemsize).view(saved).reshape(extent(s)) for s in stored]
+    hosts: list[np.ndarray | None] = [None] * len(stored)
     box = tuple((min(s[d][0] for s in stored), max(s[d][1] for s in stored)) for d in range(len(stored[0])))
     for each in [box] if sum(map(volume, stored)) == volume(box) else stored:
         for part in _row_blocks(each, saved.itemsize, batch):
             data = _read_box(store, entry, saved, part)
-            for spec, host in zip(stored, hosts):
+            for i, spec in enumerate(stored):
                 overlap = intersect(spec, part)
-                if overlap is not None:
+                if spec == part:
+                    hosts[i] = data
+                elif overlap is not None:
+                    host = hosts[i]
+                    if host is None:
+                        host = hosts[i] = storage.aligned_empty(volume(spec) * saved.itemsize).view(saved).reshape(extent(spec))
                     host[relative(overlap, spec)] = data[relative(overlap, part)]
-    return hosts
+    return [np.empty(extent(s), saved) if h is None else h for s, h in zip(stored, hosts)]  # None: an empty slice
 
 
 def _converted(host: np.ndarray, transpose: bool, dtype: np.dtype) -> np.ndarray:
-    """A slice as stored, as the target wants it: axes reversed back, cast, row-major."""
-    return (host.transpose() if transpose else host).astype(dtype, order="C", copy=False)
+    """A slice as stored, as the target wants it: axes reversed back, cast, row-major, and
+    writable (an object store's bytes may be a read-only view)."""
+    out = (host.transpose() if transpose else host).astype(dtype, order="C", copy=False)
+    return out if out.flags.writeable else out.copy()
 
 
 def _row_blocks(box: SliceSpec, itemsize: int, batch: int) -> Iterator[SliceSpec]:
@@ -203,6 +212,8 @@ def _read_box(store: storage.Backend, entry: layout.Entry, saved: np.dtype, box:
     """A block of the stored tensor, read as the row-major runs of bytes it is made of."""
     runs = list(layout.runs_of(entry.tensor.shape, saved.itemsize, box))
     futures = [store.read(entry.file, entry.start + start, [length]) for start, length in runs]
+    if len(runs) == 1:  # one run (whole rows): the bytes read are the block
+        return futures[0].result()[0].view(saved).reshape(extent(box))
     out = storage.aligned_empty(volume(box) * saved.itemsize)
     at = 0
     for future, (_, length) in zip(futures, runs):
