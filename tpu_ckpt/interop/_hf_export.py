@@ -147,39 +147,50 @@ def _write_file(
     total, done = sum(o.tensor.nbytes for o in outputs), 0
     with storage.FileWriter(final, name) as writer:
         writer.write_at(0, [header])
-        for output, offset in zip(outputs, offsets):
-            for spec, data in _blocks(checkpoint, output.leaf, block_bytes):
-                _write_block(writer, offset, output, spec, data)
-                done += data.nbytes
-                if progress is not None:
-                    progress(done, total)
+        for k, spec, data in _blocks(checkpoint, [o.leaf for o in outputs], block_bytes):
+            _write_block(writer, offsets[k], outputs[k], spec, data)
+            done += data.nbytes
+            if progress is not None:
+                progress(done, total)
 
 
-def _blocks(checkpoint: OpenCheckpoint, leaf: LeafEntry, block_bytes: int) -> Iterator[tuple[SliceSpec, np.ndarray]]:
-    """The leaf as blocks of whole rows, ``(global slice, array)``, each assembled from the
-    rows of the pieces it overlaps; every piece is read once, in row order, the next block's
-    reads in flight while this one is written. A piece's crc32c is checked across its
-    blocks, at its last row; a mismatch fails the export before its file is committed."""
-    whole, dtype = full_slice(leaf.shape), dtype_from_name(leaf.dtype)
-    checkpoint.load([(leaf, [whole])])
+Step = tuple[int, LeafEntry, list[PieceEntry], SliceSpec]  # a block: its leaf's index, the leaf, its pieces, its slice
+
+
+def _blocks(
+    checkpoint: OpenCheckpoint, leaves: Sequence[LeafEntry], block_bytes: int
+) -> Iterator[tuple[int, SliceSpec, np.ndarray]]:
+    """The leaves as blocks of whole rows, ``(leaf index, global slice, array)``, each
+    assembled from the rows of the pieces it overlaps; every piece is read once, in row
+    order, the next block's reads (of the next leaf, after a leaf's last) in flight while
+    this one is written. A piece's crc32c is checked across its blocks, at its last row; a
+    mismatch fails the export before its file is committed."""
+    checkpoint.load([(leaf, [full_slice(leaf.shape)]) for leaf in leaves])
     if checkpoint.manifest.tables:  # format 2: the pieces loaded share no byte (as a restore checks)
         check_byte_ranges(checkpoint.manifest, checkpoint.where, loaded_only=True)
+    steps = [step for k, leaf in enumerate(leaves) for step in _steps(checkpoint, k, leaf, block_bytes)]
+    crcs: dict[PieceEntry, int] = {}
+    pending = _start_reads(checkpoint, steps[0][2], steps[0][3]) if steps else []
+    for i, (k, leaf, _, span) in enumerate(steps):
+        current, pending = pending, _start_reads(checkpoint, steps[i + 1][2], steps[i + 1][3]) if i + 1 < len(steps) else []
+        block = _assemble(checkpoint, leaf, current, span, dtype_from_name(leaf.dtype), crcs)
+        yield k, span, block
+        del block  # before the next block is assembled
+
+
+def _steps(checkpoint: OpenCheckpoint, k: int, leaf: LeafEntry, block_bytes: int) -> list[Step]:
+    """A leaf's blocks of about ``block_bytes`` (whole rows, one row at least), with its pieces."""
+    whole, dtype = full_slice(leaf.shape), dtype_from_name(leaf.dtype)
     pieces = [p for p in loaded_overlapping(leaf, whole) if p.length or volume(p.slice)]
     for piece in pieces:
         if volume(piece.slice) * dtype.itemsize != piece.length:
             raise _corrupt(checkpoint, leaf, piece, f"holds {piece.length} bytes, not {extent(piece.slice)} of {dtype}")
+    if not pieces:
+        return []
     if not leaf.shape:  # a scalar: one piece, one block
-        spans: list[SliceSpec] = [()] if pieces else []
-    else:
-        rows = max(1, block_bytes // max(1, volume(whole[1:]) * dtype.itemsize))
-        spans = [((k, min(k + rows, leaf.shape[0])), *whole[1:]) for k in range(0, leaf.shape[0], rows)]
-    crcs = dict.fromkeys(pieces, 0)
-    pending = _start_reads(checkpoint, pieces, spans[0]) if spans else []
-    for i, span in enumerate(spans):
-        current, pending = pending, _start_reads(checkpoint, pieces, spans[i + 1]) if i + 1 < len(spans) else []
-        block = _assemble(checkpoint, leaf, current, span, dtype, crcs)
-        yield span, block
-        del block  # before the next block is assembled
+        return [(k, leaf, pieces, ())]
+    rows = max(1, block_bytes // max(1, volume(whole[1:]) * dtype.itemsize))
+    return [(k, leaf, pieces, ((r, min(r + rows, leaf.shape[0])), *whole[1:])) for r in range(0, leaf.shape[0], rows)]
 
 
 def _assemble(
@@ -191,7 +202,7 @@ def _assemble(
     while reads:
         piece, part, future = reads.pop()
         (chunk,) = future.result()
-        crcs[piece] = _crc32c.crc32c(chunk, crcs[piece])
+        crcs[piece] = _crc32c.crc32c(chunk, crcs.get(piece, 0))
         block[relative(part, span)] = chunk.view(dtype).reshape(extent(part))
         if (not part or part[0][1] == piece.slice[0][1]) and crcs[piece] != piece.crc32c:
             raise _corrupt(checkpoint, leaf, piece, "does not match its crc32c")
