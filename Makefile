@@ -7,6 +7,8 @@ STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-flax
 # pytest-xdist workers of `make test`; `make test WORKERS=0` runs the suite in one process.
 WORKERS ?= 2
+# loadgroup: the multi-process tests one at a time, on one worker (tests/conftest.py); `load`: anywhere.
+DIST ?= loadgroup
 # The oldest supported versions (constraints-oldest.txt) get a virtualenv of their own.
 COMPAT := .venv-compat
 COMPAT_STAMP := $(COMPAT)/.installed
@@ -33,7 +35,7 @@ demo: $(DEMO_STAMP)
 # Multi-process and emulator tests each run on one worker (tests/conftest.py: xdist_group), the rest
 # wherever a worker is free (`make test WORKERS=0`: serially, in one process).
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=25 -n $(WORKERS) --dist loadgroup
+	$(PY) -m pytest -q --durations=25 -n $(WORKERS) --dist $(DIST)
 	$(MAKE) test-compat
 	$(MAKE) docs
 	$(MAKE) lint

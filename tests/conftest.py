@@ -68,7 +68,8 @@ _STARTS_PROCESSES = ("process_group.run", "run_script(")
 
 
 def _group(item) -> str | None:
-    if item.get_closest_marker("multiprocess") or any(call in _source(item) for call in _STARTS_PROCESSES):
+    starts_processes = item.path.parent.name == "multiprocess" or item.get_closest_marker("multiprocess")
+    if starts_processes or any(call in _source(item) for call in _STARTS_PROCESSES):
         return "processes"
     if item.get_closest_marker("emulator") or _EMULATOR_FIXTURES & set(getattr(item, "fixturenames", ())):
         return "emulators"
