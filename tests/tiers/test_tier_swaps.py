@@ -10,8 +10,9 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 # case -> (latest_step() before the restore, the step restored): another holder's part, else
 # another local step; data files are only found out by their crc32c as the restore reads
-# them (the persistent step 5 then), after which latest_step() no longer names step 6.
-EXPECTED = {"part": (5, 5), "index": (5, 5), "data": (6, 5), "plan": (6, 6)}
+# them (the persistent step 5 then), after which latest_step() no longer names step 6. A
+# damaged index is found as a swapped one is: by its crc32c against tier.json.
+EXPECTED = {"part": (5, 5), "index": (5, 5), "data": (6, 5), "plan": (6, 6), "flipped": (5, 5)}
 
 
 def test_a_part_index_data_or_plan_of_another_save_is_never_restored_with_this_one(tmp_path):

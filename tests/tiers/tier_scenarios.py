@@ -195,7 +195,8 @@ def another_process_count(directory: str, phase: str) -> dict:
 
 
 def damaged_index(directory: str) -> dict:
-    """Local step 1 on 2 processes, its upload removed (so there is nothing to fall back to);
+    """Local step 1 on 2 processes, its upload removed (so there is nothing to fall back to),
+    process 1's part removed from host 0 (its replica: no other holder to take it from);
     process 1 then damages its own part's index (the part it serves, and checks): the restore fails on
     both processes, naming the file, instead of hanging."""
     me = jax.process_index()
@@ -205,6 +206,9 @@ def damaged_index(directory: str) -> dict:
     manager.wait_until_finished()  # the upload of step 1 read the index before it is damaged
     if me == 0:
         shutil.rmtree(os.path.join(persistent, "step_1"))  # process 0 lists for both
+        for name in os.listdir(os.path.join("local", "step_1")):
+            if name.startswith(("d00001-", "index-00001")):
+                os.unlink(os.path.join("local", "step_1", name))
     if me == 1:
         with open(os.path.join("local", "step_1", "index-00001.bin"), "r+b") as f:
             f.seek(10)

@@ -9,6 +9,7 @@ into local step 6, each consistent with the others of its save:
   disk wiped (a replaced host): only host 1 holds process 0's part, of the wrong save;
 - ``index``: the same, the index alone;
 - ``data``: the same, the data files alone (the same names and sizes);
+- ``flipped``: no swap, host 1's copy of process 0's index damaged (one byte flipped);
 - ``plan``: host 0's ``plan.json`` (whose ``step`` is 5; process 0 merges the leaf ``step``),
   host 1 intact.
 
@@ -26,7 +27,7 @@ import tpu_ckpt as tc
 from tests.mp_scenarios import GLOBAL, _job_mesh, _mismatches, _reversed_mesh, _targets
 from tests.tiers.tier_scenarios import _enter_host, _manager, _state
 
-CASES = ("part", "index", "data", "plan")
+CASES = ("part", "index", "data", "plan", "flipped")
 
 
 def _swap(case: str, me: int) -> None:
@@ -38,6 +39,13 @@ def _swap(case: str, me: int) -> None:
         return
     if me == 0:
         shutil.rmtree("local")
+        return
+    if case == "flipped":
+        with open(os.path.join(new, "index-00000.bin"), "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            last = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([last[0] ^ 1]))
         return
     names = {
         "part": [n for n in os.listdir(old) if n.startswith(("d00000-", "index-00000"))],

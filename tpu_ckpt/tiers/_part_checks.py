@@ -7,18 +7,17 @@ are tied through its index, which holds the crc32c of every piece. So a part, an
 plan of another save (a disk image restored, a hand copy, a step directory renamed) is never
 taken for this save's:
 
-- when listing (:func:`others`, each host for the steps it holds): a plan or an index whose
-  bytes differ from ``tier.json``'s but which is intact (of another save) marks that part, or
-  for the plan or the step every part, as of another save in what the host reports, with a
+- when listing (:func:`others`, each host for the steps it holds): a plan or an index that is
+  not the one ``tier.json`` records (of another save, damaged, missing, unreadable) marks
+  that part, or for the plan or the step every part, apart in what the host reports, with a
   warning naming the file; the restore then takes the part from another holder, or another
-  step, and only when no step is left does it take such a part, and fail naming the file. A
-  damaged file (or one that cannot be read) is left to the restore, which names it and falls
-  back;
+  step, and only when no step is left does it take such a part: the restore then fails
+  naming the file (and falls back, or raises);
 - when restoring (:func:`check_step`, each holder): ``tier.json`` against the agreed token and
   the step, and the plan and each index read against ``tier.json`` again.
 
 Each check costs the crc32c of files the host holds (its plan, its parts' indexes: O(its own
-pieces)); an index is decoded only when its crc32c differs. A step saved before parts were
+pieces)), with no decoding and no data file read. A step saved before parts were
 tied (its ``tier.json`` without ``plan``) is checked by its token and count, as then.
 """
 
@@ -30,7 +29,7 @@ from typing import Any
 
 from tpu_ckpt import storage
 from tpu_ckpt.errors import CheckpointError, CorruptCheckpointError
-from tpu_ckpt.format import IndexPlan, crc32c, decode_index, decode_manifest
+from tpu_ckpt.format import crc32c
 from tpu_ckpt.saving import staged_index_file, written_by
 
 logger = logging.getLogger(__name__)
@@ -56,62 +55,44 @@ def _crc(root: str, name: str) -> int:
 
 
 def others(path: str, step: int, info: dict[str, Any], owners: set[int]) -> set[int]:
-    """The parts of ``owners`` the step at ``path`` holds of another save than its own
-    (``info``: its ``tier.json``): all of them when its step or its plan is another save's."""
+    """The parts of ``owners`` the step at ``path`` does not hold as its save wrote them
+    (``info``: its ``tier.json``): those whose index is not the one recorded (damaged, or of
+    another save), and all of them when its plan or its step is not."""
     if "plan" not in info:
         return set()  # saved before parts were tied: nothing recorded to check against
     if info.get("step") != step:
-        _warn(os.path.join(path, TIER_FILE), f"is of step {info.get('step')!r}, not of {step}")
+        _warn(os.path.join(path, TIER_FILE), f"names step {info.get('step')!r}, not {step}")
         return owners
     plan = _readable(path, PLAN_FILE)
-    if plan is None or crc32c(plan) == info["plan"]:
-        return {owner for owner in owners if _of_another_save(path, owner, info, plan)}
-    if _intact_plan(plan, path) is not None:
+    if plan is None or crc32c(plan) != info["plan"]:
         _warn(os.path.join(path, PLAN_FILE), "is not the one its tier.json records")
         return owners
-    return set()
-
-
-def _of_another_save(path: str, owner: int, info: dict[str, Any], plan: bytes | None) -> bool:
-    """Whether the index of ``owner``'s part is intact and of another save than ``info``'s."""
-    name = staged_index_file(owner)
-    data = _readable(path, name)
     parts = info.get("parts")
-    if data is None or plan is None or (isinstance(parts, dict) and crc32c(data) == parts.get(str(owner))):
-        return False
-    planned = _intact_plan(plan, path)
-    if planned is None:
-        return False
-    try:
-        decode_index(data, where=os.path.join(path, name), plan=IndexPlan.of(planned))
-    except CorruptCheckpointError:
-        return False  # damaged: the restore names it
-    except CheckpointError:
-        pass  # intact, of another tree
+    recorded = parts if isinstance(parts, dict) else {}
+    return {owner for owner in owners if not _as_recorded(path, staged_index_file(owner), recorded.get(str(owner)))}
+
+
+def _as_recorded(path: str, name: str, crc: Any) -> bool:
+    data = _readable(path, name)
+    if data is not None and crc32c(data) == crc:
+        return True
     _warn(os.path.join(path, name), "is not the one its tier.json records")
-    return True
+    return False
 
 
 def _readable(path: str, name: str) -> bytes | None:
     try:
         return storage.read_whole(path, name)
     except (OSError, CheckpointError):
-        return None  # the restore reads it again, and names what is wrong
-
-
-def _intact_plan(plan: bytes, path: str) -> Any:
-    try:
-        return decode_manifest(plan, where=os.path.join(path, PLAN_FILE), tiled=False)
-    except (CheckpointError, ValueError):
-        return None
+        return None  # missing, or no regular file of ours: the restore reads it again, and names what is wrong
 
 
 def _warn(where: str, problem: str) -> None:
     if where not in _warned:
         _warned.add(where)
         logger.warning(
-            "tpu_ckpt: %s %s: it is of another save, and this host's part of the local step is not used "
-            "(another holder's, or another step, is restored)", where, problem,
+            "tpu_ckpt: %s %s (it is damaged, or of another save): this host's part of the local step is "
+            "taken only if no other holder's, and no other step, can be restored", where, problem,
         )
 
 
