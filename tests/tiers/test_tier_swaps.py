@@ -1,6 +1,6 @@
-"""A local step's parts, indexes and plan are tied to their save, and what a manager lists is what it
-restores (issue #38): 2 real JAX
-processes, files of local step 5 swapped into local step 6 (tests/tiers/tier_swap_scenarios.py)."""
+"""A local step's parts, indexes and plan are tied to their save, and what a manager lists is
+what it restores (issue #38): 2 real JAX processes, files of local step 5 swapped into local
+step 6, and a stray persistent step (tests/tiers/tier_swap_scenarios.py)."""
 
 import pytest
 
