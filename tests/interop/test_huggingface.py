@@ -305,7 +305,8 @@ def test_peak_memory_under_host_memory_limit_both_ways(tmp_path):
     assert out["load"] - out["load_held"] < (16 << 20) + (32 << 20), out
 
 
-def test_a_corrupt_source_piece_fails_the_export_and_leaves_no_file(tmp_path):
+@pytest.mark.parametrize("limit", [None, 16 << 20])  # the piece read whole, or in blocks
+def test_a_corrupt_source_piece_fails_the_export_and_leaves_no_file(tmp_path, limit):
     big = np.arange(1 << 20, dtype=np.float32).reshape(256, 4096)  # 4 MiB: blocks of 4 MiB / 4 under a 16 MiB limit
     tc.save(tmp_path / "train", {"params": {"w": big}})
     (data,) = [p for p in (tmp_path / "train").iterdir() if p.suffix == ".safetensors"]
@@ -314,5 +315,5 @@ def test_a_corrupt_source_piece_fails_the_export_and_leaves_no_file(tmp_path):
     data.write_bytes(bytes(raw))
     with pytest.raises(tc.CorruptCheckpointError, match="does not match its crc32c"):
         tc.export_for_serving(tmp_path / "train", tmp_path / "hf", layout="huggingface",
-                              options=tc.CheckpointOptions(host_memory_limit=16 << 20))
+                              options=tc.CheckpointOptions(host_memory_limit=limit))
     assert os.listdir(tmp_path / "hf") == []

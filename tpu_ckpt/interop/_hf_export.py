@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -30,6 +31,7 @@ from tpu_ckpt.format import (
     PieceEntry,
     SliceSpec,
     check_byte_ranges,
+    crc32c,
     dtype_from_name,
     dtype_name,
     extent,
@@ -170,9 +172,9 @@ def _blocks(
         check_byte_ranges(checkpoint.manifest, checkpoint.where, loaded_only=True)
     steps = [step for k, leaf in enumerate(leaves) for step in _steps(checkpoint, k, leaf, block_bytes)]
     crcs: dict[PieceEntry, int] = {}
-    pending = _start_reads(checkpoint, steps[0][2], steps[0][3]) if steps else []
+    pending = _start_reads(checkpoint, *steps[0][1:]) if steps else []
     for i, (k, leaf, _, span) in enumerate(steps):
-        current, pending = pending, _start_reads(checkpoint, steps[i + 1][2], steps[i + 1][3]) if i + 1 < len(steps) else []
+        current, pending = pending, _start_reads(checkpoint, *steps[i + 1][1:]) if i + 1 < len(steps) else []
         block = _assemble(checkpoint, leaf, current, span, dtype_from_name(leaf.dtype), crcs)
         yield k, span, block
         del block  # before the next block is assembled
@@ -197,23 +199,30 @@ def _assemble(
     checkpoint: OpenCheckpoint, leaf: LeafEntry, reads: list[tuple[PieceEntry, SliceSpec, concurrent.futures.Future]],
     span: SliceSpec, dtype: np.dtype, crcs: dict[PieceEntry, int],
 ) -> np.ndarray:
-    """A block from its pieces' reads, each let go of once copied and added to its piece's crc32c."""
+    """A block from its pieces' reads, each let go of once copied. A piece read whole was
+    checked in the IO thread; one read in parts adds each to its running crc32c, checked at
+    its last row. A block that is one read is that read's bytes, not copied."""
+    if len(reads) == 1 and reads[0][1] == span and reads[0][1] == reads[0][0].slice:
+        return reads.pop()[2].result()[0].view(dtype).reshape(extent(span))
     block = np.empty(extent(span), dtype)
     while reads:
         piece, part, future = reads.pop()
         (chunk,) = future.result()
-        crcs[piece] = _crc32c.crc32c(chunk, crcs.get(piece, 0))
         block[relative(part, span)] = chunk.view(dtype).reshape(extent(part))
-        if (not part or part[0][1] == piece.slice[0][1]) and crcs[piece] != piece.crc32c:
+        if part == piece.slice:
+            continue
+        crcs[piece] = _crc32c.crc32c(chunk, crcs.get(piece, 0))
+        if part[0][1] == piece.slice[0][1] and crcs[piece] != piece.crc32c:
             raise _corrupt(checkpoint, leaf, piece, "does not match its crc32c")
     return block
 
 
 def _start_reads(
-    checkpoint: OpenCheckpoint, pieces: Sequence[PieceEntry], span: SliceSpec
+    checkpoint: OpenCheckpoint, leaf: LeafEntry, pieces: Sequence[PieceEntry], span: SliceSpec
 ) -> list[tuple[PieceEntry, SliceSpec, concurrent.futures.Future]]:
     """Starts reading the rows of each piece inside the block ``span`` (whole rows of the
-    leaf): a contiguous range of the piece's bytes."""
+    leaf): a contiguous range of the piece's bytes; a piece read whole is checked against
+    its crc32c in the IO thread, in parallel with the others."""
     reads = []
     for piece in pieces:
         part = intersect(piece.slice, span) if span else ()
@@ -222,8 +231,14 @@ def _start_reads(
         first = piece.slice[0][0] if span else 0
         row = piece.length // max(1, extent(piece.slice)[0]) if span else piece.length
         start, stop = (part[0][0] - first, part[0][1] - first) if span else (0, 1)
-        reads.append((piece, part, checkpoint.store.read(piece.file, piece.offset + start * row, [(stop - start) * row])))
+        check = functools.partial(_check_whole, checkpoint, leaf, piece) if part == piece.slice else None
+        reads.append((piece, part, checkpoint.store.read(piece.file, piece.offset + start * row, [(stop - start) * row], check)))
     return reads
+
+
+def _check_whole(checkpoint: OpenCheckpoint, leaf: LeafEntry, piece: PieceEntry, chunks: list[np.ndarray]) -> None:
+    if crc32c(chunks[0]) != piece.crc32c:
+        raise _corrupt(checkpoint, leaf, piece, "does not match its crc32c")
 
 
 def _corrupt(checkpoint: OpenCheckpoint, leaf: LeafEntry, piece: PieceEntry, what: str) -> CorruptCheckpointError:
