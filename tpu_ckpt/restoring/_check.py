@@ -144,8 +144,8 @@ class RestoreReport:
         lines = [f"restore of {self.url}: {verdict}", *(_fill(p, "  ") for p in self.problems)]
         if self.leaves:
             rows = [[x.key, "resharded" if x.resharded else "as saved", size(x.read_bytes), size(x.over_read)] for x in self.leaves]
-            header, *keyed = table([["KEY, SAVED -> RESTORED AS", "LAYOUT", "READ", "OVER-READ"], *rows], right={2, 3}).split("\n")
-            lines += ["", header]
+            title_row, *keyed = table([["KEY, SAVED -> RESTORED AS", "LAYOUT", "READ", "OVER-READ"], *rows], right={2, 3}).split("\n")
+            lines += ["", title_row]
             for line, x in zip(keyed, self.leaves):
                 lines += [line, _fill(f"{x.saved} -> {x.restored}", "  ")]
         for title, names in (
