@@ -1,6 +1,8 @@
 """One process serving another's reads or writes, wired through the coordinator: the server
-publishes its contact at a stage, the client receives it there. Every relay of a job (the
-shared reads of a restore, the local tier's replicas and restore) is set up this way."""
+publishes its contact at a stage, the client receives it there; where several serve (a
+restore's holders and range servers), every contact is exchanged in one step instead
+(:func:`contacts`). Every relay of a job (the shared reads of a restore, the local tier's
+replicas and restore) is set up this way."""
 
 from __future__ import annotations
 
@@ -9,20 +11,44 @@ from typing import Any
 from tpu_ckpt import relay, storage
 from tpu_ckpt.cluster._coordinator import Coordinator, relay_host
 
+# The most processes that serve one piece of a restore's control plane or of its replicated
+# bytes (range servers, load_and_broadcast's readers), whatever the job's size: each process
+# then connects to O(MAX_SERVERS) of them, never to every peer (docs/scaling.md).
+MAX_SERVERS = 64
 
-def serve(coord: Coordinator, stage: str, store: Any, peers: int, **options: Any) -> relay.RelayServer:
+
+def serve(coord: Coordinator, stage: str | None, store: Any, peers: int, **options: Any) -> relay.RelayServer:
     """A relay server of ``store`` for ``peers`` processes on this host's address, its contact
-    published at ``stage`` (the server closed again if publishing fails). ``options``: the
-    server's (``accepts``, ``serves``, ``shared``)."""
+    published at ``stage`` (the server closed again if publishing fails; None: not published,
+    the caller brings it to :func:`contacts`). ``options``: the server's (``accepts``,
+    ``serves``, ``shared``)."""
     server = relay.RelayServer(store, relay_host(), coord.timeout, peers=peers, **options)
     try:
-        coord.publish(stage, server.contact())
+        if stage is not None:
+            coord.publish(stage, server.contact())
     except BaseException:
         server.close()
         raise
     return server
 
 
-def connect(coord: Coordinator, stage: str, server: int, location: storage.Location, **options: Any) -> relay.RelayStore:
-    """A client of process ``server``'s relay, whose contact it published at ``stage``."""
-    return relay.RelayStore(location, coord.receive(stage, server), coord.timeout, server, **options)
+def contacts(coord: Coordinator, stage: str, server: relay.RelayServer | None) -> dict[int, str]:
+    """Every serving process's contact, exchanged in one step (``Coordinator.gather``), each
+    process bringing its ``server``'s or none."""
+    found = coord.gather(stage, "" if server is None else server.contact())
+    return {process: contact for process, contact in found.items() if contact}
+
+
+def connect(
+    coord: Coordinator, stage: str, server: int, location: storage.Location, contact: str | None = None, **options: Any
+) -> relay.RelayStore:
+    """A client of process ``server``'s relay: ``contact`` when known (:func:`contacts`), else
+    the one it published at ``stage``."""
+    return relay.RelayStore(location, contact or coord.receive(stage, server), coord.timeout, server, **options)
+
+
+def spread(processes: list[int], most: int = MAX_SERVERS) -> list[int]:
+    """At most ``most`` of ``processes`` (sorted), evenly spaced: the same on every process."""
+    if len(processes) <= most:
+        return processes
+    return [processes[i * len(processes) // most] for i in range(most)]

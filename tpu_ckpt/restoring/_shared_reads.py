@@ -62,7 +62,9 @@ class Plan:
 
 def plan(wants: Sequence[tuple[LeafEntry, jax.sharding.Sharding | None]], process_count: int) -> Plan:
     """Assigns each piece needed by several processes to one of them (every process computes
-    the same plan). A target without sharding (numpy, Python scalar) is wanted whole by all."""
+    the same plan), of at most ``cluster.MAX_SERVERS`` evenly spaced ones: a piece the whole
+    job needs is served by a constant number of processes, so each connects to O(1) peers.
+    A target without sharding (numpy, Python scalar) is wanted whole by all."""
     balance = WriteBalance()
     readers, needers = {}, {}
     everyone = frozenset(range(process_count))
@@ -74,7 +76,7 @@ def plan(wants: Sequence[tuple[LeafEntry, jax.sharding.Sharding | None]], proces
         for piece in leaf.pieces:
             processes = need.get((piece.file, piece.offset), set())
             if len(processes) > 1 and piece.length > 0:
-                readers[(piece.file, piece.offset)] = balance.assign(sorted(processes), piece.length)
+                readers[(piece.file, piece.offset)] = balance.assign(cluster.spread(sorted(processes)), piece.length)
                 needers[(piece.file, piece.offset)] = frozenset(processes)
     return Plan(readers, needers)
 
@@ -102,7 +104,8 @@ class SharedReads(StoreReads):
         self.plan = the_plan
         mine = {pid: pieces[pid] for pid, reader in the_plan.readers.items() if reader == coord.me}
         self._cache = _ReadOnce(store, mine, the_plan.needers, keep_bytes)
-        self._server = cluster.serve(coord, f"serve{coord.me}", store, coord.count - 1, shared=self._cache.take)
+        self._server = cluster.serve(coord, None, store, coord.count - 1, shared=self._cache.take) if mine else None
+        self._contacts = cluster.contacts(coord, "serve", self._server)  # one step, whoever serves
         self._peers: dict[int, relay.RelayStore] = {}
         self._lock = threading.Lock()
 
@@ -126,7 +129,8 @@ class SharedReads(StoreReads):
 
     def close(self) -> None:
         """Stops serving and fetching (on failure: the others learn it from the coordinator)."""
-        self._server.close()
+        if self._server is not None:
+            self._server.close()
         for peer in self._peers.values():
             peer.close()
 
@@ -141,7 +145,10 @@ class SharedReads(StoreReads):
         with self._lock:
             if process not in self._peers:
                 # only of the peers it reads from
-                self._peers[process] = cluster.connect(self.coord, f"serve{process}", process, self.store.location, connections=2)
+                contact = self._contacts.get(process)
+                self._peers[process] = cluster.connect(
+                    self.coord, f"serve{process}", process, self.store.location, contact, connections=2
+                )
             return self._peers[process]
 
 

@@ -49,22 +49,15 @@ def restore_local(
     in ``choice.holders``, each holder's files checked against that save (``_part_checks``)
     (collective); returns the tree and the bytes read. Of slice copies, each process reads
     one copy's parts (``Choice.reads``), merged by the processes reading the same copy."""
-    step, holders, token = choice.local_step or 0, choice.holders, choice.token
+    step, holders = choice.local_step or 0, choice.holders
     owners, members = choice.reads(coord.me, coord.count)
     own = storage.Store(storage.Location(local_tier.step_dir(root, step)))
     store = _Parts(own, {owner: holders[owner] for owner in owners}, coord)
     with contextlib.ExitStack() as serving:  # servers stop first, then the stores close
         serving.callback(store.close)
         try:
-            data = store.read_file(local_tier.PLAN_FILE)
-            if data is None:
-                raise CorruptCheckpointError(f"{store.location.child(local_tier.PLAN_FILE)} is missing", file=store.location.url)
-            planned = decode_manifest(data, where=store.location.child(local_tier.PLAN_FILE), tiled=False)
-            ranges = range_merge.leaf_ranges(len(planned.leaves), len(members))
             mine = [o for o, h in holders.items() if h == coord.me]
-            parts = part_checks.check_step(own.location.local_path, step, token, data) if mine else None
-            blobs = range_merge.part_blobs(own, mine, IndexPlan.of(planned), ranges, parts, step)
-            _serve(coord, own, mine, store.hold(blobs), len(members) - 1, serving)
+            data, planned, ranges = _plan_and_serve(coord, store, own, mine, len(members), choice, serving)
             manifest = _agreed_manifest(coord, store, data, planned, owners, members[: len(ranges)], ranges, serving)
             tree, _, nbytes = restore_from(OpenCheckpoint(store, manifest), target, options, None, None)
             coord.barrier("restored")  # serves until everyone has what it needs
@@ -76,20 +69,47 @@ def restore_local(
     return tree, nbytes
 
 
+def _plan_and_serve(
+    coord: cluster.Coordinator, store: _Parts, own: storage.Backend, mine: list[int], readers: int, choice: Choice,
+    serving: contextlib.ExitStack,
+) -> tuple[bytes, Manifest, list[tuple[int, int]]]:
+    """The step's plan, decoded, and the ranges of leaves that the ``readers`` of this
+    process's copy merge (at most ``cluster.MAX_SERVERS``). A process serving parts
+    (``mine``) reads the plan from its own disk, cuts its parts' rows by range and serves
+    them; then every server's contact is exchanged in one step (``cluster.contacts``); a
+    process serving none reads the plan from its copy's first holder."""
+    server, step = None, choice.local_step or 0
+    if mine:
+        data, planned, ranges = _plan(store, readers)
+        parts = part_checks.check_step(own.location.local_path, step, choice.token, data)
+        blobs = range_merge.part_blobs(own, mine, IndexPlan.of(planned), ranges, parts, step)
+        server = _serve(coord, own, mine, store.hold(blobs), readers - 1)
+        if server is not None:
+            serving.callback(server.close)
+    store.contacts = cluster.contacts(coord, "serve", server)
+    return (data, planned, ranges) if mine else _plan(store, readers)
+
+
+def _plan(store: _Parts, readers: int) -> tuple[bytes, Manifest, list[tuple[int, int]]]:
+    data = store.read_file(local_tier.PLAN_FILE)
+    if data is None:
+        raise CorruptCheckpointError(f"{store.location.child(local_tier.PLAN_FILE)} is missing", file=store.location.url)
+    planned = decode_manifest(data, where=store.location.child(local_tier.PLAN_FILE), tiled=False)
+    return data, planned, range_merge.leaf_ranges(len(planned.leaves), min(readers, cluster.MAX_SERVERS))
+
+
 def _serve(
     coord: cluster.Coordinator, own: storage.Backend, parts: list[int], held: _Layered, peers: int,
-    serving: contextlib.ExitStack,
-) -> None:
-    """Serves the files of the parts assigned to this process, and their rows cut by range
-    (``held``: the disk and those rows), and nothing else, to ``peers`` processes."""
+) -> relay.RelayServer | None:
+    """A server of the files of the parts assigned to this process, and their rows cut by
+    range (``held``: the disk and those rows), and nothing else, to ``peers`` processes."""
     if not parts or peers == 0:
-        return
+        return None
     root = own.location.local_path
     names = [n for n in os.listdir(root) if written_by(n) in parts or n == local_tier.PLAN_FILE]
     serves = {n: os.lstat(os.path.join(root, n)).st_size for n in names}  # a link's own size: its reads are refused
     serves.update(held.sizes)
-    server = cluster.serve(coord, f"serve{coord.me}", held, peers, serves=serves)
-    serving.callback(server.close)
+    return cluster.serve(coord, None, held, peers, serves=serves)
 
 
 def _agreed_manifest(
@@ -103,14 +123,20 @@ def _agreed_manifest(
     as any manifest's. No process reads more of the parts' rows than its range's, nor holds
     an object per piece of the job."""
     index = mergers.index(coord.me) if coord.me in mergers else None
-    own = None if index is None else _merged_range(coord, store, plan, owners, index, ranges, serving)
-    servers: list[storage.ReadableStore] = []
-    for merger in mergers:
+    own, server = _merged_range(coord, store, plan, owners, index, ranges) if index is not None else (None, None)
+    if server is not None:
+        serving.callback(server.close)
+    contacts = cluster.contacts(coord, "ranges", server)
+
+    def connect(merger: int) -> storage.ReadableStore:
         if merger == coord.me and own is not None:
-            servers.append(own)
-        else:
-            servers.append(cluster.connect(coord, f"range{merger}", merger, store.location, connections=1))
-            serving.callback(servers[-1].close)  # the tables are read while the restore plans
+            return own
+        client = cluster.connect(coord, f"range{merger}", merger, store.location, contacts.get(merger), connections=1)
+        serving.callback(client.close)  # the tables are read while the restore plans
+        return client
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        servers = list(pool.map(connect, mergers))
     where = f"the merged manifest of {store.location.url}"
 
     def manifest_of(index: int) -> Manifest:
@@ -125,10 +151,9 @@ def _agreed_manifest(
 
 def _merged_range(
     coord: cluster.Coordinator, store: _Parts, plan: bytes, owners: list[int], index: int, ranges: list[tuple[int, int]],
-    serving: contextlib.ExitStack,
-) -> _InMemory:
+) -> tuple[_InMemory, relay.RelayServer | None]:
     """Range ``index`` of leaves merged from every part's rows of it (read from their
-    holders, 8 at a time: ``range_merge.merge_range``), served to the others."""
+    holders, 8 at a time: ``range_merge.merge_range``), and its server to the others."""
     blobs = [range_merge.blob_name(owner, index) for owner in owners]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         found = dict(zip(blobs, pool.map(store.read_file, blobs)))
@@ -138,10 +163,10 @@ def _merged_range(
         raise CorruptCheckpointError(f"{store.location.child(missing)} is missing", file=store.location.url)
     body, tables = range_merge.merge_range(plan, read, store.location, ranges[index], table_prefix=f"r{index:05d}-")
     source = _InMemory(store.location, {MANIFEST_FILE: body, **tables})
-    if coord.count > 1:
-        serves = {MANIFEST_FILE: None, **{name: len(data) for name, data in tables.items()}}
-        serving.callback(cluster.serve(coord, f"range{coord.me}", source, coord.count - 1, serves=serves).close)
-    return source
+    if coord.count == 1:
+        return source, None
+    serves = {MANIFEST_FILE: None, **{name: len(data) for name, data in tables.items()}}
+    return source, cluster.serve(coord, None, source, coord.count - 1, serves=serves)
 
 
 class _ReadOnly(storage.ReadableStore):
@@ -236,6 +261,7 @@ class _Parts(_Routed):
         self._held: storage.ReadableStore = own
         self._peers: dict[int, relay.RelayStore] = {}
         self._lock = threading.Lock()
+        self.contacts: dict[int, str] = {}  # the holders' servers (``cluster.contacts``)
 
     def hold(self, blobs: dict[str, bytes]) -> _Layered:
         """This host's files from now on: its disk, and ``blobs`` (its parts' rows cut by
@@ -265,6 +291,8 @@ class _Parts(_Routed):
             return self._held
         with self._lock:
             if holder not in self._peers:
-                self._peers[holder] = cluster.connect(self._coord, f"serve{holder}", holder, self.location, connections=2)
+                self._peers[holder] = cluster.connect(
+                    self._coord, f"serve{holder}", holder, self.location, self.contacts.get(holder), connections=2
+                )
             return self._peers[holder]
 

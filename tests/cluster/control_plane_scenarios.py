@@ -1,0 +1,127 @@
+"""The restores' control plane counted per process (run by tests/process_group.py at several
+process counts): the coordination service's key-value calls and the relay connections each
+process opens and accepts, for a tier restore and a load_and_broadcast restore of a small
+state (one sharded array, one replicated, a host value)."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+from jax._src.distributed import global_state
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import tpu_ckpt as tc
+from tests.mp_scenarios import GLOBAL, _global_array, _mismatches
+from tests.tiers.tier_scenarios import _enter_host
+from tpu_ckpt import relay
+
+
+class _CountingClient:
+    """JAX's distributed client, each method call counted."""
+
+    def __init__(self, client):
+        self.client, self.calls = client, 0
+
+    def __getattr__(self, name):
+        method = getattr(self.client, name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return method(*args, **kwargs)
+
+        return counted
+
+
+def _counting_connections() -> dict[str, int]:
+    """Relay connections this process opens (past the handshake) and accepts from now on."""
+    got = {"opened": 0, "accepted": 0}
+    connect, admit = relay.RelayStore._connect, relay.RelayServer._admit
+
+    def counted_connect(self):
+        conn = connect(self)
+        got["opened"] += 1
+        return conn
+
+    def counted_admit(self, conn, deadline):
+        admitted = admit(self, conn, deadline)
+        got["accepted"] += int(admitted)
+        return admitted
+
+    relay.RelayStore._connect, relay.RelayServer._admit = counted_connect, counted_admit
+    return got
+
+
+def _counted(restore) -> tuple[dict, dict[str, int]]:
+    client = _CountingClient(global_state.client)
+    global_state.client = client
+    originals = relay.RelayStore._connect, relay.RelayServer._admit
+    got = _counting_connections()
+    try:
+        restored = restore()
+    finally:
+        global_state.client = client.client
+        relay.RelayStore._connect, relay.RelayServer._admit = originals
+    return restored, {"kv_calls": client.calls, **got}
+
+
+def control_plane_counts(directory: str) -> dict:
+    """A local step (each process's part and one replica) restored by the tier, and the same
+    state saved to ``directory`` restored with load_and_broadcast: the counts of each."""
+    persistent = _enter_host(directory)
+    mesh = jax.sharding.Mesh(np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))), ("model",))
+    state = {"w": _global_array(mesh, P("model")), "b": _global_array(mesh, P(), GLOBAL[:1]), "step": 3}
+    expected = {"w": GLOBAL, "b": GLOBAL[:1], "step": 3}
+    targets = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, v.sharding.spec))
+               for k, v in state.items() if isinstance(v, jax.Array)} | {"step": 0}
+    options = tc.CheckpointOptions(enable_async=False, coordination_timeout=60)
+    out = {}
+    with tc.CheckpointManager(persistent, save_interval_steps=10, local_directory="local", local_replicas=1,
+                              options=options) as manager:
+        manager.save(3, state)
+        restored, out["tier"] = _counted(lambda: manager.restore(None, targets))
+    out["tier_mismatches"] = _mismatches(restored, expected)
+    path = os.path.join(directory, "ckpt")
+    tc.save(path, state)
+    shared = tc.CheckpointOptions(load_and_broadcast=True, coordination_timeout=60)
+    restored, out["shared"] = _counted(lambda: tc.restore(path, targets, options=shared))
+    out["shared_mismatches"] = _mismatches(restored, expected)
+    return out
+
+
+def plain_restore_index_entries(directory: str) -> dict:
+    """A plain restore onto a target laid out unlike the save (leaves of 6 shapes): the
+    device-to-block entries the restore builds, of the job's devices (JAX's global map) and
+    of this process's (``sharding.local_indices``), and the values."""
+    from jax.sharding import Sharding
+
+    from tpu_ckpt.sharding import _local_indices
+
+    devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
+    flat = jax.sharding.Mesh(devices, ("model",))
+    square = jax.sharding.Mesh(devices.reshape(2, -1), ("a", "b"))
+    values = {f"w{n}": np.arange(16 * 8 * (n + 1), dtype=np.float32).reshape(16 * (n + 1), 8) for n in range(6)}
+    path = os.path.join(directory, "ckpt")
+    tc.save(path, {k: _global_array(flat, P("model"), v) for k, v in values.items()})
+    targets = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(square, P("b", "a"))) for k, v in values.items()}
+    counts = {"global_entries": 0, "local_entries": 0}
+    global_map, block_indices = Sharding.devices_indices_map, _local_indices.block_indices
+
+    def counted_global(self, shape):
+        found = global_map(self, shape)
+        counts["global_entries"] += len(found)
+        return found
+
+    def counted_local(*args):
+        found = block_indices(*args)
+        counts["local_entries"] += len(found)
+        return found
+
+    Sharding.devices_indices_map, _local_indices.block_indices = counted_global, counted_local
+    try:
+        restored = tc.restore(path, targets)
+    finally:
+        Sharding.devices_indices_map, _local_indices.block_indices = global_map, block_indices
+    return {**counts, "mismatches": _mismatches(restored, values)}

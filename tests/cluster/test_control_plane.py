@@ -1,0 +1,49 @@
+"""The restores' control plane does not grow with the job (#37 item 3): counted per process
+with real processes at 2 and 4 processes (tests/cluster/control_plane_scenarios.py)."""
+
+import pytest
+
+from tests import process_group
+from tpu_ckpt import cluster
+from tpu_ckpt.tiers._range_merge import leaf_ranges
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+
+def _counts(tmp_path, processes: int) -> list[dict]:
+    results = process_group.run("cluster.control_plane_scenarios.control_plane_counts", processes, str(tmp_path))
+    for r in results:
+        assert r.returncode == 0 and r.result is not None, r.output[-4000:]
+        assert r.result["tier_mismatches"] == [] and r.result["shared_mismatches"] == [], r.result
+    return [r.result for r in results]
+
+
+def test_kv_calls_and_connections_per_process_do_not_grow_with_the_process_count(tmp_path):
+    two, four = _counts(tmp_path / "two", 2), _counts(tmp_path / "four", 4)
+    print({"P=2": two, "P=4": four})
+    for kind in ("tier", "shared"):  # one gather of every contact, not a receive per peer
+        assert max(res[kind]["kv_calls"] for res in four) <= max(res[kind]["kv_calls"] for res in two) + 8, (two, four)
+    # load_and_broadcast: each process connects to the one reader of the replicated piece, whatever P
+    assert max(res["shared"]["opened"] for res in four) <= max(res["shared"]["opened"] for res in two), (two, four)
+    # The tier: at most 1 connection per range server (3 leaves: 2 ranges at P=2, 3 at P=4) and 2 per
+    # holder read from; a merger (at most MAX_SERVERS of them) still reads its range's rows from every holder.
+    for res in four:
+        assert res["tier"]["opened"] <= (4 - 1) + 2 * (4 - 1), res
+
+
+def test_the_range_servers_and_readers_are_capped_whatever_the_job():
+    assert len(leaf_ranges(100_000, min(1536, cluster.MAX_SERVERS))) == cluster.MAX_SERVERS
+    chosen = cluster.spread(list(range(1536)))
+    assert len(chosen) == cluster.MAX_SERVERS and chosen[0] == 0 and chosen[-1] == 1536 - 1536 // 64
+    assert cluster.spread([3, 5]) == [3, 5]
+
+
+def test_a_plain_restore_plans_each_leaf_from_this_processs_devices_only(tmp_path):
+    results = process_group.run("cluster.control_plane_scenarios.plain_restore_index_entries", 2, str(tmp_path))
+    for r in results:
+        assert r.returncode == 0 and r.result is not None, r.output[-4000:]
+        res = r.result
+        print(res)
+        assert res["mismatches"] == [], res
+        assert res["local_entries"] == 6 * 4, res  # 6 layouts x this process's 4 devices
+        assert res["global_entries"] == 0, res  # never the job's 8 devices per layout
