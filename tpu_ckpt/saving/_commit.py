@@ -52,7 +52,7 @@ def index(pieces: Mapping[str, Sequence[PieceEntry]], files: Mapping[str, int]) 
 
 
 def commit(
-    store: storage.Backend, final: storage.Location, planned: Manifest, own: Manifest, others: Iterable[int],
+    store: storage.Backend, final: storage.Location, planned: Manifest, own: Manifest | bytes, others: Iterable[int],
     progress: Callable[[str], None] = lambda note: None, token: str = "", finish: Callable[[Manifest], Manifest] | None = None,
 ) -> None:
     """The leader: merges its own index with those the ``others`` processes left in the
@@ -67,10 +67,11 @@ def commit(
     ``progress`` hears how far it got (the coordinator's note to the processes waiting for
     the commit, so that a long one is not taken for a dead leader). ``token``: the one this
     save's object names carry (``Staging.token``). ``finish``: what the merged manifest still
-    needs (the per-process values, ``saving/_per_process.py``)."""
+    needs (the per-process values, ``saving/_per_process.py``). ``own``: the leader's index,
+    or it encoded (``encode_index``), which lets a save drop its objects per piece first."""
     others = list(others)
     plan = IndexPlan.of(planned)
-    mine = decode_index(encode_index(own, plan), where="the leader's own index", plan=plan)
+    mine = decode_index(own if isinstance(own, bytes) else encode_index(own, plan), where="the leader's own index", plan=plan)
     with concurrent.futures.ThreadPoolExecutor(settings().io_threads) as pool:  # one host's latency, not N
         indexes = [mine]
         for index in pool.map(functools.partial(_read_index, store, plan, token), others):
@@ -86,7 +87,7 @@ def commit(
     storage.publish(store.location, final, token)
 
 
-Grid = tuple[list[np.ndarray], np.ndarray]
+Grid = tuple[list[np.ndarray | tuple[int, int]], np.ndarray]
 """A gridded leaf as the piece table holds it: the cut points per axis, and its rows
 (``format.ROW``) in C order of the cells."""
 
@@ -100,6 +101,7 @@ def merge_rows(planned: Manifest, plan: IndexPlan, indexes: list[IndexRows]) -> 
     columns = _Columns.gather(indexes, numbers)
     grids: list[Grid | None] = [None] * len(planned.leaves)
     inline: dict[int, tuple[PieceEntry, ...]] = {}
+    whole: dict[int, tuple[int, int]] = {}  # an uncut axis's cuts, one object per length (many small leaves)
     for rank, column in sorted(columns.items()):
         column.sort()
         first, count, ok, steps = column.grids(plan.dims)
@@ -107,11 +109,17 @@ def merge_rows(planned: Manifest, plan: IndexPlan, indexes: list[IndexRows]) -> 
             a, n, number = int(first[s]), int(count[s]), int(column.leaf[first[s]])
             if ok[s]:
                 runs = [n, *(int(step[s]) for step in steps)]  # rows per cell of axis d - 1, then of axis d
-                cuts = [np.append(column.start[a : a + runs[d] : runs[d + 1], d], plan.dims[number, d]) for d in range(rank)]
+                cuts = [
+                    whole.setdefault(int(plan.dims[number, d]), (0, int(plan.dims[number, d]))) if runs[d] == runs[d + 1]
+                    else np.append(column.start[a : a + runs[d] : runs[d + 1], d], plan.dims[number, d])
+                    for d in range(rank)
+                ]
                 grids[number] = (cuts, column.table[a : a + n])
             else:
                 inline[number] = column.pieces(a, a + n, names, int(plan.itemsizes[number]))
-    leaves = tuple(dataclasses.replace(e, pieces=inline.get(n, ())) for n, e in enumerate(planned.leaves))
+    leaves = tuple(  # a leaf without pieces stays the plan's own: no new object per leaf
+        dataclasses.replace(e, pieces=inline.get(n, ())) if n in inline or e.pieces else e for n, e in enumerate(planned.leaves)
+    )
     for entry, grid in zip(leaves, grids):
         problem = None if entry.kind != "array" or grid is not None else tiling_problem(entry.shape, [p.slice for p in entry.pieces])
         if problem:

@@ -239,6 +239,7 @@ class Writes:
         handed over: a million of them need not outlive the index."""
         self.drain()
         pieces, self._pieces = self._pieces, collections.defaultdict(list)
+        self._texts = Texts()  # its texts of every key go too
         return commit.index(pieces, self._sizes)
 
     def _finish_oldest(self) -> None:

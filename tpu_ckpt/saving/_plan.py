@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -169,6 +169,7 @@ def _leaf_entries(
     """Manifest entries (without piece locations) for every leaf, and this process's pieces
     (``group``: the processes sharing the writing with it, ``LocalPieces``)."""
     entries, local = [], LocalPieces(me, group)
+    shared: dict[Any, Any] = {}  # equal shapes and sharding descriptions, one object each: a state may have a million leaves
     for key, path, leaf in leaves:
         if isinstance(leaf, _PYTHON_VALUES):
             entries.append(LeafEntry(key, path, "value", value=leaf))
@@ -181,11 +182,20 @@ def _leaf_entries(
             name = dtype_name(leaf.dtype)
         except TypeError as e:
             raise TypeError(f"Leaf {key!r}: {e}") from None
-        shape = tuple(int(d) for d in leaf.shape)
+        shape = _shared(shared, tuple(int(d) for d in leaf.shape))
+        sharding = _shared(shared, leaf.sharding, describe_sharding, leaf) if isinstance(leaf, jax.Array) else None
         slot = key in slots
-        entries.append(LeafEntry(key, path, "array", shape, name, slot, describe_sharding(leaf), logical=logical))
+        entries.append(LeafEntry(key, path, "array", shape, name, slot, sharding, logical=logical))
         local.add(key, leaf, is_slot=slot)
     return entries, local
+
+
+def _shared(seen: dict[Any, Any], key: Any, make: Callable[[Any], Any] | None = None, of: Any = None) -> Any:
+    """The one object kept for ``key`` (made by ``make(of)``, or ``key`` itself)."""
+    found = seen.get(key)
+    if found is None:
+        found = seen[key] = key if make is None else make(of)
+    return found
 
 
 def _stored(key: str, leaf: Any) -> tuple[Any, str]:

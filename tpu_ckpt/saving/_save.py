@@ -219,18 +219,21 @@ class SaveJob:
         hands_off = False  # set once this process may delete nothing any more
         try:
             own = self.write_own(store)
+            files, kept = own.files, own if self._incremental is not None else None
+            index = encode_index(own, IndexPlan.of(self.manifest))
+            del own  # its objects per piece: the encoded rows are all the commit needs
             record = per_process.write_values(store, self.manifest, coord.me, self.staging.token)
             if coord.me == self.leader:
                 records = coord.collect("written", record, at=self.leader)
                 others = [p for p in range(coord.count) if p != self.leader]
                 commit.commit(
-                    self.staging.backend, self.final, self._planned(), own, others, coord.progress, self.staging.token,
+                    self.staging.backend, self.final, self._planned(), index, others, coord.progress, self.staging.token,
                     finish=lambda merged: per_process.completed(merged, records),
                 )
                 hands_off = True  # committed
                 coord.publish("committed")
             else:
-                store.write(staged_index_file(coord.me, self.staging.token), [encode_index(own, IndexPlan.of(self.manifest))]).result()
+                store.write(staged_index_file(coord.me, self.staging.token), [index]).result()
                 coord.collect("written", record, at=self.leader)
                 # This process has written: the staging area is the leader's to commit or
                 # remove. On an object store it is the final prefix, which a late removal here
@@ -251,11 +254,11 @@ class SaveJob:
         finally:
             coord.close()
             self.staging.close()
-        if self._incremental is not None:
-            self._incremental.committed(self.final, own)
+        if self._incremental is not None and kept is not None:
+            self._incremental.committed(self.final, kept)
         logger.info(
             "tpu_ckpt: saved %s (%d leaves, %d pieces, %d files, %.1f MB from this process) in %.2fs",
-            self.final.url, len(self.manifest.leaves), self.piece_count, len(own.files), sum(own.files.values()) / 1e6,
+            self.final.url, len(self.manifest.leaves), self.piece_count, len(files), sum(files.values()) / 1e6,
             time.perf_counter() - started,
         )
 

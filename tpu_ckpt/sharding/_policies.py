@@ -184,7 +184,7 @@ class _Packer:
                 self._open_shard()
             elif math.prod(shape) == 1:
                 # A single element larger than the whole limit: the only allowed overflow.
-                self.large.append({piece.checkpoint_key: {_spec(start, shape): self._cut(piece, start, shape)}})
+                self.large.append({piece.checkpoint_key: dict([self._cut(piece, start, shape)])})
                 return
             else:
                 # TF loops forever here: no slab fits even an empty shard. Pack a unit slab the
@@ -192,23 +192,24 @@ class _Packer:
                 axis = next(a for a, n in enumerate(shape) if n > 1)
                 self._pack_block(piece, start, _with_extent(shape, axis, 1))
                 start, shape = _rest(start, shape, axis, 1)
-        _put(self.shards[-1], piece.checkpoint_key, _spec(start, shape), self._cut(piece, start, shape))
+        _put(self.shards[-1], piece.checkpoint_key, *self._cut(piece, start, shape))
         self.remaining -= math.prod(shape) * esize
 
     def _add_slab(self, piece: ShardableTensor, start: tuple[int, ...], shape: tuple[int, ...], esize: int) -> None:
         """TF's ``_add_partition``: a slab that fits; a shard filled exactly is closed at once."""
-        _put(self.shards[-1], piece.checkpoint_key, _spec(start, shape), self._cut(piece, start, shape))
+        _put(self.shards[-1], piece.checkpoint_key, *self._cut(piece, start, shape))
         self.remaining -= math.prod(shape) * esize
         if self.remaining == 0:
             self._open_shard()
 
-    def _cut(self, piece: ShardableTensor, start: tuple[int, ...], shape: tuple[int, ...]) -> Any:
-        """The block's data, sliced from the piece's own tensor (the piece itself when uncut)."""
+    def _cut(self, piece: ShardableTensor, start: tuple[int, ...], shape: tuple[int, ...]) -> tuple[SliceSpec, Any]:
+        """The block's slice and data, sliced from the piece's own tensor (the piece's own
+        slice and tensor when uncut: no new object per piece of a state of many small leaves)."""
         spec = _spec(start, shape)
         if spec == piece.slice_spec:
-            return piece.tensor
+            return piece.slice_spec, piece.tensor
         tensor = piece.tensor if self.view is None else self.view(piece.tensor)
-        return tensor[tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(spec, piece.slice_spec))]
+        return spec, tensor[tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(spec, piece.slice_spec))]
 
 
 def _next_partition(shape: tuple[int, ...], esize: int, remaining: int) -> tuple[int, int]:
