@@ -39,6 +39,9 @@ class Settings:
     # Each process's slice, by process index, where JAX reports none (CPU devices, a test
     # standing in for a multislice job): the local tier's replicas go by it (tiers/_replicas.py).
     slices: tuple[int, ...] | None = None  # TPU_CKPT_SLICES, "0,0,1,1"
+    # Each process's host, by process index, in place of what the processes find (hostname and
+    # boot id, tiers/_hosts.py): a test simulating several hosts on one machine.
+    hosts: tuple[int, ...] | None = None  # TPU_CKPT_HOSTS, "0,0,1,1"
 
     # Knobs.
     io_threads: int = 8  # of a Store: parallel reads and writes of one process
@@ -110,6 +113,7 @@ class Settings:
             relay_ports=_port_range(environ.get("TPU_CKPT_RELAY_PORTS") or None),
             aws_endpoint_url=environ.get("AWS_ENDPOINT_URL") or None,
             slices=_slices(environ.get("TPU_CKPT_SLICES") or None),
+            hosts=_slices(environ.get("TPU_CKPT_HOSTS") or None, "TPU_CKPT_HOSTS", "host"),
             object_retry_seconds=_number(
                 "TPU_CKPT_OBJECT_RETRY_SECONDS", environ, cls.object_retry_seconds, "a number of seconds"
             ),
@@ -120,7 +124,7 @@ class Settings:
 
 
 MIN_REQUESTS_PER_SECOND = 0.01  # a slower pace would make one request wait hours (or overflow time.sleep)
-_FROM_ENVIRONMENT = ("relay_host", "relay_ports", "aws_endpoint_url", "slices")
+_FROM_ENVIRONMENT = ("relay_host", "relay_ports", "aws_endpoint_url", "slices", "hosts")
 _MAY_BE_ZERO = ("relay_socket_buffer_bytes", "reuse_snapshot_buffers", "direct_writes", "object_requests_per_second")
 
 
@@ -145,7 +149,7 @@ def _number(variable: str, environ: Mapping[str, str], default: float, what: str
         raise ValueError(f"{variable} must be {what}, got {text!r}") from None
 
 
-def _slices(text: str | None) -> tuple[int, ...] | None:
+def _slices(text: str | None, variable: str = "TPU_CKPT_SLICES", what: str = "slice") -> tuple[int, ...] | None:
     if text is None:
         return None
     try:
@@ -153,7 +157,7 @@ def _slices(text: str | None) -> tuple[int, ...] | None:
     except ValueError:
         found = ()
     if not found or min(found) < 0:
-        raise ValueError(f"TPU_CKPT_SLICES must give each process's slice, e.g. 0,0,1,1, got {text!r}")
+        raise ValueError(f"{variable} must give each process's {what}, e.g. 0,0,1,1, got {text!r}")
     return found
 
 

@@ -137,3 +137,12 @@ def test_each_slice_restores_its_own_copy_and_only_a_wiped_slice_is_filled(tmp_p
         share = GLOBAL.nbytes // 2  # a slice shards w over its 2 processes
         assert res["slice_1_wiped"]["data"] == (share if me in (2, 3) else 0), res  # the lost slice's bytes, once
     print({me: res for me, res in enumerate(results)})
+
+
+def test_no_replica_lands_on_its_owners_host_with_two_processes_per_host(tmp_path, monkeypatch):
+    monkeypatch.setenv("TPU_CKPT_HOSTS", "0,0,1,1")  # 2 processes per simulated host
+    results = _ok(process_group.run("tiers.tier_slice_scenarios.host_lost_with_two_processes", 4, str(tmp_path)))
+    for me, res in enumerate(results):
+        other_host = (me + 2) % 4  # a host's k-th process keeps the other host's k-th's part
+        assert res["indexes"] == sorted([f"index-{me:05d}.bin", f"index-{other_host:05d}.bin"]), res
+        assert res["step"] == 2 and res["mismatches"] == [], res  # host 0 lost whole: step 2 still local

@@ -52,3 +52,10 @@ def test_each_whole_slice_reads_its_own_copy_and_a_lost_slice_a_whole_one():
     assert choice.reads(2, 6) == ([0, 1], [0, 1, 2]) and choice.reads(3, 6) == ([4, 5], [3, 4, 5])
     plain = decide({0: _report((5, "t", 2, [0, 1])), 1: "[]"}, set(), None)
     assert plain.reads(1, 2) == ([0, 1], [0, 1])
+
+
+def test_the_range_servers_are_capped_whatever_the_job():
+    from tpu_ckpt import cluster
+    from tpu_ckpt.tiers._range_merge import leaf_ranges
+
+    assert len(leaf_ranges(100_000, min(1536, cluster.MAX_SERVERS))) == cluster.MAX_SERVERS

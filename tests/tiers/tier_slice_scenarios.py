@@ -138,3 +138,31 @@ def every_slice_own_copy(directory: str) -> dict:
 
 
 _ORIGINAL_READS = (relay.RelayStore.read, relay.RelayStore.read_file)
+
+
+def host_lost_with_two_processes(directory: str) -> dict:
+    """2 processes per simulated host (``TPU_CKPT_HOSTS=0,0,1,1``, set by the test), one
+    replica each: no part is kept on its owner's host, so host 0 losing both its processes'
+    disks still leaves local step 2 whole on host 1."""
+    me = jax.process_index()
+    persistent = _enter_host(directory)
+    mesh = jax.sharding.Mesh(np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))), ("model",))
+    options = tc.CheckpointOptions(enable_async=False, coordination_timeout=30)
+
+    def manager() -> tc.CheckpointManager:
+        return tc.CheckpointManager(persistent, save_interval_steps=10, local_directory="local", local_replicas=1,
+                                    options=options)
+
+    def state(step: int) -> dict:
+        return {"w": _global_array(mesh, P("model"), GLOBAL + step), "step": step}
+
+    with manager() as saving:
+        for step in (1, 2):
+            saving.save(step, state(step))
+    out = {"indexes": sorted(n for n in os.listdir(os.path.join("local", "step_2")) if n.startswith("index-"))}
+    if me in (0, 1):
+        shutil.rmtree("local")  # host 0 is replaced: both its processes' RAM disks are empty
+    with manager() as restoring:
+        restored = restoring.restore(None, _targets(state(0), mesh))
+    out.update(step=int(restored["step"]), mismatches=_mismatches(restored, {"w": GLOBAL + 2, "step": 2}))
+    return out

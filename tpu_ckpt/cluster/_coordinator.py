@@ -168,22 +168,13 @@ class Coordinator:
 
     def collect(self, stage: str, value: str, at: int) -> dict[int, str]:
         """Brings ``value`` to ``stage``; process ``at`` waits for everyone's and gets them
-        all, the others go on at once and get nothing (an empty dict)."""
+        all, the others go on at once and get nothing (an empty dict). ``at=me`` on every
+        process: each gets everyone's, in O(1) calls (not a :meth:`receive` per peer)."""
         if self._client is None:
             return {self.me: value}
         self._arrive(stage, value)
         if self.me != at:
             return {}
-        self._block(stage, None)
-        return self._values(stage)
-
-    def gather(self, stage: str, value: str) -> dict[int, str]:
-        """Brings ``value`` to ``stage`` and returns everyone's, on every process: one step
-        (O(1) calls per process whatever the count) where a :meth:`receive` per peer costs
-        O(peers)."""
-        if self._client is None:
-            return {self.me: value}
-        self._arrive(stage, value)
         self._block(stage, None)
         return self._values(stage)
 

@@ -33,9 +33,9 @@ def serve(coord: Coordinator, stage: str | None, store: Any, peers: int, **optio
 
 
 def contacts(coord: Coordinator, stage: str, server: relay.RelayServer | None) -> dict[int, str]:
-    """Every serving process's contact, exchanged in one step (``Coordinator.gather``), each
-    process bringing its ``server``'s or none."""
-    found = coord.gather(stage, "" if server is None else server.contact())
+    """Every serving process's contact, exchanged in one step (a ``collect`` at every
+    process), each process bringing its ``server``'s or none."""
+    found = coord.collect(stage, "" if server is None else server.contact(), at=coord.me)
     return {process: contact for process, contact in found.items() if contact}
 
 

@@ -52,6 +52,7 @@ from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.runtime import gc_paused
 from tpu_ckpt.saving import WRITER, SavePlan, SaveResult, plan_save, refuse_per_process, staged_index_file, written_by
 from tpu_ckpt.tiers import _part_checks as part_checks
+from tpu_ckpt.tiers._hosts import job_hosts
 from tpu_ckpt.tiers._part_checks import PLAN_FILE, TIER_FILE
 from tpu_ckpt.tiers._placement import check_size
 from tpu_ckpt.tiers._replicas import replica_roles
@@ -149,7 +150,10 @@ def save_local(
                 max_file_bytes=max_file_bytes, group=group,
             )
             refuse_per_process(plan, "the local tier")
-            job = _LocalSave(root, step, plan, coord, replicas, then, options.host_memory_limit, slices=slices, copy=group)
+            hosts = job_hosts(coord) if replicas and group is None else None  # no replica on the owner's host
+            job = _LocalSave(
+                root, step, plan, coord, replicas, then, options.host_memory_limit, slices=slices, copy=group, hosts=hosts
+            )
             share = sum(f.nbytes for f in plan.files)  # in memory: is the RAM disk big enough?
             check_size(root, share, len(job.keeps), max_to_keep, options.enable_async)
             if options.enable_async:
@@ -176,6 +180,7 @@ class _LocalSave:
         self, root: str, step: int, plan: SavePlan, coord: cluster.Coordinator, replicas: int,
         then: Callable[[BaseException | None], None], limit: int | None = None, *,
         slices: tuple[int | None, ...] | None = None, copy: frozenset[int] | None = None,
+        hosts: tuple[int, ...] | None = None,
     ):
         self.root, self.step, self.coord, self.then = root, step, coord, then
         self.planned = plan.manifest
@@ -187,7 +192,7 @@ class _LocalSave:
         self._store: storage.Backend | None = None
         self._writes: saving.Writes | None = None
         self.copy = copy  # its slice's processes, when each slice writes a copy: the replicas, no TCP copy
-        self.sends_to, self.keeps = replica_roles(coord.me, 0 if copy else replicas, slices or (None,) * coord.count)
+        self.sends_to, self.keeps = replica_roles(coord.me, 0 if copy else replicas, slices or (None,) * coord.count, hosts)
 
     def snapshot(self) -> None:
         """Host copies of this process's pieces, within ``host_memory_limit``
