@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,7 +48,7 @@ from tpu_ckpt.format._manifest import (
 )
 
 MAX_RANK = 64
-_PATH_KINDS = frozenset({"dict", "attr", "seq"})
+_PATH_KINDS = {"dict": "dict", "attr": "attr", "seq": "seq"}  # each to its one str: a state may have a million paths
 _VALUE_TYPES = (bool, int, float, str, type(None))
 _FIRST_SEALED = (1, 2)
 
@@ -145,6 +146,7 @@ class _Decoder:
         self.tables: list[tuple[str, int]] = []
         self.sizes: tuple[list[str], list[int]] = ([], [])
         self.complete = complete  # an index file's leaves carry their key, not their path
+        self.shardings: dict[str, dict[str, Any]] = {}  # equal descriptions, one object (by repr)
 
     def fail(self, field: str, problem: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
@@ -252,11 +254,12 @@ class _Decoder:
         shape = tuple(self.integer(n, f"{field}.shape") for n in self.array(doc.get("shape"), f"{field}.shape"))
         if len(shape) > MAX_RANK or math.prod(shape) > MAX_INT:
             raise self.fail(f"{field}.shape", f"is not a shape an array can have: {_short(list(shape))}")
-        dtype = self.string(doc.get("dtype"), f"{field}.dtype")
+        dtype = sys.intern(self.string(doc.get("dtype"), f"{field}.dtype"))
         itemsize = dtype_itemsize(dtype)
         if type(doc.get("is_slot")) is not bool:
             raise self.fail(f"{field}.is_slot", f"must be true or false, got {_short(doc.get('is_slot'))}")
         sharding = self.sharding(doc.get("sharding"), f"{field}.sharding")
+        sharding = sharding if sharding is None else self.shardings.setdefault(repr(sharding), sharding)
         if raw is None:  # format 2: the rows of a piece table, read when first used
             if "pieces" in doc:
                 raise self.fail(field, "has both pieces and a table")
@@ -302,12 +305,12 @@ class _Decoder:
         if kind not in _PATH_KINDS:
             raise self.fail(field, f"has an unknown kind {_short(kind)}")
         if kind == "seq":  # an index bounded by the leaves, so rebuilding lists stays small
-            return kind, self.integer(name, field, max(leaf_count - 1, 0))
+            return "seq", self.integer(name, field, max(leaf_count - 1, 0))
         if kind == "dict" and type(name) in (int, bool):  # a save keeps a dict's int and bool keys
-            return kind, name
+            return "dict", name
         if "/" in self.string(name, field):  # save refuses such names: "/" joins a key's entries
             raise self.fail(field, f"has a name containing '/': {_short(name)}")
-        return kind, name
+        return _PATH_KINDS[kind], name
 
     def piece(
         self, item: Any, field: str, shape: tuple[int, ...] | None, itemsize: int, files: Sequence[str]

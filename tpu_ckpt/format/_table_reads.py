@@ -36,32 +36,40 @@ from tpu_ckpt.format._table_rows import TableSource as TableSource
 RUN_BYTES = 8 << 20  # the most table bytes one read of several leaves' rows covers
 
 
+_LOCK = threading.Lock()  # guards every leaf's loaded rows: held for no IO, and a lock per leaf costs ~90 bytes
+
+
 class LazyPieces(Sequence[PieceEntry]):
     """A gridded leaf's pieces: all of them, read and checked on first use, or (a restore's
-    own share, ``load_rows``) the cells read so far."""
+    own share, ``load_rows``) the cells read so far. Slots: a state of many small leaves has one a leaf."""
+
+    __slots__ = ("_ref", "_whole", "_pieces", "_cells", "_made_cuts")
 
     def __init__(self, ref: TableRef):
         self._ref = ref
         self._whole: table_rows.Columns | None = None  # every row, read and checked
         self._pieces: tuple[PieceEntry, ...] | None = None  # built from ``_whole`` when first asked for
         self._cells: dict[int, PieceEntry] = {}
-        self._lock = threading.Lock()
+        self._made_cuts: list[list[int]] | None = None
 
-    @functools.cached_property
+    @property
     def _cuts(self) -> list[list[int]]:
         """Every axis's cut points: made once rows were read, never from the manifest's claim
         alone (a hostile grid of 2^34 cells must be refused by its missing rows first)."""
-        return [axis_cuts(axis, n) for axis, n in zip(self._ref.grid, self._ref.shape)]
+        if self._made_cuts is None:
+            self._made_cuts = [axis_cuts(axis, n) for axis, n in zip(self._ref.grid, self._ref.shape)]
+        return self._made_cuts
 
-    @functools.cached_property
+    @property
     def _counts(self) -> list[int]:
         """Every axis's cell count, from the manifest's grid (no cut list is expanded)."""
         return [-(-n // axis) if isinstance(axis, int) else len(axis) - 1 for axis, n in zip(self._ref.grid, self._ref.shape)]
 
-    @functools.cached_property
+    @property
     def layout(self) -> tuple[Any, ...]:
         """What decides which rows hold a slice and each row's bytes: leaves of one layout
-        share them (a caller plans such leaves once, ``restoring/_check_reads.py``)."""
+        share them (a caller plans such leaves once, ``restoring/_check_reads.py``). Made at
+        each call, not kept: a leaf's would cost ~120 bytes."""
         return tuple(a if isinstance(a, int) else tuple(a) for a in self._ref.grid), self._ref.shape, self._ref.itemsize
 
     @property
@@ -161,7 +169,7 @@ class LazyPieces(Sequence[PieceEntry]):
 
     def _all(self) -> tuple[PieceEntry, ...]:
         whole = self._load_whole()
-        with self._lock:
+        with _LOCK:
             if self._pieces is None:
                 self._pieces = table_rows.entries(self._ref, whole)
             return self._pieces
@@ -174,7 +182,7 @@ class LazyPieces(Sequence[PieceEntry]):
     def _keep(self, columns: table_rows.Columns) -> None:
         first, count = columns.first, len(columns.files)
         entries = () if count == self._ref.count else table_rows.entries(self._ref, columns)
-        with self._lock:
+        with _LOCK:
             if count == self._ref.count:
                 self._whole = self._whole or columns
                 self._cells.clear()
