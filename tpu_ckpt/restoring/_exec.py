@@ -13,7 +13,6 @@ result is copied once, so that the user may write to it.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -27,7 +26,6 @@ from tpu_ckpt.format import PieceEntry, dtype_from_name, extent, intersect, rela
 from tpu_ckpt.restoring import _shared_reads as shared_reads
 from tpu_ckpt.restoring._plan import ArrayRead, NoRead, Region, RestorePlan, Unit
 from tpu_ckpt.settings import settings
-from tpu_ckpt.sharding import index_to_slice
 
 _PARALLEL_ASSEMBLY_BYTES = 1 << 20
 
@@ -67,26 +65,18 @@ def _place(
             results[unit.position] = array.python_type(assembled[()].item())
         elif array.sharding is None:
             (results[unit.position],) = map(_owned, assembled.values())
-        elif unit.whole:
-            shape = array.leaf.shape
-            results[unit.position] = jax.make_array_from_callback(
-                shape, array.sharding, functools.partial(_cut, assembled, shape)
-            )
-            sent.append(results[unit.position])
-        else:
+        else:  # each region to its devices, known from the plan (never JAX's map of the job's devices)
             devices = [device for region in unit.regions for device in region.devices]
             hosts = [assembled[region.slice] for region in unit.regions for _ in region.devices]
             shards = jax.device_put(hosts, devices)
-            placed.setdefault(unit.position, {}).update(zip(devices, shards))
+            if unit.whole:
+                results[unit.position] = jax.make_array_from_single_device_arrays(array.leaf.shape, array.sharding, shards)
+            else:
+                placed.setdefault(unit.position, {}).update(zip(devices, shards))
             sent.append(shards)
     # Wait for the transfers so that this batch's read bytes can go before the next is read.
     jax.block_until_ready(sent)
     return sum(chunk.nbytes for chunk in data.values())
-
-
-def _cut(assembled: dict[Any, np.ndarray], shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
-    """A device's part of a leaf assembled whole on the host."""
-    return assembled[index_to_slice(index, shape)]
 
 
 def _start_reads(source: shared_reads.StoreReads, batch: Sequence[Unit]) -> shared_reads.Reads:

@@ -37,7 +37,7 @@ from tpu_ckpt.format import (
     under,
     unflatten_nested,
 )
-from tpu_ckpt.sharding import index_to_slice
+from tpu_ckpt.sharding import index_to_slice, local_indices
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -284,7 +284,7 @@ def sharded_slices(
 ) -> tuple[dict[SliceSpec, tuple[jax.Device, ...]], tuple[SliceSpec, ...]]:
     """:func:`slice_devices`, and its slices as one tuple (``load_rows`` looks a tuple up once per layout)."""
     devices: dict[SliceSpec, list[jax.Device]] = {}
-    indices = sharding.devices_indices_map(shape) if everyone else sharding.addressable_devices_indices_map(shape)
+    indices = sharding.devices_indices_map(shape) if everyone else local_indices(sharding, shape)  # O(local devices)
     for device, index in indices.items():
         devices.setdefault(full_slice(shape) if index is None else index_to_slice(index, shape), []).append(device)
     return {s: tuple(d) for s, d in devices.items()}, tuple(devices)

@@ -11,13 +11,10 @@ several hosts (tests). A job whose processes all share one host places replicas 
 
 from __future__ import annotations
 
-import logging
 import socket
 
 from tpu_ckpt import cluster
 from tpu_ckpt.settings import settings
-
-logger = logging.getLogger(__name__)
 
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 _found: dict[int, tuple[int, ...]] = {}  # process count -> each process's host number
@@ -35,10 +32,7 @@ def job_hosts(coord: cluster.Coordinator) -> tuple[int, ...] | None:
             numbers: dict[str, int] = {}
             _found[coord.count] = tuple(numbers.setdefault(names[p], len(numbers)) for p in range(coord.count))
         hosts = _found[coord.count]
-    if len(set(hosts)) == 1:
-        logger.info("tpu_ckpt: every process of this job runs on one host: local replicas are placed by process")
-        return None
-    return hosts
+    return None if len(set(hosts)) == 1 else hosts  # one host: replicas by process, nothing else is left
 
 
 def _identity() -> str:
