@@ -71,9 +71,18 @@ def _group(item) -> str | None:
     starts_processes = item.path.parent.name == "multiprocess" or item.get_closest_marker("multiprocess")
     if starts_processes or any(call in _source(item) for call in _STARTS_PROCESSES):
         return "processes"
-    if item.get_closest_marker("emulator") or _EMULATOR_FIXTURES & set(getattr(item, "fixturenames", ())):
+    if item.get_closest_marker("emulator") or _uses_an_emulator(item):
         return "emulators"
     return None
+
+
+def _uses_an_emulator(item) -> bool:
+    """Whether the test takes an emulator fixture, directly, through another fixture, or by
+    name (``request.getfixturevalue("s3_server")``): it is an ``emulator`` test, marked or not."""
+    source = _source(item)
+    return bool(_EMULATOR_FIXTURES & set(getattr(item, "fixturenames", ()))) or any(
+        f'"{name}"' in source for name in _EMULATOR_FIXTURES
+    )
 
 
 def _source(item) -> str:
@@ -89,6 +98,8 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if heavy.setdefault(item.path, _is_heavy(item.path)):
             item.add_marker(pytest.mark.heavy)
+        if _uses_an_emulator(item):
+            item.add_marker(pytest.mark.emulator)  # so the fast tier, which has no emulators, leaves it out
         group = _group(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))

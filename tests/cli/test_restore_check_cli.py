@@ -49,7 +49,7 @@ def test_like_another_checkpoint_on_another_mesh(capsys, tmp_path, ckpt, mesh24)
     at = next(i for i, line in enumerate(lines) if line.startswith("params/w "))
     assert lines[at].split()[:2] == ["params/w", "resharded"]
     assert lines[at + 1] == "  float32[8, 8] data=4,model=2 P(data,model) -> float32 data=2,model=4 P(None,model)"
-    assert max(map(len, lines)) <= 100
+    assert max(map(len, lines[1:])) <= 100  # the first names the checkpoint, however long its path
     assert out.splitlines()[-2].split()[:2] == ["PROCESS", "READ"]
     same = {"params": {"w": jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh24, P(None, "model"))), "i": np.arange(4)}}
     requests = tc.check_restore(ckpt, same).requests_per_process[0]  # as the library counts them

@@ -139,7 +139,7 @@ class RestoreReport:
         """The verdict and problems, a table of the arrays read (each with its saved and restored
         form on the line below), what is cast, skipped or left unread, and a table of each
         process's reads (the command line's tables), in lines of at most ``WIDTH`` columns
-        (but for a single key or sharding longer than that)."""
+        (but for the first, which names the checkpoint, and a key or sharding longer than that)."""
         verdict = "ok" if self.ok else f"would fail ({plural(len(self.problems), 'problem')})"
         lines = [f"restore of {self.url}: {verdict}", *(_fill(p, "  ") for p in self.problems)]
         if self.leaves:
