@@ -33,7 +33,9 @@ def test_objects_the_program_froze_stay_frozen():
         frozen = gc.get_freeze_count()
         with gc_paused():
             extra = [[i] for i in range(1000)]
-        assert gc.get_freeze_count() == frozen and len(extra) == 1000
+        # not unfrozen (0), nor the pause's objects frozen (+1,000); a thread an earlier test left
+        # running (pytest-xdist orders tests freely) may free a few frozen objects meanwhile
+        assert 0 < gc.get_freeze_count() <= frozen and len(extra) == 1000
     finally:
         gc.unfreeze()
 
