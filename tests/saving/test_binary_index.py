@@ -6,6 +6,7 @@ import pytest
 import tpu_ckpt as tc
 from tests.helpers import binary_merge, merge_indexes
 from tpu_ckpt import storage
+from tpu_ckpt.errors import CheckpointError
 from tpu_ckpt.format import (
     IndexPlan,
     LeafEntry,
@@ -15,6 +16,8 @@ from tpu_ckpt.format import (
     decode_manifest,
     encode_index,
     encode_manifest,
+    encode_parts,
+    piece_rows,
 )
 from tpu_ckpt.saving import commit, index, merge_rows, staged_index_file
 
@@ -77,8 +80,9 @@ def test_binary_merge_commits_the_same_manifest_and_tables_as_the_manifest_form_
     indexes = _indexes()
     before = encode_manifest(merge_indexes(PLANNED, indexes))
     merged, grids = _binary_merge(indexes)
-    assert encode_manifest(merged, grids) == before
     assert [g is not None for g in grids] == [True, True, True, False, False, False]  # cut and empty stay inline
+    assert encode_manifest(merged, grids) == before
+    assert grids == [None] * 6  # each leaf's rows let go of once in its table (#39)
     decoded = decode_manifest(before[0], where="manifest.json", tables=None)
     assert [p.slice for p in decoded.leaves[4].pieces] == sorted(_slices("cut"))
 
@@ -201,3 +205,18 @@ def test_a_staged_index_is_named_for_its_process():
     from tpu_ckpt.saving import written_by
 
     assert staged_index_file(7) == "index-00007.bin" and written_by("index-00007.bin") == 7  # the relay accepts it
+
+
+def test_index_rows_made_a_file_at_a_time_encode_as_the_manifest_form_does():
+    """#39: a save keeps its index as rows made as each data file is laid out (piece_rows), not
+    an object per piece: encoded, the same bytes as its manifest form, whatever the order the
+    rows came in; a key outside the plan is refused by name."""
+    plan = IndexPlan.of(PLANNED)
+    for own in _indexes():
+        names = list(own.files)
+        one_by_one = [
+            piece_rows(plan, names.index(p.file), [leaf.key], [p]) for leaf in reversed(own.leaves) for p in reversed(leaf.pieces)
+        ]
+        assert encode_parts(plan, list(own.files.items()), one_by_one) == encode_index(own, plan)
+    with pytest.raises(CheckpointError, match="'nowhere' was written but is not in the planned tree"):
+        piece_rows(plan, 0, ["nowhere"], [PieceEntry((), "f", 0, 4, 0)])

@@ -9,8 +9,10 @@ from tpu_ckpt.format._index import (
     IndexRows,
     decode_index,
     encode_index,
+    encode_parts,
     encode_rows,
     index_manifest,
+    piece_rows,
     sort_order,
 )
 from tpu_ckpt.format._keys import PathEntry, flatten, join, normalise_subtree, path_entries, under, unflatten_nested
@@ -66,4 +68,4 @@ from tpu_ckpt.format._table_reads import (
 )
 from tpu_ckpt.format._values import PerProcess, decode_value, encode_value
 
-__all__ = ["ALIGNMENT", "PER_PROCESS", "PerProcess", "decode_value", "encode_value", "version_for", "DTYPE_NAMES", "FORMAT_VERSION", "IndexPlan", "IndexRows", "LeafEntry", "MANIFEST_FILE", "REFERENCED_FILE", "TOKENED", "MAX_GRID_CELLS", "MAX_READ_BYTES", "Manifest", "PathEntry", "PieceEntry", "PlannedPiece", "ROW", "ROW_BYTES", "Read", "SAFETENSORS_CODES", "SMALL_PIECE", "SliceSpec", "TableSource", "Texts", "byte_batches", "check_byte_ranges", "check_crcs", "coalesce", "contains", "cover", "crc32c", "data_file_bytes", "decode_index", "decode_manifest", "dtype_from_name", "dtype_itemsize", "dtype_name", "encode_index", "encode_manifest", "encode_rows", "extent", "file_size", "flatten", "full_slice", "grid_of", "grids_shared", "index_manifest", "intersect", "join", "load_rows", "loaded_overlapping", "metric_values", "normalise_subtree", "overlapping", "path_entries", "piece_cells", "piece_columns", "piece_layout", "prefetch", "relative", "seal", "sharding_text", "sort_order", "spread", "tensor_name", "tiling_problem", "token_of", "under", "unflatten_nested", "unseal", "volume", "write"]
+__all__ = ["ALIGNMENT", "PER_PROCESS", "PerProcess", "decode_value", "encode_value", "version_for", "DTYPE_NAMES", "FORMAT_VERSION", "IndexPlan", "IndexRows", "LeafEntry", "MANIFEST_FILE", "REFERENCED_FILE", "TOKENED", "MAX_GRID_CELLS", "MAX_READ_BYTES", "Manifest", "PathEntry", "PieceEntry", "PlannedPiece", "ROW", "ROW_BYTES", "Read", "SAFETENSORS_CODES", "SMALL_PIECE", "SliceSpec", "TableSource", "Texts", "byte_batches", "check_byte_ranges", "check_crcs", "coalesce", "contains", "cover", "crc32c", "data_file_bytes", "decode_index", "decode_manifest", "dtype_from_name", "dtype_itemsize", "dtype_name", "encode_index", "encode_manifest", "encode_parts", "encode_rows", "extent", "file_size", "flatten", "full_slice", "grid_of", "grids_shared", "index_manifest", "intersect", "join", "load_rows", "loaded_overlapping", "metric_values", "normalise_subtree", "overlapping", "path_entries", "piece_cells", "piece_rows", "piece_columns", "piece_layout", "prefetch", "relative", "seal", "sharding_text", "sort_order", "spread", "tensor_name", "tiling_problem", "token_of", "under", "unflatten_nested", "unseal", "volume", "write"]

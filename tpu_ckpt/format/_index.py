@@ -93,15 +93,38 @@ def encode_index(index: Manifest, plan: IndexPlan) -> bytes:
     number_of_file = {name: i for i, name in enumerate(names)}
     by_rank: dict[int, list[tuple[Any, ...]]] = {}
     for leaf in index.leaves:
-        number = plan.numbers.get(leaf.key)
-        if number is None:
-            raise CheckpointError(
-                f"Key {leaf.key!r} was written but is not in the planned tree; are all processes saving the same tree?",
-                key=leaf.key,
-            )
+        number = _number(plan, leaf.key)
         for p in leaf.pieces:
             by_rank.setdefault(len(p.slice), []).append((number, number_of_file[p.file], p.offset, p.length, p.crc32c, p.slice))
     return encode_rows(plan, list(index.files.items()), {rank: _rows(rank, by_rank[rank]) for rank in by_rank})
+
+
+def piece_rows(plan: IndexPlan, file: int, keys: Sequence[str], pieces: Sequence[PieceEntry]) -> dict[int, np.ndarray]:
+    """The pieces of one data file (number ``file``; ``keys``: each one's leaf) as index rows
+    per rank: a save keeps its index as these, a few bytes a piece, not as objects."""
+    by_rank: dict[int, list[tuple[Any, ...]]] = {}
+    for key, p in zip(keys, pieces):
+        by_rank.setdefault(len(p.slice), []).append((_number(plan, key), file, p.offset, p.length, p.crc32c, p.slice))
+    return {rank: _rows(rank, items) for rank, items in by_rank.items()}
+
+
+def encode_parts(plan: IndexPlan, files: Sequence[tuple[str, int]], parts: Sequence[dict[int, np.ndarray]]) -> bytes:
+    """The index of ``files`` whose rows were made a file at a time (``piece_rows``): the
+    bytes :func:`encode_index` writes for the same pieces."""
+    groups = {}
+    for rank in sorted({rank for part in parts for rank in part}):
+        rows = np.concatenate([part[rank] for part in parts if rank in part])
+        groups[rank] = rows[sort_order(rows["leaf"], rows["start"])]
+    return encode_rows(plan, files, groups)
+
+
+def _number(plan: IndexPlan, key: str) -> int:
+    number = plan.numbers.get(key)
+    if number is None:
+        raise CheckpointError(
+            f"Key {key!r} was written but is not in the planned tree; are all processes saving the same tree?", key=key
+        )
+    return number
 
 
 def encode_rows(plan: IndexPlan, files: Sequence[tuple[str, int]], groups: dict[int, np.ndarray]) -> bytes:

@@ -77,34 +77,34 @@ def _axis_json(cuts: Sequence[int] | np.ndarray, dim: int) -> int | list[int]:
 
 
 def encode_manifest(
-    manifest: Manifest, grids: Sequence[tuple[Sequence[Any], np.ndarray] | None] | None = None, table_prefix: str = ""
+    manifest: Manifest, grids: list[tuple[Sequence[Any], np.ndarray] | None] | None = None, table_prefix: str = ""
 ) -> tuple[bytes, dict[str, bytes]]:
     """The sealed format 2 manifest of ``manifest``, and its piece tables by file name (the
     twin of ``decode_manifest``): the tables go first, the manifest (the commit) last. Leaves
     whose pieces form a grid keep their pieces in a table; the others (rare) keep them inline.
     ``grids``: per leaf, its cut points and rows (``ROW``, in cell order) when the caller has
     them already (the leader's merge of binary indexes); such a leaf's ``pieces`` are unused.
+    ``grids`` is emptied as it goes: each leaf's grid goes once copied into its table.
     ``table_prefix`` starts the tables' names (a save's token: FORMAT.md, "File names").
     Each leaf's entry becomes JSON text at once: the entries as dicts (~0.7 KB each) would all
     be alive at the commit's peak, tens of MB for a state of many small leaves."""
     file_index = {name: i for i, name in enumerate(manifest.files)}
-    tables: list[list[Any]] = []
-    sizes: list[int] = []
+    tables: list[bytearray] = []
     leaves: list[bytes] = []
     for number, leaf in enumerate(manifest.leaves):
         given = grids[number] if grids is not None else None
+        if grids is not None:
+            grids[number] = None
         grid = given if given is not None else _grid_rows(leaf, file_index) if leaf.kind == "array" else None
         doc = leaf_to_json(leaf, file_index, pieces=grid is None)
         if grid is not None:
             cuts, rows = grid
-            data = np.ascontiguousarray(rows)  # a view of the caller's rows: joined once, below
-            if not tables or sizes[-1] + data.nbytes > MAX_TABLE_ROWS * ROW_BYTES:
-                tables.append([])
-                sizes.append(0)
+            data = memoryview(np.ascontiguousarray(rows))
+            if not tables or len(tables[-1]) + data.nbytes > MAX_TABLE_ROWS * ROW_BYTES:
+                tables.append(bytearray())
             doc["grid"] = [_axis_json(c, n) for c, n in zip(cuts, leaf.shape)]
-            doc["table"] = [len(tables) - 1, sizes[-1] // ROW_BYTES, len(rows), crc32c(data)]
-            tables[-1].append(data)
-            sizes[-1] += data.nbytes
+            doc["table"] = [len(tables) - 1, len(tables[-1]) // ROW_BYTES, len(rows), crc32c(data)]
+            tables[-1] += data
         leaves.append(json.dumps(doc, separators=_COMPACT).encode())
     names = [table_file(i, table_prefix) for i in range(len(tables))]
     head = {
@@ -113,7 +113,7 @@ def encode_manifest(
         "process_count": manifest.process_count,
         "sharding_callback": manifest.sharding_callback,
         "files": [[name, size] for name, size in manifest.files.items()],
-        "tables": [[name, size] for name, size in zip(names, sizes)],
+        "tables": [[name, len(table)] for name, table in zip(names, tables)],
     }
     tail = {name: value for name, value in (("source", manifest.source), ("metrics", manifest.metrics)) if value is not None}
     end = "," + json.dumps(tail, separators=_COMPACT)[1:] if tail else "}"
@@ -121,7 +121,7 @@ def encode_manifest(
     leaves.clear()  # one copy of the entries at a time
     body = b"".join((json.dumps(head, separators=_COMPACT)[:-1].encode(), b',"leaves":[', entries, b"]", end.encode()))
     del entries
-    return seal(body), {n: b"".join(t) for n, t in zip(names, tables)}
+    return seal(body), {n: bytes(t) for n, t in zip(names, tables)}
 
 
 _COMPACT = (",", ":")
@@ -129,7 +129,7 @@ _COMPACT = (",", ":")
 
 def write(
     store: Any, manifest: Manifest, manifest_file: str, check: Callable[[dict[str, int]], None] | None = None,
-    grids: Sequence[tuple[Sequence[Any], np.ndarray] | None] | None = None, table_prefix: str = "",
+    grids: list[tuple[Sequence[Any], np.ndarray] | None] | None = None, table_prefix: str = "",
     commit: Callable[[str, bytes], None] | None = None,
 ) -> None:
     """Writes ``manifest``'s piece tables, then (once they are durable, and ``check`` of

@@ -285,7 +285,7 @@ class _Rows:
 
 
 def write_manifest(
-    store: storage.Backend, manifest: Manifest, grids: Sequence[Grid | None] | None = None, token: str = ""
+    store: storage.Backend, manifest: Manifest, grids: list[Grid | None] | None = None, token: str = ""
 ) -> None:
     """Writes ``manifest``'s piece tables, then the manifest, only once every file it names,
     data files and tables alike, is in the staging area: a commit never names a missing file.

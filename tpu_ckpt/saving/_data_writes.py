@@ -26,7 +26,16 @@ import numpy as np
 
 from tpu_ckpt import storage
 from tpu_ckpt.errors import CheckpointError
-from tpu_ckpt.format import Manifest, PieceEntry, PlannedPiece, Texts, data_file_bytes
+from tpu_ckpt.format import (
+    IndexPlan,
+    Manifest,
+    PieceEntry,
+    PlannedPiece,
+    Texts,
+    data_file_bytes,
+    encode_parts,
+    piece_rows,
+)
 from tpu_ckpt.saving import _commit as commit
 from tpu_ckpt.saving._plan import DataFile
 from tpu_ckpt.settings import settings
@@ -146,9 +155,20 @@ def _private_host_value(handle: Any, into: np.ndarray | None = None) -> np.ndarr
 def write_all(writes: Writes, files: collections.deque[DataFile], *, recycle: bool = False) -> Manifest:
     """Writes ``files`` through ``writes``, taking each out of ``files`` as it starts (so
     nothing else holds its bytes once written); returns this process's index."""
+    _start_all(writes, files, recycle)
+    return writes.index()
+
+
+def write_all_encoded(writes: Writes, files: collections.deque[DataFile], *, recycle: bool = False) -> bytes:
+    """As :func:`write_all`, through ``writes`` made with a plan: the index comes encoded
+    (``format.encode_index``), never having been an object per piece."""
+    _start_all(writes, files, recycle)
+    return writes.encoded_index()
+
+
+def _start_all(writes: Writes, files: collections.deque[DataFile], recycle: bool) -> None:
     while files:
         writes.start(files.popleft(), recycle=recycle)
-    return writes.index()
 
 
 @dataclasses.dataclass
@@ -163,12 +183,16 @@ class Writes:
     """This process's data files being written, each let go of once written.
 
     ``limit`` (``host_memory_limit``) bounds the bytes of the files in flight; a file
-    always starts when nothing else is in flight, so the plan keeps files under it."""
+    always starts when nothing else is in flight, so the plan keeps files under it. With a
+    ``plan``, the pieces written are kept as index rows (``format.piece_rows``, ~50 bytes a
+    piece) for ``encoded_index``; without, as entries for ``index``."""
 
-    def __init__(self, store: storage.CheckpointStore, limit: int | None):
+    def __init__(self, store: storage.CheckpointStore, limit: int | None, plan: IndexPlan | None = None):
         self.store = store
         self.limit = limit
         self.held = 0
+        self._plan = plan
+        self._rows: list[dict[int, np.ndarray]] = []  # with a plan: each file's
         self._pieces: dict[str, list[PieceEntry]] = collections.defaultdict(list)
         self._sizes: dict[str, int] = {}
         self._texts = Texts()
@@ -193,8 +217,11 @@ class Writes:
         except BaseException:
             self.settle()
             raise
-        for p, entry in zip(file.pieces, laid_out.entries):
-            self._pieces[p.key].append(entry)
+        if self._plan is not None:
+            self._rows.append(piece_rows(self._plan, len(self._sizes), [p.key for p in file.pieces], laid_out.entries))
+        else:
+            for p, entry in zip(file.pieces, laid_out.entries):
+                self._pieces[p.key].append(entry)
         self._sizes[file.name] = laid_out.size
         recycled = [p.data for p in file.pieces] if recycle else []
         self._issue(file.name, laid_out.buffers, file.nbytes + laid_out.copied, recycled)
@@ -241,6 +268,19 @@ class Writes:
         pieces, self._pieces = self._pieces, collections.defaultdict(list)
         self._texts = Texts()  # its texts of every key go too
         return commit.index(pieces, self._sizes)
+
+    def encoded_index(self) -> bytes:
+        """This process's index, encoded, once every write has finished (``Writes`` made
+        with a plan, and no ``reference``)."""
+        assert self._plan is not None and not self._pieces
+        self.drain()
+        rows, self._rows, self._texts = self._rows, [], Texts()
+        return encode_parts(self._plan, list(self._sizes.items()), rows)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """The data files written so far, and their sizes."""
+        return self._sizes
 
     def _finish_oldest(self) -> None:
         done = self._in_flight.popleft()

@@ -194,7 +194,10 @@ class SaveJob:
         self.options = options
         self.staging = staging
         self._unwritten = plan.files
-        self._writes = data_writes.Writes(staging.store, write_budget(final, options))
+        # An incremental save keeps its index as a manifest (what the next one references);
+        # any other keeps it as rows, a few bytes a piece (``data_writes.write_all_encoded``).
+        rows_plan = IndexPlan.of(plan.manifest) if incremental is None else None
+        self._writes = data_writes.Writes(staging.store, write_budget(final, options), rows_plan)
         self._incremental = incremental
         if reused is not None:
             self._writes.reference(reused.pieces, reused.files)
@@ -218,10 +221,7 @@ class SaveJob:
         coord, store = self.coord, self.staging.store
         hands_off = False  # set once this process may delete nothing any more
         try:
-            own = self.write_own(store)
-            files, kept = own.files, own if self._incremental is not None else None
-            index = encode_index(own, IndexPlan.of(self.manifest))
-            del own  # its objects per piece: the encoded rows are all the commit needs
+            index, files, kept = self._own_index(store)
             record = per_process.write_values(store, self.manifest, coord.me, self.staging.token)
             if coord.me == self.leader:
                 records = coord.collect("written", record, at=self.leader)
@@ -262,11 +262,22 @@ class SaveJob:
             time.perf_counter() - started,
         )
 
-    def write_own(self, store: storage.CheckpointStore) -> Manifest:
-        """Writes this process's data files; returns its index. Each file's host bytes go
-        once it is written. (The local tier's upload writes files it already has instead.)"""
+    def write_own(self, store: storage.CheckpointStore) -> Manifest | bytes:
+        """Writes this process's data files; returns its index, encoded unless the save is
+        incremental. Each file's host bytes go once it is written. (The local tier's upload
+        writes files it already has instead.)"""
         files, self._unwritten = collections.deque(self._unwritten), ()
+        if self._incremental is None:
+            return data_writes.write_all_encoded(self._writes, files, recycle=self._copied)
         return data_writes.write_all(self._writes, files, recycle=self._copied)
+
+    def _own_index(self, store: storage.CheckpointStore) -> tuple[bytes, dict[str, int], Manifest | None]:
+        """Writes this process's data files: its index encoded, its data files' sizes, and
+        the index itself where an incremental save keeps it; no other object per piece stays."""
+        own = self.write_own(store)
+        if isinstance(own, bytes):
+            return own, self._writes.sizes, None
+        return encode_index(own, IndexPlan.of(self.manifest)), own.files, own if self._incremental is not None else None
 
     def _planned(self) -> Manifest:
         """The plan's manifest, naming the sharding callback by its description as read now,
