@@ -27,6 +27,13 @@ def assert_bit_exact(restored: dict, expected: dict) -> None:
         assert restored[key].dtype == expected[key].dtype and restored[key].tobytes() == expected[key].tobytes()
 
 
+def axis_types(mesh) -> dict:
+    """What a saved NamedSharding records of ``mesh``'s axis types: nothing when every axis is
+    Auto (``jax.make_mesh``'s default before JAX 0.9), else their names ("Explicit" later)."""
+    types = [t.name for t in getattr(mesh, "axis_types", ())]
+    return {"axis_types": types} if any(t != "Auto" for t in types) else {}
+
+
 def manifest(path: str) -> dict:
     with open(os.path.join(path, "manifest.json")) as f:
         return json.load(f)

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-from tests.helpers import leaf, manifest
+from tests.helpers import axis_types, leaf, manifest
 
 pytestmark = [pytest.mark.slow]  # every test runs the command in a fresh interpreter
 
@@ -111,7 +111,7 @@ def test_inspect_json(run_dir):
     leaves = {entry["key"]: entry for entry in doc["leaves"]}
     assert leaves["params/w"] == {
         "key": "params/w", "kind": "array", "shape": [8, 4], "dtype": "float32", "is_slot": False, "nbytes": 128,
-        "sharding": {"type": "NamedSharding", "mesh": {"data": 4, "model": 2}, "spec": ["data", "model"], "axis_types": ["Explicit", "Explicit"]},
+        "sharding": {"type": "NamedSharding", "mesh": {"data": 4, "model": 2}, "spec": ["data", "model"], **axis_types(jax.make_mesh((4, 2), ("data", "model")))},
     }
     assert [k for k, e in leaves.items() if e.get("is_slot")] == ["opt_state/0/mu/b", "opt_state/0/mu/w", "opt_state/0/nu/b", "opt_state/0/nu/w"]
     assert leaves["opt_state/0/count"]["shape"] == [] and leaves["opt_state/0/count"]["dtype"] == "int32"

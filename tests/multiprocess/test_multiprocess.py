@@ -192,8 +192,8 @@ def test_every_operation_deletes_its_coordination_keys(tmp_path):
 def test_a_manager_lists_its_directory_on_the_leader_only_once_per_call(tmp_path):
     """Each process notes the listings and removals it makes under the run directory, as
     Python's audit hooks report them (see mp_scenarios._watch_storage): the leader lists the
-    run directory itself, once per manager call and never inside a step, and removes the
-    leftover and the expired steps; the other processes neither list nor remove anything."""
+    run directory itself, once per manager call (retention after a commit lists it again, twice when
+    it removes a step) and never inside a step, and removes the leftover and the expired steps; the other processes neither list nor remove anything."""
     os.makedirs(tmp_path / "run" / "step_0")  # a leftover: no manifest
     (tmp_path / "run" / "step_0" / "d00000-00000.safetensors").write_bytes(b"partial")
     leader, other = _ok(process_group.run("manager_lists_on_the_leader_only", 2, str(tmp_path)))
@@ -204,9 +204,12 @@ def test_a_manager_lists_its_directory_on_the_leader_only_once_per_call(tmp_path
         listed,  # the manager's creation (latest_step)
         listed,  # save(1)
         ["shutil.rmtree", "step_0"],  # after step 1 committed: the leftover
-        listed, listed,  # save(2), save(3)
-        ["shutil.rmtree", "step_1"],  # after step 3 committed: max_to_keep=2
-        listed,  # save(4)
+        listed,  # retention after step 1: it decides from what is committed now (issue 38)
+        listed, listed,  # save(2), retention after it
+        listed,  # save(3)
+        listed, listed,  # retention after step 3: manifests retired first, then listed again for the files
+        ["shutil.rmtree", "step_1"],  # max_to_keep=2
+        listed, listed, listed,  # save(4), retention's two listings
         ["shutil.rmtree", "step_2"],
         listed, listed,  # all_steps(), restore()
     ]
@@ -228,9 +231,11 @@ def _pod_like(tmp_path, processes: int, devices_per_process: int) -> list[dict]:
     assert all(r["needs_other_process_pieces"] for r in results), results
     assert [r["steps"] for r in results] == [[2, 3]] * processes
     # Only the leader lists the manager's directory: once per call once it exists (saves 2
-    # and 3, all_steps, restore), and it alone removes the step retention let go.
+    # and 3, all_steps, restore), once for retention after each commit (steps 1 and 2) and twice
+    # where it removes a step (step 3's: manifests retired, then listed again for the files),
+    # and it alone removes the step retention let go.
     listed = ["os.scandir", "."]
-    assert results[0]["seen"] == [listed] * 2 + [["shutil.rmtree", "step_1"], listed, listed], results[0]["seen"]
+    assert results[0]["seen"] == [listed] * 6 + [["shutil.rmtree", "step_1"], listed, listed], results[0]["seen"]
     assert [r["seen"] for r in results[1:]] == [[]] * (processes - 1)
     # Every process names the straggler, the straggler included.
     assert [(r["late_error"], r["late_missing"]) for r in results] == [("CoordinationTimeoutError", [late])] * processes, [

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-from tests.helpers import as_format_1_2, bits, files, leaf, manifest, read_chars, write_manifest
+from tests.helpers import as_format_1_2, axis_types, bits, files, leaf, manifest, read_chars, write_manifest
 
 DTYPES = [
     np.float32, np.float16, np.float64, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2,
@@ -318,7 +318,7 @@ def test_metadata_describes_without_reading_data(tmp_path, mesh42):
     assert meta["step"] == 7
     assert meta["w"] == tc.ArrayMetadata((8, 4), np.dtype(np.float32), 128, False, meta["w"].saved_sharding)
     assert meta["w"].saved_sharding == {
-        "type": "NamedSharding", "mesh": {"data": 4, "model": 2}, "spec": ["data", "model"], "axis_types": ["Explicit", "Explicit"]
+        "type": "NamedSharding", "mesh": {"data": 4, "model": 2}, "spec": ["data", "model"], **axis_types(mesh42)
     }
 
 

@@ -7,6 +7,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
+from tests.helpers import axis_types
 from tpu_ckpt.sharding import LocalPieces, describe_sharding, index_to_slice
 
 
@@ -51,8 +52,8 @@ def test_shardable_tensor_is_frozen_and_hashable():
 def test_describe_sharding(mesh42):
     x = jax.device_put(np.ones((8, 4)), NamedSharding(mesh42, P(("data", "model"))))
     assert describe_sharding(x) == {
-        "type": "NamedSharding", "mesh": {"data": 4, "model": 2}, "spec": [["data", "model"]], "axis_types": ["Explicit", "Explicit"]
-    }  # jax.make_mesh's axes are Explicit; a mesh of Auto axes (the classic jax.sharding.Mesh) records none
+        "type": "NamedSharding", "mesh": {"data": 4, "model": 2}, "spec": [["data", "model"]], **axis_types(mesh42)
+    }  # jax.make_mesh's axes are Explicit on recent JAX; a mesh of Auto axes (the classic jax.sharding.Mesh) records none
     auto = jax.sharding.Mesh(mesh42.devices, mesh42.axis_names)
     assert "axis_types" not in describe_sharding(jax.device_put(np.ones((8, 4)), NamedSharding(auto, P("data"))))
     assert describe_sharding(np.ones(2)) is None
