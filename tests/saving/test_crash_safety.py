@@ -100,7 +100,9 @@ class Worker:
 
 
 def staging_dirs(directory: str, name: str) -> list[str]:
-    return sorted(n for n in os.listdir(directory) if n.startswith(name + ".tmp-"))
+    """Staging directories of ``name``: ``<name>.tmp-<token>``, or ``.<name>.tmp-<token>`` when the
+    kill came while the directory was being made (storage makes it hidden, marks it, then renames it)."""
+    return sorted(n for n in os.listdir(directory) if n.lstrip(".").startswith(name + ".tmp-"))
 
 
 def wait_for_commit(worker: Worker, directory: str) -> None:
