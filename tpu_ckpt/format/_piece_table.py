@@ -77,7 +77,7 @@ def _axis_json(cuts: Sequence[int] | np.ndarray, dim: int) -> int | list[int]:
 
 
 def encode_manifest(
-    manifest: Manifest, grids: list[tuple[Sequence[Any], np.ndarray] | None] | None = None, table_prefix: str = ""
+    manifest: Manifest, grids: list[Any] | None = None, table_prefix: str = ""
 ) -> tuple[bytes, dict[str, bytes]]:
     """The sealed format 2 manifest of ``manifest``, and its piece tables by file name (the
     twin of ``decode_manifest``): the tables go first, the manifest (the commit) last. Leaves
@@ -99,7 +99,7 @@ def encode_manifest(
         doc = leaf_to_json(leaf, file_index, pieces=grid is None)
         if grid is not None:
             cuts, rows = grid
-            data = memoryview(np.ascontiguousarray(rows))
+            data = np.ascontiguousarray(rows).data
             if not tables or len(tables[-1]) + data.nbytes > MAX_TABLE_ROWS * ROW_BYTES:
                 tables.append(bytearray())
             doc["grid"] = [_axis_json(c, n) for c, n in zip(cuts, leaf.shape)]
@@ -129,7 +129,7 @@ _COMPACT = (",", ":")
 
 def write(
     store: Any, manifest: Manifest, manifest_file: str, check: Callable[[dict[str, int]], None] | None = None,
-    grids: list[tuple[Sequence[Any], np.ndarray] | None] | None = None, table_prefix: str = "",
+    grids: list[Any] | None = None, table_prefix: str = "",
     commit: Callable[[str, bytes], None] | None = None,
 ) -> None:
     """Writes ``manifest``'s piece tables, then (once they are durable, and ``check`` of
