@@ -105,7 +105,7 @@ class SharedReads(StoreReads):
         mine = {pid: pieces[pid] for pid, reader in the_plan.readers.items() if reader == coord.me}
         self._cache = _ReadOnce(store, mine, the_plan.needers, keep_bytes)
         self._server = cluster.serve(coord, None, store, coord.count - 1, shared=self._cache.take) if mine else None
-        self._contacts = cluster.contacts(coord, "serve", self._server)  # one step, whoever serves
+        self._contacts = cluster.contacts(coord, "readers", self._server)  # one step, whoever serves
         self._peers: dict[int, relay.RelayStore] = {}
         self._lock = threading.Lock()
 
