@@ -26,6 +26,7 @@ from tpu_ckpt.format import (
     decode_manifest,
     encode_manifest,
     grid_of,
+    piece_columns,
     prefetch,
 )
 
@@ -304,3 +305,20 @@ def test_the_rows_of_many_leaves_are_read_in_runs(tmp_path):
     assert all(p.crc32c == crc32c(tree[leaf.key].tobytes()) for leaf in wanted for p in leaf.pieces)
     restored = tc.restore(tmp_path / "c")
     assert all(np.array_equal(restored[k], v) for k, v in tree.items())
+
+
+def test_rows_kept_as_pieces_give_the_same_columns_without_a_second_read(ckpt):
+    """#39: once a leaf's pieces are built from its rows, the rows' columns are let go of (a
+    state of many small leaves holds one set per leaf); the columns asked for afterwards are
+    the same, made from the pieces, and no table is read again."""
+    path, _ = ckpt
+    decoded, reads = _recorded_manifest(path)
+    leaf = next(leaf for leaf in decoded.leaves if leaf.key == "sharded")
+    prefetch([leaf], threads=1)
+    before = [np.copy(c) for c in piece_columns(leaf)[1:]]
+    names = piece_columns(leaf)[0]
+    pieces = list(leaf.pieces)  # builds them
+    assert len(pieces) == 8 and len(reads) == 1
+    after = piece_columns(leaf)
+    assert after[0] == names and all(np.array_equal(a, b) for a, b in zip(after[1:], before))
+    assert [names[f] for f in after[1].tolist()] == [p.file for p in pieces] and len(reads) == 1

@@ -36,12 +36,13 @@ from tpu_ckpt.format._table_rows import TableSource as TableSource
 RUN_BYTES = 8 << 20  # the most table bytes one read of several leaves' rows covers
 
 
+_AS_PIECES = table_rows.columns_of(None, ())  # ``_whole`` of a leaf whose rows are kept as its pieces
 _LOCK = threading.Lock()  # guards every leaf's loaded rows: held for no IO, and a lock per leaf costs ~90 bytes
 
 
 class LazyPieces(Sequence[PieceEntry]):
-    """A gridded leaf's pieces: all of them, read and checked on first use, or (a restore's
-    own share, ``load_rows``) the cells read so far. Slots: a state of many small leaves has one a leaf."""
+    """A gridded leaf's pieces: all, read and checked on first use, or (``load_rows``) the cells read so far.
+    Slots, and its rows kept either as columns or as pieces: a state of many small leaves has one a leaf."""
 
     __slots__ = ("_ref", "_whole", "_pieces", "_cells", "_made_cuts")
 
@@ -54,22 +55,20 @@ class LazyPieces(Sequence[PieceEntry]):
 
     @property
     def _cuts(self) -> list[list[int]]:
-        """Every axis's cut points: made once rows were read, never from the manifest's claim
-        alone (a hostile grid of 2^34 cells must be refused by its missing rows first)."""
+        """Every axis's cut points: made once rows were read, never from the manifest's claim alone
+        (a hostile grid of 2^34 cells must be refused by its missing rows first)."""
         if self._made_cuts is None:
             self._made_cuts = [axis_cuts(axis, n) for axis, n in zip(self._ref.grid, self._ref.shape)]
         return self._made_cuts
 
     @property
-    def _counts(self) -> list[int]:
-        """Every axis's cell count, from the manifest's grid (no cut list is expanded)."""
+    def _counts(self) -> list[int]:  # every axis's cell count, from the manifest's grid (no cut list is expanded)
         return [-(-n // axis) if isinstance(axis, int) else len(axis) - 1 for axis, n in zip(self._ref.grid, self._ref.shape)]
 
     @property
     def layout(self) -> tuple[Any, ...]:
-        """What decides which rows hold a slice and each row's bytes: leaves of one layout
-        share them (a caller plans such leaves once, ``restoring/_check_reads.py``). Made at
-        each call, not kept: a leaf's would cost ~120 bytes."""
+        """What decides which rows hold a slice and each row's bytes (made at each call): leaves
+        of one layout share them (a caller plans such leaves once, ``restoring/_check_reads.py``)."""
         return tuple(a if isinstance(a, int) else tuple(a) for a in self._ref.grid), self._ref.shape, self._ref.itemsize
 
     @property
@@ -101,6 +100,7 @@ class LazyPieces(Sequence[PieceEntry]):
         index among them, offset and length (int64); the rows are read first if need be.
         No piece is built: what a check of a pod's million pieces needs."""
         whole = self._load_whole()
+        whole = table_rows.columns_of(self._ref, self._all()) if whole is _AS_PIECES else whole
         return self._ref.files[0], whole.files, whole.offsets, whole.lengths
 
     def cell_slice(self, cell: int) -> SliceSpec:
@@ -172,6 +172,7 @@ class LazyPieces(Sequence[PieceEntry]):
         with _LOCK:
             if self._pieces is None:
                 self._pieces = table_rows.entries(self._ref, whole)
+                self._whole = _AS_PIECES  # every row loaded; the columns go (~0.3 KB a leaf of views)
             return self._pieces
 
     def _fill(self, first: int, count: int, data: bytes | memoryview) -> None:

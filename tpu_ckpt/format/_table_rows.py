@@ -181,6 +181,14 @@ def cell_bounds(grid: Sequence[Sequence[int]], itemsize: int, first: int, count:
     return starts, stops, lengths
 
 
+def columns_of(ref: TableRef | None, pieces: Sequence[PieceEntry]) -> Columns:
+    """The columns of ``pieces`` (as :func:`entries` built them), less the cells' bounds."""
+    number = {name: i for i, name in enumerate(ref.files[0])} if ref is not None else {}
+    files = np.fromiter((number[p.file] for p in pieces), np.int64, len(pieces))
+    offsets, lengths = (np.fromiter((p[i] for p in pieces), np.int64, len(pieces)) for i in (2, 3))
+    return Columns(0, files, offsets, lengths, np.fromiter((p.crc32c for p in pieces), np.uint32, len(pieces)), [], [])
+
+
 def entries(ref: TableRef, columns: Columns) -> tuple[PieceEntry, ...]:
     """The pieces of checked rows."""
     names = ref.files[0]
