@@ -6,8 +6,6 @@ import pytest
 from tests import process_group
 from tpu_ckpt import cluster
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
-
 
 def _counts(tmp_path, processes: int) -> list[dict]:
     results = process_group.run("cluster.control_plane_scenarios.control_plane_counts", processes, str(tmp_path))
@@ -17,10 +15,12 @@ def _counts(tmp_path, processes: int) -> list[dict]:
     return [r.result for r in results]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_kv_calls_and_connections_per_process_do_not_grow_with_the_process_count(tmp_path):
     two, four = _counts(tmp_path / "two", 2), _counts(tmp_path / "four", 4)
     print({"P=2": two, "P=4": four})
-    for kind in ("tier", "shared"):  # one gather of every contact, not a receive per peer
+    for kind in ("tier", "shared"):  # one collect of every contact, not a receive per peer
         assert max(res[kind]["kv_calls"] for res in four) <= max(res[kind]["kv_calls"] for res in two) + 8, (two, four)
     # load_and_broadcast: each process connects to the one reader of the replicated piece, whatever P
     assert max(res["shared"]["opened"] for res in four) <= max(res["shared"]["opened"] for res in two), (two, four)
