@@ -409,22 +409,23 @@ def _save_stage(args: argparse.Namespace, sharding, shape: tuple[int]) -> dict:
              for i in range(args.leaves)}
     plan, planning = workers.measured(lambda: plan_save(state))
     seen = {"sent_to_leader_bytes": 0, "commit": None, "peak_before_commit_mb": 0.0}
-    real_commit, real_encode = commit.commit, save.encode_index
+    real_commit, real_own_index = commit.commit, save.SaveJob._own_index
 
-    def measured_commit(*call_args) -> None:
+    def measured_commit(*call_args, **call_kwargs) -> None:
         seen["peak_before_commit_mb"] = workers.status_kib("VmHWM") * 1024 / MB  # before _measured resets it
-        _, seen["commit"] = workers.measured(lambda: real_commit(*call_args))
+        _, seen["commit"] = workers.measured(lambda: real_commit(*call_args, **call_kwargs))
 
-    def sized_encode(*call_args) -> bytes:
-        body = real_encode(*call_args)
-        seen["sent_to_leader_bytes"] += len(body)
-        return body
+    def sized_own_index(job, store):
+        index, files, kept = real_own_index(job, store)
+        if jax.process_index() != 0:  # the leader keeps its own; the others write theirs for it
+            seen["sent_to_leader_bytes"] += len(index)
+        return index, files, kept
 
-    commit.commit, save.encode_index = measured_commit, sized_encode
+    commit.commit, save.SaveJob._own_index = measured_commit, sized_own_index
     try:
         _, saving = workers.measured(lambda: tc.save(args.path, state).wait())
     finally:
-        commit.commit, save.encode_index = real_commit, real_encode
+        commit.commit, save.SaveJob._own_index = real_commit, real_own_index
     before_commit = seen.pop("peak_before_commit_mb") - saving["rss_before_mb"]
     saving["rss_growth_mb"] = max(saving["rss_growth_mb"], before_commit)
     # The leader's share of the save, its commit aside (the commit is the leader's own metric).
