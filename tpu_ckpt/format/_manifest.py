@@ -300,9 +300,19 @@ def seal(body: bytes) -> bytes:
     The checksum covers every byte of the object as it would read without that field, so a
     reader checks it before parsing anything, and the file stays plain JSON.
     """
-    if not body.endswith(b"}"):
+    return b"".join(sealed_parts([body]))
+
+
+def sealed_parts(parts: Sequence[Any]) -> list[Any]:
+    """:func:`seal` of the JSON object ``parts`` (buffers) make when joined, as buffers: a
+    writer that takes buffers then writes a manifest of many leaves with no copy of it."""
+    last = bytes(parts[-1])
+    if not last.endswith(b"}"):
         raise ValueError("seal() takes a serialized JSON object")
-    return b"".join((memoryview(body)[:-1], b',"manifest_crc32c":', str(crc32c(body)).encode(), b"}"))  # one copy
+    crc = 0
+    for part in parts:
+        crc = _crc32c.crc32c(part, crc)
+    return [*parts[:-1], last[:-1] + b',"manifest_crc32c":' + str(crc).encode() + b"}"]
 
 
 def unseal(data: bytes, *, where: str) -> tuple[bytes, bool]:

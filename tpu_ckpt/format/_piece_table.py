@@ -31,7 +31,7 @@ from tpu_ckpt.format._manifest import (
     PieceEntry,
     crc32c,
     leaf_to_json,
-    seal,
+    sealed_parts,
     version_for,
 )
 from tpu_ckpt.format._table_reads import ROW, ROW_BYTES, LazyPieces, TableRef, TableSource
@@ -88,9 +88,16 @@ def encode_manifest(
     ``table_prefix`` starts the tables' names (a save's token: FORMAT.md, "File names").
     Each leaf's entry becomes JSON text at once: the entries as dicts (~0.7 KB each) would all
     be alive at the commit's peak, tens of MB for a state of many small leaves."""
+    parts, tables = _unsealed(manifest, grids, table_prefix)
+    return b"".join(sealed_parts(parts)), tables
+
+
+def _unsealed(manifest: Manifest, grids: list[Any] | None, table_prefix: str) -> tuple[list[Any], dict[str, bytes]]:
+    """:func:`encode_manifest`'s manifest as buffers, neither joined nor sealed (one copy of
+    the leaves' entries: a list of them, joined, would be two), and its tables."""
     file_index = {name: i for i, name in enumerate(manifest.files)}
     tables: list[bytearray] = []
-    leaves: list[bytes] = []
+    entries = bytearray()
     for number, leaf in enumerate(manifest.leaves):
         given = grids[number] if grids is not None else None
         if grids is not None:
@@ -105,7 +112,8 @@ def encode_manifest(
             doc["grid"] = [_axis_json(c, n) for c, n in zip(cuts, leaf.shape)]
             doc["table"] = [len(tables) - 1, len(tables[-1]) // ROW_BYTES, len(rows), crc32c(data)]
             tables[-1] += data
-        leaves.append(json.dumps(doc, separators=_COMPACT).encode())
+        entries += json.dumps(doc, separators=_COMPACT).encode()
+        entries += b","
     names = [table_file(i, table_prefix) for i in range(len(tables))]
     head = {
         "format": FORMAT_NAME,
@@ -117,11 +125,8 @@ def encode_manifest(
     }
     tail = {name: value for name, value in (("source", manifest.source), ("metrics", manifest.metrics)) if value is not None}
     end = "," + json.dumps(tail, separators=_COMPACT)[1:] if tail else "}"
-    entries = b",".join(leaves)
-    leaves.clear()  # one copy of the entries at a time
-    body = b"".join((json.dumps(head, separators=_COMPACT)[:-1].encode(), b',"leaves":[', entries, b"]", end.encode()))
-    del entries
-    return seal(body), {n: bytes(t) for n, t in zip(names, tables)}
+    start = json.dumps(head, separators=_COMPACT)[:-1] + ',"leaves":['
+    return [start.encode(), memoryview(entries)[:-1], ("]" + end).encode()], {n: bytes(t) for n, t in zip(names, tables)}
 
 
 _COMPACT = (",", ":")
@@ -135,15 +140,16 @@ def write(
     """Writes ``manifest``'s piece tables, then (once they are durable, and ``check`` of
     their sizes by name has passed) the manifest itself, with ``commit`` if given (a save's
     exclusive create) or as a plain write. ``grids``, ``table_prefix``: as ``encode_manifest``'s."""
-    body, tables = encode_manifest(manifest, grids, table_prefix)
+    parts, tables = _unsealed(manifest, grids, table_prefix)
     for future in [store.write(name, [data]) for name, data in tables.items()]:
         future.result()
     if check is not None:
         check({name: len(data) for name, data in tables.items()})
+    sealed = sealed_parts(parts)  # written as buffers: no second copy of a manifest of many leaves
     if commit is not None:
-        commit(manifest_file, body)
+        commit(manifest_file, b"".join(sealed))
     else:
-        store.write(manifest_file, [body]).result()
+        store.write(manifest_file, sealed).result()
 
 
 # -- reading ----------------------------------------------------------------------------
