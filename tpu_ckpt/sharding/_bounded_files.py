@@ -16,7 +16,7 @@ changes: the files are only smaller and more numerous.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -56,10 +56,11 @@ def file_bytes(pieces: Sequence[PlannedPiece]) -> int:
     return file_size((p.key, p.slice, dtype_name(p.data.dtype), tuple(p.data.shape), p.nbytes) for p in pieces)
 
 
-def _shardable(pieces: Sequence[PlannedPiece], shapes: Mapping[str, tuple[int, ...]]) -> list[ShardableTensor]:
-    """The pieces as the packer takes them: each keeps its device array (the packer views
-    the buffer of a piece only when it cuts it)."""
-    return [ShardableTensor(p.data, p.key, p.slice, shapes[p.key], np.dtype(p.data.dtype)) for p in pieces]
+def _shardable(pieces: Sequence[PlannedPiece], shapes: Mapping[str, tuple[int, ...]]) -> Iterator[ShardableTensor]:
+    """The pieces as the packer takes them, one at a time (not one object per piece of the
+    file at once): each keeps its device array (the packer views the buffer of a piece only
+    when it cuts it)."""
+    return (ShardableTensor(p.data, p.key, p.slice, shapes[p.key], np.dtype(p.data.dtype)) for p in pieces)
 
 
 def _halved(pieces: list[PlannedPiece], max_bytes: int) -> list[list[PlannedPiece]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -122,7 +122,7 @@ class MaxShardSizePolicy(ShardingCallback):
         return pack(shardable_tensors, self.max_shard_size)
 
 
-def pack(pieces: Sequence[ShardableTensor], max_bytes: int, view: Callable[[Any], Any] | None = None) -> list[Shard]:
+def pack(pieces: Iterable[ShardableTensor], max_bytes: int, view: Callable[[Any], Any] | None = None) -> list[Shard]:
     """``pieces`` in shards of at most ``max_bytes`` element bytes, packed and cut as
     ``MaxShardSizePolicy`` does; also how a save cuts data files to an object store's object
     size (``sharding/_bounded_files.py``), which passes ``view``: what a piece's tensor is sliced
@@ -144,7 +144,7 @@ class _Packer:
         self.large: list[Shard] = []
         self.remaining = max_shard_size
 
-    def pack(self, pieces: Sequence[ShardableTensor]) -> list[Shard]:
+    def pack(self, pieces: Iterable[ShardableTensor]) -> list[Shard]:
         for piece in pieces:
             if piece.slice_spec == ():
                 self._pack_scalar(piece)
