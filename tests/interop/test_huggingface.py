@@ -136,6 +136,21 @@ def test_load_hub_files_written_by_the_safetensors_library(tmp_path):
     np.testing.assert_array_equal(tc.load_safetensors(tmp_path / "hub", target)["b"]["count"], w["b.count"])
 
 
+def test_the_params_level_of_a_target_finds_what_an_export_of_params_named(tmp_path):
+    """export_for_serving names tensors below the exported subtree (``Dense_0.kernel``); a
+    target that keeps the ``{"params": ...}`` level loads them by default, and a tensor named
+    with the whole path is still preferred where the file has it."""
+    kernel, bias = np.arange(12, dtype=np.float32).reshape(3, 4), np.ones(4, np.float32)
+    tc.save(tmp_path / "c", {"params": {"Dense_0": {"kernel": kernel, "bias": bias}}}).wait()
+    tc.export_for_serving(tmp_path / "c", tmp_path / "hf", layout="huggingface")
+    like = {"params": {"Dense_0": {"kernel": np.zeros((3, 4), np.float32), "bias": np.zeros(4, np.float32)}}}
+    out = tc.load_safetensors(tmp_path / "hf", like)
+    np.testing.assert_array_equal(out["params"]["Dense_0"]["kernel"], kernel)
+    np.testing.assert_array_equal(out["params"]["Dense_0"]["bias"], bias)
+    save_file({"params.b": np.full(2, 7, np.float32), "b": np.zeros(2, np.float32)}, str(tmp_path / "both.safetensors"))
+    assert tc.load_safetensors(tmp_path / "both.safetensors", {"params": {"b": np.zeros(2, np.float32)}})["params"]["b"][0] == 7
+
+
 def test_mismatches_are_reported_all_at_once(tmp_path):
     save_file({"w": np.zeros((4, 4), np.float32), "n": np.zeros(3, np.int32)}, str(tmp_path / "m.safetensors"))
     target = {"w": np.zeros((4, 5), np.float32), "n": np.zeros(3, np.float32), "gone": np.zeros(2, np.float32)}

@@ -11,7 +11,7 @@ dimensions are whole), and copied into the slices it overlaps, which are then pl
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -39,8 +39,10 @@ def load_safetensors(
       target: a pytree of ``jax.Array``, ``jax.ShapeDtypeStruct`` (with ``sharding``) or
         numpy arrays, giving each leaf's shape, dtype and placement.
       names: as for ``export_for_serving(layout="huggingface")``, keyed by the target's key
-        paths (``None``: the key path joined by ``.``); a ``transpose`` spec reverses the
-        stored tensor's axes back.
+        paths (``None``: the key path joined by ``.``, or the path below its first level
+        where the files hold no such tensor, so that ``{"params": ...}`` loads what an export
+        of the ``params`` subtree wrote); a ``transpose`` spec reverses the stored tensor's
+        axes back.
       options: ``host_memory_limit`` bounds the bytes read at once (beyond the slices
         being assembled).
 
@@ -57,15 +59,24 @@ def load_safetensors(
     folder, only = _source(storage.location(src))
     batch = _batch_bytes(options or CheckpointOptions())
     triples, treedef = flatten(target)
-    found = resolve(names, [(key, key.replace("/", ".")) for key, _, _ in triples])
     with storage.Store(folder) as store:
         entries = _catalog(store, folder, only)
+        found = resolve(names, [(key, _default_name(key, entries)) for key, _, _ in triples])
         _check(triples, found, entries, folder.url)
         results = [
             leaf if named is None else _load_leaf(store, entries[named.name], named, leaf, batch)
             for (_, _, leaf), named in zip(triples, found)
         ]
     return jax.tree_util.tree_unflatten(treedef, results)
+
+
+def _default_name(key: str, entries: Mapping[str, Any]) -> str:
+    """A target leaf's tensor name when ``names`` is None: its key path joined by ``.``, or,
+    when the files have no such tensor, the path below its first level, as an export of the
+    ``params`` subtree names it (``params/Dense_0/kernel`` -> ``Dense_0.kernel``)."""
+    full = key.replace("/", ".")
+    below = full.partition(".")[2]
+    return below if full not in entries and below in entries else full
 
 
 def _source(loc: storage.Location) -> tuple[storage.Location, str | None]:
