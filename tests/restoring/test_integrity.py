@@ -32,7 +32,7 @@ def _tree():
 @pytest.fixture
 def ckpt(tmp_path):
     """A format 1.2 checkpoint (pieces inline): these checks are those of formats 1.x, still
-    read (format 2's piece tables: tests/test_format2.py)."""
+    read (format 2's piece tables: tests/format/test_piece_tables.py)."""
     tc.save(tmp_path / "c", _tree())
     as_format_1_2(tmp_path / "c")
     return tmp_path / "c"

@@ -1,4 +1,6 @@
-"""Review findings: each test shows one bug found in review, now fixed."""
+"""Bounds and local steps: an upload within object_bytes, an async save within
+host_memory_limit, and the local tier's choice among damaged, duplicate and foreign steps;
+each test shows one bug found in review, now fixed."""
 
 import json
 import shutil
