@@ -13,7 +13,7 @@ import pytest
 import tpu_ckpt as tc
 from tests.object_stores import DROP, FaultyProxy
 from tpu_ckpt import storage
-from tpu_ckpt.settings import Settings, configure
+from tpu_ckpt.settings import Settings
 
 pytestmark = [pytest.mark.emulator]
 
@@ -85,18 +85,6 @@ def test_a_fifth_of_requests_refused_and_dropped_connections_still_save_and_rest
     assert DROP in refused(proxy, is_upload) and 503 in refused(proxy, lambda m, p: True)
 
 
-BUDGET_S = 5.0
-
-
-@pytest.fixture
-def small_budget(monkeypatch):
-    """The budget set the way a job outside the library sets it: the environment variable."""
-    monkeypatch.setenv("TPU_CKPT_OBJECT_RETRY_SECONDS", str(BUDGET_S))
-    previous = configure(None)
-    yield
-    configure(previous)
-
-
 def test_a_commit_refused_past_the_budget_fails_in_time_and_commits_nothing(faulty, small_budget):
     proxy, bucket = faulty
     proxy.storm(503, 600, is_manifest_upload)
@@ -106,7 +94,7 @@ def test_a_commit_refused_past_the_budget_fails_in_time_and_commits_nothing(faul
     assert "TPU_CKPT_OBJECT_RETRY_SECONDS" in str(raised.value)
     attempts = [r.at for r in proxy.requests if is_manifest_upload(r.method, r.path)]
     failed = next(r.at for r in proxy.requests if r.method == "DELETE")  # the cleanup, once the commit gave up
-    assert BUDGET_S * 0.8 <= failed - attempts[0] <= BUDGET_S * 1.1 and len(attempts) > 3
+    assert small_budget * 0.8 <= failed - attempts[0] <= small_budget * 1.1 and len(attempts) > 3
     proxy.calm()
     assert bucket.keys("c/") == []  # no manifest, and the save's own objects removed
     with pytest.raises(tc.CheckpointError):
@@ -120,7 +108,7 @@ def test_a_restore_refused_past_the_budget_fails_in_time_naming_the_object(fault
     started = time.monotonic()
     with pytest.raises(tc.CheckpointError, match="429") as raised:
         tc.restore(bucket.url("c"))
-    assert BUDGET_S * 0.8 <= time.monotonic() - started <= BUDGET_S * 1.1
+    assert small_budget * 0.8 <= time.monotonic() - started <= small_budget * 1.1
     assert raised.value.file is not None and raised.value.file.startswith(bucket.url("c/"))
 
 
