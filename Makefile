@@ -63,17 +63,17 @@ test-compat: $(COMPAT_STAMP)
 	$(COMPAT)/bin/python -m pytest -q -m "$(FAST_TIER)" -n $(WORKERS)
 
 bench: $(STAMP)
-	$(PY) scripts/benchmark.py
+	$(PY) benchmarks/benchmark.py
 
 # The pod-scale targets at 1.1 M pieces in one process (docs/scaling.md): minutes, ~6.3 GB peak RSS.
 # Exits 1 while a target fails. Another size: make pod-scale POD_SCALE_ARGS="--devices 2048 --leaves 220";
 # the per-host run, 8 real processes x 64 devices beside 1 x 64: POD_SCALE_ARGS="--processes 8"
 pod-scale: $(STAMP)
-	$(PY) scripts/pod_scale.py $(POD_SCALE_ARGS)
+	$(PY) benchmarks/pod_scale.py $(POD_SCALE_ARGS)
 
 # ruff, and mypy over the library (pyproject.toml's [tool.mypy]): both must report nothing.
 lint: $(STAMP)
-	$(VENV)/bin/ruff check tpu_ckpt tests scripts
+	$(VENV)/bin/ruff check tpu_ckpt tests scripts benchmarks
 	$(VENV)/bin/mypy tpu_ckpt
 
 # dist/tpu_ckpt-<version>-py3-none-any.whl, for machines without a clone (the notebooks' first cell).

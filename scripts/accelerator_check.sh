@@ -16,11 +16,11 @@ export JAX_PLATFORMS=""   # tests/conftest.py picks CPU unless told otherwise: a
   echo "== $(date -u) $(uname -m) $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
   "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())" || status=1
   echo "== transfer floor"
-  timeout 120 "$PY" scripts/transfer_floor.py --megabytes 1024 --reps 5 || status=1
+  timeout 120 "$PY" benchmarks/transfer_floor.py --megabytes 1024 --reps 5 || status=1
   echo "== accelerator tier"
   timeout 300 "$PY" -m pytest -q -p no:cacheprovider -m accelerator tests/project/test_accelerator.py -rs || status=1
   echo "== benchmark: lm"
-  timeout 240 "$PY" scripts/benchmark.py --workload lm --scale 0.5 --reps 2 || status=1
+  timeout 240 "$PY" benchmarks/benchmark.py --workload lm --scale 0.5 --reps 2 || status=1
   echo "== exit $status"
   exit "$status"
 ) 2>&1 | tee "$LOG"

@@ -2,7 +2,7 @@
 
 Those imports cost seconds of CPU on a loaded machine; ls, inspect, verify, diff and gc only
 need the manifest's dtype names and sizes, never a dtype object. Timing lives in
-scripts/benchmark.py ("CLI start-up"); here only which modules got imported.
+benchmarks/benchmark.py ("CLI start-up"); here only which modules got imported.
 """
 
 import json

@@ -61,7 +61,7 @@ def test_docs_pages_link_no_file_outside_docs(page):
 
 
 def _repository_files() -> set[str]:
-    return {os.path.relpath(p, ROOT) for top in ("tpu_ckpt", "tests", "scripts") for p in glob.glob(os.path.join(ROOT, top, "**", "*.py"), recursive=True)}
+    return {os.path.relpath(p, ROOT) for top in ("tpu_ckpt", "tests", "scripts", "benchmarks") for p in glob.glob(os.path.join(ROOT, top, "**", "*.py"), recursive=True)}
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -72,7 +72,7 @@ def test_every_python_file_named_in_prose_exists(page):
     names = {os.path.basename(f) for f in files}
     stale = []
     for mention in re.findall(r"`([\w./-]+\.py)\b", prose(read(page))):
-        if "/" in mention and mention.split("/")[0] in ("tpu_ckpt", "tests", "scripts"):
+        if "/" in mention and mention.split("/")[0] in ("tpu_ckpt", "tests", "scripts", "benchmarks"):
             if mention not in files:
                 stale.append(mention)
         elif "/" not in mention and mention not in names:

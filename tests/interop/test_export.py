@@ -76,13 +76,13 @@ def test_link_refuses_options_that_need_a_rewrite(training, tmp_path):
         tc.export_for_serving(training, tmp_path / "serve", link=True, dtype="bfloat16")
 
 
-def test_script(training, tmp_path):
-    script = os.path.join(ROOT, "scripts", "export_for_serving.py")
-    ok = subprocess.run([sys.executable, script, str(training), str(tmp_path / "s"), "--dtype", "bfloat16"], capture_output=True, text=True)
+def test_cli_export(training, tmp_path):
+    script = [sys.executable, "-m", "tpu_ckpt", "export"]
+    ok = subprocess.run([*script, str(training), str(tmp_path / "s"), "--dtype", "bfloat16"], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert "wrote" in ok.stdout
-    bad = subprocess.run([sys.executable, script, str(training), str(tmp_path / "s2"), "--subtree", "nope"], capture_output=True, text=True)
-    assert bad.returncode == 1 and "subtree 'nope'" in bad.stderr and "Traceback" not in bad.stderr
+    bad = subprocess.run([*script, str(training), str(tmp_path / "s2"), "--subtree", "nope"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "subtree 'nope'" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_copy_reports_progress_in_batches(training, tmp_path):
@@ -93,12 +93,11 @@ def test_copy_reports_progress_in_batches(training, tmp_path):
     assert settings().read_batch_bytes >= total  # one batch here: a single report
 
 
-def test_script_draws_a_progress_bar_on_a_terminal(training, tmp_path):
+def test_cli_export_draws_a_progress_bar_on_a_terminal(training, tmp_path):
     import pty
 
-    script = os.path.join(ROOT, "scripts", "export_for_serving.py")
     leader, follower = pty.openpty()
-    proc = subprocess.Popen([sys.executable, script, str(training), str(tmp_path / "s")], stdout=subprocess.PIPE, stderr=follower)
+    proc = subprocess.Popen([sys.executable, "-m", "tpu_ckpt", "export", str(training), str(tmp_path / "s")], stdout=subprocess.PIPE, stderr=follower)
     os.close(follower)
     out, _ = proc.communicate(timeout=120)
     chunks = b""

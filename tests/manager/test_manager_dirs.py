@@ -14,7 +14,7 @@ import pytest
 
 import tpu_ckpt as tc
 
-EXPORT_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "scripts", "export_for_serving.py")
+EXPORT = [sys.executable, "-m", "tpu_ckpt", "export"]
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +58,10 @@ def test_a_manager_directory_is_named_as_such_not_as_an_interrupted_save(ckpts, 
 
 def test_the_export_script_says_the_same_and_the_calls_shown_work(ckpts, tmp_path):
     result = subprocess.run(
-        [sys.executable, EXPORT_SCRIPT, ckpts, tmp_path / "serving"], capture_output=True, text=True, timeout=120
+        [*EXPORT, ckpts, tmp_path / "serving"], capture_output=True, text=True, timeout=120
     )
-    assert result.returncode == 1
-    assert result.stderr.splitlines()[-1] == f"export_for_serving: {expected_message(ckpts)}"
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1] == f"tpu-ckpt: error: {expected_message(ckpts)}"
     assert tc.restore(f"{ckpts}/step_300")["step"] == 300
     assert tc.CheckpointManager(ckpts).restore(300)["step"] == 300
 

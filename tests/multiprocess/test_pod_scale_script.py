@@ -1,5 +1,5 @@
-"""The measuring scripts of issue 21 run end to end at a tiny size: scripts/pod_scale.py with
-real JAX processes, scripts/leader_commit_bench.py on synthetic indexes. What they measure
+"""The measuring scripts of issue 21 run end to end at a tiny size: benchmarks/pod_scale.py with
+real JAX processes, benchmarks/leader_commit_bench.py on synthetic indexes. What they measure
 is not asserted (timings are the machine's); that every reported field is there, and that
 the restored values and the committed pieces were checked against what was saved, is."""
 
@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
 
 
 def _run(script: str, *args: str, tmp_path) -> tuple[str, dict]:

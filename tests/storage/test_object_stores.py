@@ -195,12 +195,11 @@ def test_keep_every_n_hours_is_refused_where_there_are_no_mtimes(bucket):
         tc.CheckpointManager(bucket.url("run"), keep_checkpoint_every_n_hours=1)
 
 
-def test_export_script_writes_params_only_into_the_bucket(bucket):
+def test_cli_export_writes_params_only_into_the_bucket(bucket):
     params = {"dense": {"kernel": np.arange(32, dtype=np.float32).reshape(8, 4)}, "ids": np.arange(3)}
     tc.save(bucket.url("train"), {"params": params, "opt_state": {"mu": {"dense": {"kernel": np.ones((8, 4))}}}, "step": 3}).wait()
-    script = os.path.join(ROOT, "scripts", "export_for_serving.py")
     done = subprocess.run(
-        [sys.executable, script, bucket.url("train"), bucket.url("serve"), "--dtype", "bfloat16"],
+        [sys.executable, "-m", "tpu_ckpt", "export", bucket.url("train"), bucket.url("serve"), "--dtype", "bfloat16"],
         capture_output=True, text=True, env=os.environ.copy(), timeout=300,
     )
     assert done.returncode == 0, done.stderr

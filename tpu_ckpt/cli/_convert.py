@@ -32,7 +32,7 @@ def add_export(commands: Any) -> None:
 
 
 def export_arguments(parser: argparse.ArgumentParser) -> None:
-    """The export options, shared with scripts/export_for_serving.py."""
+    """The export options of ``tpu-ckpt export``."""
     parser.add_argument("src", metavar="SRC", help="the training checkpoint (directory or URL)")
     parser.add_argument("dst", metavar="DST", help="where to write the serving checkpoint (must not exist)")
     parser.add_argument("--subtree", default="params", help="key path of the params (default: params)")

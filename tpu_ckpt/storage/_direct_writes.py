@@ -1,7 +1,7 @@
 """A large local file written around the page cache: copied a chunk at a time into a
 reused, page-aligned bounce buffer and written from there with ``O_DIRECT``.
 
-Why (issue 41, ``scripts/kernel_reads_probe.py``): a buffered write copies every byte into
+Why (issue 41, ``benchmarks/kernel_reads_probe.py``): a buffered write copies every byte into
 page-cache pages the kernel takes from its free memory. On a virtual machine whose free
 memory the host takes back (free page reporting, virtio-balloon), the first touch of each
 such page is a fault in the host: measured on a 2-core CI VM, writing 671 MB into a new

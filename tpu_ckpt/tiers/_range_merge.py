@@ -96,7 +96,7 @@ def merge_range(
     as a commit makes them (``saving.merge_rows``): every row checked against the plan, each
     leaf's rows sorted and proved to tile it, the tables written from the sorted rows, the
     manifest naming the data files they use. Array operations over the rows, never a Python
-    object per piece (``scripts/leader_commit_bench.py --tier``: 13.5 M pieces in seconds)."""
+    object per piece (``benchmarks/leader_commit_bench.py --tier``: 13.5 M pieces in seconds)."""
     planned = decode_manifest(plan, where=step.child(local_tier.PLAN_FILE), tiled=False)
     first, stop = leaves if leaves is not None else (0, len(planned.leaves))
     rows_plan, sub = IndexPlan.of(planned), dataclasses.replace(planned, leaves=planned.leaves[first:stop])

@@ -6,7 +6,7 @@
 - a 1 GiB save with 20% of requests answered 503 against the same save with none: the
   target is <= 2x the clean time.
 
-``python scripts/object_store_faults.py [--storm-s 30] [--mib 1024]``; exits 1 if a target fails.
+``python benchmarks/object_store_faults.py [--storm-s 30] [--mib 1024]``; exits 1 if a target fails.
 """
 
 import argparse

@@ -1,11 +1,11 @@
-"""The LoRA loop of issue #25 for scripts/benchmark.py: bytes written and time per save of a
+"""The LoRA loop of issue #25 for benchmarks/benchmark.py: bytes written and time per save of a
 CheckpointManager with and without ``incremental=True``, on a local disk or (``--url s3``)
 on a moto S3 server this script starts.
 
 A frozen base of ``base_mb`` MB (the same jax.Arrays every step) and an adapter of about 1%
 of it with its Adam state (new arrays every step); ``saves`` saves, the first (which writes
 everything either way) left out of the medians. Run alone:
-``python scripts/bench_incremental.py [--base-mb 256] [--url s3]``.
+``python benchmarks/bench_incremental.py [--base-mb 256] [--url s3]``.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def main() -> None:
     try:
         url = ""
         if args.url == "s3":
-            from multitier_bench import start_moto  # scripts/: starts moto_server with the bucket "bench"
+            from multitier_bench import start_moto  # benchmarks/: starts moto_server with the bucket "bench"
 
             moto, endpoint = start_moto(scratch)
             os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",

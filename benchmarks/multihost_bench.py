@@ -1,6 +1,6 @@
 """Per-process bytes and times of multi-process saves and restores, with real JAX processes.
 
-    python scripts/multihost_bench.py [--processes 4] [--mib 256] [--dir /tmp/mh]
+    python benchmarks/multihost_bench.py [--processes 4] [--mib 256] [--dir /tmp/mh]
 
 Starts N processes on this machine (CPU backend, 4 devices each, gloo), as a pod's hosts
 would run, and saves and restores a state four ways: sharded (every process writes its own
@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-import workers  # scripts/workers.py
+import workers  # benchmarks/workers.py
 
 
 def main() -> int:

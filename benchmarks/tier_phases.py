@@ -1,4 +1,4 @@
-"""The ``--tier`` phases of ``scripts/leader_commit_bench.py``: the merge of every leaf at a
+"""The ``--tier`` phases of ``benchmarks/leader_commit_bench.py``: the merge of every leaf at a
 local-tier restore (which a job spreads over its processes), on synthetic parts laid out as a local step (see that script's docstring).
 
 Each phase runs in a fresh interpreter; ``planned``, ``index`` and ``pieces`` are the bench's
@@ -13,7 +13,7 @@ import pathlib
 from collections.abc import Callable
 from typing import Any
 
-import workers  # scripts/workers.py
+import workers  # benchmarks/workers.py
 
 PLAN = "plan.json"
 

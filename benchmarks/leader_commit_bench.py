@@ -1,6 +1,6 @@
 """The leader's commit at many processes, on synthetic indexes: reading them to the manifest.
 
-    python scripts/leader_commit_bench.py [--processes 64] [--devices-per-process 4]
+    python benchmarks/leader_commit_bench.py [--processes 64] [--devices-per-process 4]
         [--leaves 2200] [--dir /tmp] [--json OUT]
 
 Issue 21's pod-scale target is ``--processes 1536 --devices-per-process 4 --leaves 2200``
@@ -44,8 +44,8 @@ import subprocess
 import sys
 import tempfile
 
-import tier_phases  # scripts/tier_phases.py
-import workers  # scripts/workers.py
+import tier_phases  # benchmarks/tier_phases.py
+import workers  # benchmarks/workers.py
 
 MB = 1e6
 PIECE_BYTES = 16  # float32 x 4

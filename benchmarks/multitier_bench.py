@@ -1,6 +1,6 @@
 """Multi-tier CheckpointManager against a persistent-only one, with real JAX processes.
 
-    python scripts/multitier_bench.py [--processes 2] [--mib 512] [--dir /tmp/mt] [--s3]
+    python benchmarks/multitier_bench.py [--processes 2] [--mib 512] [--dir /tmp/mt] [--s3]
 
 Starts N processes on this machine (CPU backend, 4 devices each, gloo), each with its own
 local directory (its "local SSD"), and saves the same sharded state three ways, async:
@@ -12,7 +12,7 @@ persistent tier. ``--s3`` puts the persistent tier on a moto S3 server it starts
 directory every process sees). Processes share this machine's cores and disk, so the times
 show the mechanics, not a pod's throughput.
 
-    python scripts/multitier_bench.py --slices [--processes 4] [--mib 64]
+    python benchmarks/multitier_bench.py --slices [--processes 4] [--mib 64]
 
 The cost of a local step with and without slice-aware replicas (issue 24): the processes
 form 2 simulated slices (``TPU_CKPT_SLICES``, first half slice 0), the state is sharded
@@ -36,7 +36,7 @@ import tempfile
 import time
 import urllib.request
 
-import workers  # scripts/workers.py
+import workers  # benchmarks/workers.py
 
 
 def main() -> int:

@@ -6,8 +6,8 @@ os.writev in 64-buffer calls and an fsync, and prints per step: wall, user and s
 this process (os.times), /proc/vmstat deltas (machine-wide: other processes count too) and
 this process's AnonHugePages. Compare CPU within one run, not wall times across runs.
 
-    .venv/bin/python scripts/kernel_reads_probe.py            # all steps
-    .venv/bin/python scripts/kernel_reads_probe.py --leaves 20 --steps jax,copy,reuse
+    .venv/bin/python benchmarks/kernel_reads_probe.py            # all steps
+    .venv/bin/python benchmarks/kernel_reads_probe.py --leaves 20 --steps jax,copy,reuse
 
 Steps: jax (np.asarray(shard.data) views, what a CPU save wrote from), copy (numpy copies of
 them), reuse (jax views into a file whose just-unlinked predecessor's page-cache pages the
