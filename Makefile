@@ -34,11 +34,10 @@ demo: $(DEMO_STAMP)
 
 # Multi-process and emulator tests each run on one worker (tests/conftest.py: xdist_group), the rest
 # wherever a worker is free (`make test WORKERS=0`: serially, in one process).
+# Then the compatibility tier, the docs and the linters side by side (-O: each one's output in one piece).
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=25 -n $(WORKERS) --dist $(DIST)
-	$(MAKE) test-compat
-	$(MAKE) docs
-	$(MAKE) lint
+	$(MAKE) -j3 -O test-compat docs lint
 
 # The API reference (docs/api.md: every public name's docstring) as HTML in site/, offline;
 # --strict turns every warning (a docstring naming a parameter the signature lacks) into a failure.
