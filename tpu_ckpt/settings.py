@@ -80,6 +80,10 @@ class Settings:
     # How long a relay client waits for TCP to connect: a firewall drops packets silently, and
     # waiting coordination_timeout to learn it would look like a dead host.
     relay_connect_seconds: float = 5.0
+    # The rate an io_device process is taken to move a job's bytes (relay and storage together)
+    # until it has measured one: a save or restore it would not finish within
+    # coordination_timeout at this rate is warned of (relay/_io_budget.py).
+    io_device_bytes_per_second: float = 1e9
     # SO_SNDBUF and SO_RCVBUF asked for on every relay socket. 0 (the default) leaves them to
     # the kernel's autotuning, which grows them up to net.ipv4.tcp_rmem's maximum (6 MiB on a
     # stock kernel); a size set here turns autotuning off and is capped at net.core.rmem_max

@@ -115,6 +115,8 @@ def _start(
         if incremental is not None:
             plan, reused = incremental.apply(plan, tree, final)
         leader = 0 if io is None else io
+        if io == coord.me and coord.count > 1:
+            relay.warn_if_beyond("save", final.url, _job_bytes(plan.manifest), options.coordination_timeout, _local_parent(final))
         staging = prepare(final, coord, leader, options.coordination_timeout, relayed=io is not None)
     except BaseException as error:
         with coord:  # the save ends here
@@ -122,6 +124,15 @@ def _start(
             _explain(coord, error)
         raise
     return SaveJob(plan.named(staging.token), final, coord, leader, options, staging, incremental, reused)
+
+
+def _job_bytes(manifest: Manifest) -> int:
+    """The bytes of a save's arrays, every process's together: what io_device's process writes."""
+    return sum(leaf.nbytes for leaf in manifest.leaves)
+
+
+def _local_parent(final: storage.Location) -> str | None:
+    return os.path.dirname(os.path.abspath(final.local_path.rstrip("/"))) if final.is_local else None
 
 
 def largest_file(final: storage.Location, options: CheckpointOptions) -> int | None:
@@ -256,6 +267,9 @@ class SaveJob:
             self.staging.close()
         if self._incremental is not None and kept is not None:
             self._incremental.committed(self.final, kept)
+        if self.options.io_device == coord.me and coord.count > 1 and self._incremental is None:
+            # every process's bytes went through this one (an incremental save's fewer)
+            relay.note_rate(_job_bytes(self.manifest), time.perf_counter() - started)
         logger.info(
             "tpu_ckpt: saved %s (%d leaves, %d pieces, %d files, %.1f MB from this process) in %.2fs",
             self.final.url, len(self.manifest.leaves), self.piece_count, len(files), sum(files.values()) / 1e6,
