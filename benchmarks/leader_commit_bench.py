@@ -120,8 +120,7 @@ def _name(leaf: int) -> str:
 def _pieces(args: argparse.Namespace, process: int, leaf: int) -> list:
     """Process ``process``'s pieces of leaf number ``leaf``: one per device, side by side in
     its one data file, leaf after leaf."""
-    from tpu_ckpt.format import PieceEntry
-    from tpu_ckpt.saving import data_file_name
+    from tpu_ckpt.format import PieceEntry, data_file_name
 
     d = args.devices_per_process
     file = data_file_name(process, 0)
@@ -139,7 +138,7 @@ def _index(args: argparse.Namespace, process: int):
     """Process ``process``'s index as a save makes it (``commit.index``): its devices' pieces
     of every leaf, one data file."""
     from tpu_ckpt import saving
-    from tpu_ckpt.saving import data_file_name
+    from tpu_ckpt.format import data_file_name
 
     pieces = {_name(leaf): _pieces(args, process, leaf) for leaf in range(args.leaves)}
     return saving.index(pieces, {data_file_name(process, 0): args.leaves * args.devices_per_process * PIECE_BYTES})
@@ -159,8 +158,7 @@ def _planned(args: argparse.Namespace):
 def _setup(args: argparse.Namespace, staging: str, saved: str) -> dict:
     """Every other process's index file and (sparse) data file in the staging directory; the
     leader's data file too. Copies of the indexes go to ``saved``."""
-    from tpu_ckpt.format import IndexPlan, encode_index
-    from tpu_ckpt.saving import data_file_name, staged_index_file
+    from tpu_ckpt.format import IndexPlan, data_file_name, encode_index, staged_index_file
 
     os.makedirs(staging)
     os.makedirs(saved)
@@ -213,9 +211,8 @@ def _check(args: argparse.Namespace, final: str) -> int:
 def _stages(args: argparse.Namespace, where: str) -> dict:
     """The commit's CPU stages one by one, on the same indexes."""
     from tpu_ckpt import saving, storage
-    from tpu_ckpt.format import IndexPlan, decode_index, encode_index, encode_manifest, grids_shared
+    from tpu_ckpt.format import IndexPlan, decode_index, encode_index, encode_manifest, grids_shared, staged_index_file
     from tpu_ckpt.runtime import gc_paused
-    from tpu_ckpt.saving import staged_index_file
 
     planned = _planned(args)
     plan = IndexPlan.of(planned)

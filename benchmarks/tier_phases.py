@@ -26,8 +26,7 @@ def run(args: argparse.Namespace, step: str, planned: Callable, index: Callable,
 
 def _setup(args: argparse.Namespace, step: str, planned: Callable, index: Callable) -> dict:
     """``plan.json`` and every part's binary index, as a local save writes them."""
-    from tpu_ckpt.format import IndexPlan, encode_index
-    from tpu_ckpt.saving import staged_index_file
+    from tpu_ckpt.format import IndexPlan, encode_index, staged_index_file
 
     os.makedirs(step)
     plan = planned(args)
@@ -48,8 +47,7 @@ def _after(args: argparse.Namespace, step: str, pieces: Callable) -> dict:
     """Read, ``tiers.merge_range``, then the decode of the manifest it makes; the
     first and last leaves' pieces are then loaded from the tables and checked."""
     from tpu_ckpt import storage, tiers
-    from tpu_ckpt.format import TableSource, decode_manifest
-    from tpu_ckpt.saving import staged_index_file
+    from tpu_ckpt.format import TableSource, decode_manifest, staged_index_file
 
     (plan, indexes), read = workers.measured(lambda: _read(step, [staged_index_file(p) for p in range(args.processes)]))
     (body, tables), merge = workers.measured(lambda: tiers.merge_range(plan, indexes, storage.location(step)))

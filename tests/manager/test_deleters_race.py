@@ -22,6 +22,7 @@ import tpu_ckpt as tc
 from tests.object_stores import Bucket
 from tests.saving.test_save_integrity import Sabotage, tree
 from tpu_ckpt import catalog, cli, storage
+from tpu_ckpt.format import STAGING_MARKER
 
 PLACES = ["local", *(pytest.param(scheme, marks=pytest.mark.emulator) for scheme in ("gs", "s3"))]
 
@@ -90,7 +91,7 @@ def plant(url: str, name: str, started: float) -> None:
     with storage.open_staging(storage.Location(storage.location(url).child(name))) as store:
         store.write("d00000-00000.safetensors", [b"partial"]).result()
         marker = {"final": name.partition(".tmp-")[0], "token": "0a1b", "started": started, "grace_s": 3600}
-        store.write(storage.STAGING_MARKER, [json.dumps(marker).encode()]).result()
+        store.write(STAGING_MARKER, [json.dumps(marker).encode()]).result()
 
 
 def test_cleanups_remove_leftovers_once_their_grace_period_is_over(run_url, capsys):

@@ -18,8 +18,10 @@ from tpu_ckpt.format import (
     encode_manifest,
     encode_parts,
     piece_rows,
+    staged_index_file,
+    written_by,
 )
-from tpu_ckpt.saving import commit, index, merge_rows, staged_index_file
+from tpu_ckpt.saving import commit, index, merge_rows
 
 FILE_BYTES = 1 << 20
 
@@ -202,8 +204,6 @@ def test_an_index_with_empty_groups_or_no_rows_merges():
 
 
 def test_a_staged_index_is_named_for_its_process():
-    from tpu_ckpt.saving import written_by
-
     assert staged_index_file(7) == "index-00007.bin" and written_by("index-00007.bin") == 7  # the relay accepts it
 
 

@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 import tpu_ckpt as tc
 from tests import helpers, process_group
 from tests.helpers import binary_merge
-from tpu_ckpt.format import PieceEntry, TableSource, decode_manifest, encode_manifest
-from tpu_ckpt.saving import index, plan_save, written_by
+from tpu_ckpt.format import PieceEntry, TableSource, decode_manifest, encode_manifest, written_by
+from tpu_ckpt.saving import index, plan_save
 
 
 def written(plan):

@@ -15,8 +15,7 @@ import tpu_ckpt as tc
 from tests.helpers import assert_bit_exact, mixed_state
 from tests.object_stores import Bucket
 from tpu_ckpt import storage
-from tpu_ckpt.format import token_of
-from tpu_ckpt.saving._plan import data_file_name, staged_index_file, written_by
+from tpu_ckpt.format import STAGING_MARKER, data_file_name, marker_name, staged_index_file, token_of, written_by
 
 SEVERAL_FILES = tc.CheckpointOptions(sharding_callback=tc.MaxShardSizePolicy(4096))
 
@@ -46,7 +45,7 @@ def test_an_object_store_save_names_every_object_with_its_token_and_a_local_one_
     url = "memory://token_names/c"
     tc.save(url, mixed_state(), options=SEVERAL_FILES)
     names = listed(url)
-    assert "manifest.json" in names and storage.STAGING_MARKER not in names
+    assert "manifest.json" in names and STAGING_MARKER not in names
     others = [n for n in names if n != "manifest.json"]
     tokens = {token_of(n) for n in others}
     assert len(tokens) == 1 and None not in tokens and len(others) > 8
@@ -153,5 +152,5 @@ def test_two_saves_started_together_on_s3_commit_once_and_the_loser_deletes_noth
     (token,) = {token_of(n.split("/")[-1]) for n in left}
     deleted = [r.path for r in proxy.requests if r.method == "DELETE"]
     # Of the winner's objects only its own staging marker is deleted: by its commit.
-    own_marker = storage.marker_name(storage.location(bucket.url("c")), token)
+    own_marker = marker_name(token, local=False)
     assert token is not None and deleted and {p.rsplit("/", 1)[-1] for p in deleted if token in p} == {own_marker}

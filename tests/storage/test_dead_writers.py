@@ -16,6 +16,7 @@ import pytest
 import tpu_ckpt as tc
 from tests.manager.test_deleters_race import run_url  # noqa: F401 - the fixture: local, gs, s3
 from tpu_ckpt import catalog, cli, storage
+from tpu_ckpt.format import STAGING_MARKER
 
 # A process that starts a save's staging area of step_3 (its marker, as a save writes it), then exits.
 STAGE = """
@@ -55,7 +56,7 @@ def leftovers(url: str) -> list[str]:
 
 def test_a_marker_records_its_writer(tmp_path):
     name = staged_by_a_dead_process(str(tmp_path))
-    doc = json.loads((tmp_path / name / storage.STAGING_MARKER).read_text())
+    doc = json.loads((tmp_path / name / STAGING_MARKER).read_text())
     assert doc["host"]["name"] == os.uname().nodename and doc["host"]["boot_id"] == open("/proc/sys/kernel/random/boot_id").read().strip()
     assert isinstance(doc["pid"], int) and doc["pid"] != os.getpid() and isinstance(doc["pid_start"], int)
 

@@ -11,6 +11,7 @@ import pytest
 
 import tpu_ckpt as tc
 from tpu_ckpt import cli, storage
+from tpu_ckpt.format import STAGING_MARKER
 
 TREE = {"w": np.arange(6, dtype=np.float32), "step": 7}
 NAMES = ("model.tmp-1", "step_3.tmp-1")  # staging-like names, each a committed checkpoint
@@ -45,7 +46,7 @@ def check_committed_checkpoints_survive(url: str, capsys) -> None:
 def test_a_checkpoint_named_like_staging_is_never_removed_locally(tmp_path, capsys):
     check_committed_checkpoints_survive(str(tmp_path / "run"), capsys)
     assert sorted(os.listdir(tmp_path / "run")) == sorted([*NAMES, "step_2"])
-    assert not any(os.path.exists(tmp_path / "run" / name / storage.STAGING_MARKER) for name in [*NAMES, "step_2"])
+    assert not any(os.path.exists(tmp_path / "run" / name / STAGING_MARKER) for name in [*NAMES, "step_2"])
 
 
 def test_a_local_save_that_died_before_its_rename_is_a_leftover_whatever_it_holds(tmp_path, capsys):
@@ -54,9 +55,9 @@ def test_a_local_save_that_died_before_its_rename_is_a_leftover_whatever_it_hold
     tc.save(run / "model", TREE)
     os.rename(run / "model", run / "model.tmp-0a1b")  # as it was just before the rename
     marker = {"final": "model", "token": "0a1b", "started": 0.0, "grace_s": 3600.0}  # long ago
-    (run / "model.tmp-0a1b" / storage.STAGING_MARKER).write_text(json.dumps(marker))
+    (run / "model.tmp-0a1b" / STAGING_MARKER).write_text(json.dumps(marker))
     tc.save(run / "kept.tmp-0a1b", TREE)
-    (run / "kept.tmp-0a1b" / storage.STAGING_MARKER).write_text("damaged")  # names no other checkpoint
+    (run / "kept.tmp-0a1b" / STAGING_MARKER).write_text("damaged")  # names no other checkpoint
     assert cli.main(["gc", str(run)]) == 0
     assert capsys.readouterr().out.startswith("removed model.tmp-0a1b (uncommitted, 4 files")
     assert sorted(os.listdir(run)) == ["kept.tmp-0a1b"]

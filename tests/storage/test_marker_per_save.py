@@ -19,7 +19,7 @@ from tests.object_stores import Bucket
 from tests.saving.test_save_integrity import Sabotage
 from tpu_ckpt import catalog, storage
 from tpu_ckpt.cli import main
-from tpu_ckpt.format import spread, token_of
+from tpu_ckpt.format import STAGING_MARKER, spread, token_of
 from tpu_ckpt.storage._stores import STAGING_GRACE_S, mark_staging
 
 pytestmark = pytest.mark.emulator
@@ -32,7 +32,7 @@ def objects(bucket: Bucket, path: str) -> set[str]:
 
 
 def marker_of(token: str) -> str:
-    return spread(token, storage.STAGING_MARKER)
+    return spread(token, STAGING_MARKER)
 
 
 def mark(bucket: Bucket, path: str, token: str, started: float | None = None) -> None:
@@ -122,12 +122,12 @@ def test_gc_removes_a_stale_saves_strays_with_its_marker_and_keeps_a_running_sav
 def test_a_leftover_is_held_by_the_latest_of_its_markers_plain_or_tokened(bucket):
     long_ago, now = time.time() - 2 * STAGING_GRACE_S, time.time()
     plain = {"final": "step_4", "token": STALLED, "started": long_ago, "grace_s": STAGING_GRACE_S}
-    bucket.put(f"run/step_4/{storage.STAGING_MARKER}", json.dumps(plain).encode())  # an older save, long gone
+    bucket.put(f"run/step_4/{STAGING_MARKER}", json.dumps(plain).encode())  # an older save, long gone
     plant(bucket, "run/step_4", STALLED)
-    bucket.put(f"run/step_5/{storage.STAGING_MARKER}", json.dumps({**plain, "final": "step_5"}).encode())
+    bucket.put(f"run/step_5/{STAGING_MARKER}", json.dumps({**plain, "final": "step_5"}).encode())
     mark(bucket, "run/step_5", RUNNING, started=now)  # a save of step_5 started a moment ago, beside an older one's
     plant(bucket, "run/step_5", RUNNING)
-    bucket.put(f"run/step_6/{storage.STAGING_MARKER}", json.dumps({**plain, "final": "step_6", "started": now}).encode())
+    bucket.put(f"run/step_6/{STAGING_MARKER}", json.dumps({**plain, "final": "step_6", "started": now}).encode())
     plant(bucket, "run/step_6", STALLED)  # a save of an earlier version, still running
 
     entries = {e.name: e for e in catalog.scan(bucket.url("run"))}
@@ -137,4 +137,4 @@ def test_a_leftover_is_held_by_the_latest_of_its_markers_plain_or_tokened(bucket
         manager.save(1, mixed_state())
         assert manager.all_steps() == [1]
     assert {e.name for e in catalog.scan(bucket.url("run"))} == {"step_1", "step_5", "step_6"}
-    assert storage.markers(objects(bucket, "run/step_5")) == sorted([storage.STAGING_MARKER, marker_of(RUNNING)])
+    assert storage.markers(objects(bucket, "run/step_5")) == sorted([STAGING_MARKER, marker_of(RUNNING)])

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import tpu_ckpt as tc
-from tpu_ckpt import catalog, storage
+from tpu_ckpt import catalog
 from tpu_ckpt.cli import main
-from tpu_ckpt.format import spread
+from tpu_ckpt.format import STAGING_MARKER, spread
 from tpu_ckpt.storage._stores import STAGING_GRACE_S
 
 pytestmark = pytest.mark.emulator
@@ -46,9 +46,9 @@ def put_marker(bucket, path: str, name: str, text: str) -> None:
 def running_save(bucket, path: str) -> set[str]:
     """The objects of a save of ``path`` that started a moment ago and is still writing."""
     marker = {"final": path.rsplit("/", 1)[-1], "token": RUNNING, "started": time.time(), "grace_s": STAGING_GRACE_S}
-    names = {spread(RUNNING, "d00000-00000.safetensors"), spread(RUNNING, storage.STAGING_MARKER)}
+    names = {spread(RUNNING, "d00000-00000.safetensors"), spread(RUNNING, STAGING_MARKER)}
     bucket.put(f"{path}/{spread(RUNNING, 'd00000-00000.safetensors')}", b"half a save")
-    put_marker(bucket, path, spread(RUNNING, storage.STAGING_MARKER), json.dumps(marker))
+    put_marker(bucket, path, spread(RUNNING, STAGING_MARKER), json.dumps(marker))
     return names
 
 
@@ -66,9 +66,9 @@ def test_a_hostile_marker_neither_crashes_a_listing_nor_lets_gc_remove_a_running
     with tc.CheckpointManager(bucket.url("run"), max_to_keep=None) as manager:
         manager.save(1, {"w": np.arange(8, dtype=np.float32)})
     running = running_save(bucket, "run/step_5")
-    assert spread(HOSTILE, storage.STAGING_MARKER) < spread(RUNNING, storage.STAGING_MARKER)  # read first
-    put_marker(bucket, "run/step_5", spread(HOSTILE, storage.STAGING_MARKER), hostile)
-    put_marker(bucket, "run/step_1", spread(HOSTILE, storage.STAGING_MARKER), hostile)
+    assert spread(HOSTILE, STAGING_MARKER) < spread(RUNNING, STAGING_MARKER)  # read first
+    put_marker(bucket, "run/step_5", spread(HOSTILE, STAGING_MARKER), hostile)
+    put_marker(bucket, "run/step_1", spread(HOSTILE, STAGING_MARKER), hostile)
 
     entries = {e.name: e for e in catalog.scan(bucket.url("run"))}
     assert catalog.busy(entries["step_5"]) and entries["step_1"].step == 1
@@ -87,7 +87,7 @@ def test_a_plain_marker_naming_another_checkpoint_leaves_an_object_store_checkpo
     checkpoint to a new name) makes it no staging area that ``gc`` may remove."""
     tc.save(bucket.url("run/best"), {"w": np.arange(8, dtype=np.float32)})
     marker = {"final": "step_5", "token": "5c0e9b21", "started": time.time() - 2 * STAGING_GRACE_S, "grace_s": STAGING_GRACE_S}
-    put_marker(bucket, "run/best", storage.STAGING_MARKER, json.dumps(marker))
+    put_marker(bucket, "run/best", STAGING_MARKER, json.dumps(marker))
     assert catalog.checkpoints_in(bucket.url("run")) == {"best": None}
     assert main(["gc", bucket.url("run")]) == 0
     assert "manifest.json" in {key.rsplit("/", 1)[-1] for key in bucket.keys("run/best/")}
@@ -132,7 +132,7 @@ def test_a_leftover_committed_since_it_was_listed_stays_whatever_its_plain_marke
     deleting it: on an object store that is the commit, whatever checkpoint an expired plain
     marker beside it names."""
     marker = {"final": "step_5", "token": "5c0e9b21", "started": time.time() - 2 * STAGING_GRACE_S, "grace_s": STAGING_GRACE_S}
-    put_marker(bucket, "run/best", storage.STAGING_MARKER, json.dumps(marker))
+    put_marker(bucket, "run/best", STAGING_MARKER, json.dumps(marker))
     assert [e.name for e in catalog.scan(bucket.url("run"))] == ["best"]  # a leftover, as listed
     tc.save(bucket.url("run/best"), {"w": np.arange(8, dtype=np.float32)})  # committed since
     assert catalog.remove_leftovers(bucket.url("run"), ["best"]) == []

@@ -20,11 +20,13 @@ from tpu_ckpt.format import (
     Manifest,
     PieceEntry,
     TableSource,
+    data_file_name,
     decode_index,
     decode_manifest,
     encode_index,
     encode_manifest,
     index_manifest,
+    staged_index_file,
 )
 from tpu_ckpt.tiers._range_merge import blob_name, joined, leaf_ranges, part_blobs
 
@@ -136,14 +138,14 @@ def _indexes(slices=SLICES) -> list[Manifest]:
     for n, (key, spec) in enumerate((key, spec) for key, specs in slices.items() for spec in specs):
         p = n % 3
         length = 4 * int(np.prod([b - a for a, b in spec]))
-        pieces[p].setdefault(key, []).append(PieceEntry(spec, saving.data_file_name(p, 0), offsets[p], length, 100 + n))
+        pieces[p].setdefault(key, []).append(PieceEntry(spec, data_file_name(p, 0), offsets[p], length, 100 + n))
         offsets[p] += length
-    return [saving.index(own, {saving.data_file_name(p, 0): 4096}) for p, own in enumerate(pieces)]
+    return [saving.index(own, {data_file_name(p, 0): 4096}) for p, own in enumerate(pieces)]
 
 
 def _merge(indexes: list[Manifest]) -> tuple[bytes, dict[str, bytes]]:
     plan = IndexPlan.of(PLANNED)
-    parts = [(saving.staged_index_file(p), encode_index(one, plan)) for p, one in enumerate(indexes)]
+    parts = [(staged_index_file(p), encode_index(one, plan)) for p, one in enumerate(indexes)]
     return tiers.merge_range(PLANNED.to_json(), parts, storage.location("/local/step_7"))
 
 
@@ -179,7 +181,7 @@ def test_ranges_merged_apart_and_joined_are_the_whole_merge(tmp_path, processes)
     merge does."""
     plan = IndexPlan.of(PLANNED)
     for p, one in enumerate(_indexes()):
-        (tmp_path / saving.staged_index_file(p)).write_bytes(encode_index(one, plan))
+        (tmp_path / staged_index_file(p)).write_bytes(encode_index(one, plan))
     ranges = leaf_ranges(len(PLANNED.leaves), processes)
     with storage.Store(storage.location(str(tmp_path))) as own:
         blobs = part_blobs(own, [0, 1, 2], plan, ranges)
@@ -208,7 +210,7 @@ def _in_memory(tables: dict[str, bytes]) -> TableSource:
 
 def test_a_range_blob_holding_rows_of_another_range_is_refused(tmp_path):
     plan = IndexPlan.of(PLANNED)
-    whole = [(saving.staged_index_file(p), encode_index(one, plan)) for p, one in enumerate(_indexes())]
+    whole = [(staged_index_file(p), encode_index(one, plan)) for p, one in enumerate(_indexes())]
     with pytest.raises(CorruptCheckpointError, match=r"holds rows of leaf 0, outside the range 1\.\.3"):
         tiers.merge_range(PLANNED.to_json(), whole, storage.location("/local/step_7"), (1, 4))
 

@@ -88,7 +88,7 @@ def one_slice_warns(directory: str) -> dict:
 def _counting_reads() -> dict[str, int]:
     """Bytes this process asks other hosts' relay servers for from now on: of data files
     (``data``: a part's pieces) and of everything else (``other``: plans, rows, manifests)."""
-    from tpu_ckpt.saving import written_by
+    from tpu_ckpt.format import written_by
 
     got = {"data": 0, "other": 0}
     read, read_file = relay.RelayStore.read, relay.RelayStore.read_file

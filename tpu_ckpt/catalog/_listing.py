@@ -6,7 +6,7 @@ name: a checkpoint is a subdirectory with a manifest (a user's ``model.tmp-1`` t
 its staging marker (``storage.mark_staging``) says it is the staging area of another name,
 a local save that died before its rename. A leftover is a subdirectory without such a
 manifest that is ours: it holds a staging marker (plain, or on an object store one per save,
-``storage.marker_name``), or it bears a name the library writes (``step_<n>``,
+``format.marker_name``), or it bears a name the library writes (``step_<n>``,
 CheckpointManager's rule, or ``<name>.tmp-<hex>``, which older saves left unmarked). A
 leftover whose marker is younger than its grace period (of several, the one that ends last)
 may be a save still running: it is "busy", and neither ``gc`` nor a manager's cleanup
@@ -27,12 +27,11 @@ from collections.abc import Collection, Iterable
 
 from tpu_ckpt import storage
 from tpu_ckpt.errors import CheckpointError, CheckpointNotFoundError
-from tpu_ckpt.format import MANIFEST_FILE, REFERENCED_FILE, decode_manifest
+from tpu_ckpt.format import MANIFEST_FILE, REFERENCED_FILE, STAGING_DIRECTORY, STAGING_MARKER, decode_manifest
 
 logger = logging.getLogger(__name__)
 
 INTEGER = re.compile(r"\d+")
-STAGING = re.compile(r".+\.tmp-[0-9a-f]+")  # storage.Location.staging of any name
 # Only what a CheckpointManager writes is ever removed as its leftover, never a user's directory.
 OWN_LEFTOVER = re.compile(r"step_\d+(\.tmp-[0-9a-f]+)?")
 
@@ -114,7 +113,7 @@ def _ours(name: str, files: list[str]) -> bool:
     retired step (``referenced.json``: data files newer steps reference) is none."""
     if REFERENCED_FILE in files and MANIFEST_FILE not in files:
         return False
-    return bool(storage.markers(files) or OWN_LEFTOVER.fullmatch(name) or STAGING.fullmatch(name))
+    return bool(storage.markers(files) or OWN_LEFTOVER.fullmatch(name) or STAGING_DIRECTORY.fullmatch(name))
 
 
 def checkpoints(files: list[str], staged: Collection[str] = ()) -> dict[str, int | None]:
@@ -140,7 +139,7 @@ def staged_in(loc: storage.Location, files: list[str]) -> set[str]:
     there with it, or written by hand)."""
     if not loc.is_local:
         return set()
-    return _staged(loc, [top for top, names in _by_top(files).items() if {MANIFEST_FILE, storage.STAGING_MARKER} <= names])
+    return _staged(loc, [top for top, names in _by_top(files).items() if {MANIFEST_FILE, STAGING_MARKER} <= names])
 
 
 def _by_top(files: list[str]) -> dict[str, set[str]]:
@@ -156,7 +155,7 @@ def _staged(loc: storage.Location, marked: Iterable[str]) -> set[str]:
     are the staging area of another name: a local save that wrote its manifest and died
     before its rename. On an object store the staging area is the checkpoint, committed by
     the manifest even before its marker is deleted; the markers there are per save
-    (``storage.marker_name``), so one beside a manifest (another save, still writing or
+    (``format.marker_name``), so one beside a manifest (another save, still writing or
     stalled) is never read here: it leaves the checkpoint committed."""
     staged = set()
     for name in marked:
@@ -172,7 +171,7 @@ def nested(directory: str | os.PathLike[str]) -> dict[str, int]:
     found: dict[str, set[str]] = collections.defaultdict(set)
     for path in _listed(directory)[1]:
         parts = path.split("/")
-        if len(parts) == 3 and parts[2] == MANIFEST_FILE and not any(STAGING.fullmatch(p) for p in parts[:2]):
+        if len(parts) == 3 and parts[2] == MANIFEST_FILE and not any(STAGING_DIRECTORY.fullmatch(p) for p in parts[:2]):
             found[parts[0]].add(parts[1])
     return {name: len(found[name]) for name in sorted(found)}
 
@@ -295,10 +294,10 @@ def list_run(loc: storage.Location) -> Listing:
         return Listing({}, [])
     with os.scandir(root) as entries:  # files directly in the directory are not checkpoints
         names = {e.name for e in entries if e.is_dir(follow_symlinks=False)}
-    wanted = {n for n in names if OWN_LEFTOVER.fullmatch(n) or (len(INTEGER.findall(n)) == 1 and not STAGING.fullmatch(n))}
+    wanted = {n for n in names if OWN_LEFTOVER.fullmatch(n) or (len(INTEGER.findall(n)) == 1 and not STAGING_DIRECTORY.fullmatch(n))}
     with_manifest = {n for n in wanted if os.path.isfile(os.path.join(root, n, MANIFEST_FILE))}
     retired = {n for n in wanted - with_manifest if os.path.isfile(os.path.join(root, n, REFERENCED_FILE))}
-    marked = {n for n in with_manifest if STAGING.fullmatch(n) and os.path.isfile(os.path.join(root, n, storage.STAGING_MARKER))}
+    marked = {n for n in with_manifest if STAGING_DIRECTORY.fullmatch(n) and os.path.isfile(os.path.join(root, n, STAGING_MARKER))}
     return _with_busy(loc, _sort(names - retired, with_manifest, _staged(loc, marked), retired))
 
 
@@ -338,7 +337,7 @@ def _sort(names: set[str], with_manifest: set[str], staged: Collection[str], ret
     committed: dict[int, str] = {}
     for name in sorted(set(with_manifest) - set(staged)):
         numbers = INTEGER.findall(name)
-        if len(numbers) == 1 and not STAGING.fullmatch(name):
+        if len(numbers) == 1 and not STAGING_DIRECTORY.fullmatch(name):
             committed.setdefault(int(numbers[0]), name)
     leftovers = sorted(n for n in names if OWN_LEFTOVER.fullmatch(n) and (n not in with_manifest or n in staged))
     return Listing(committed, leftovers, retired=sorted(retired))

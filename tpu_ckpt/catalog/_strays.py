@@ -13,7 +13,7 @@ names. On a local disk a save's staging directory is its own and renamed whole a
 nothing strays there.
 
 Object listings carry no times, so a stray's age is read as a leftover's is: from a staging
-marker, that of the save which wrote it (``storage.marker_name``: its name carries the
+marker, that of the save which wrote it (``format.marker_name``: its name carries the
 save's token; a plain ``staging.json``, which saves before markers were per save wrote,
 holds the objects of the token it names). While that marker is within its grace period, the
 save's strays may be a save still writing (one that started before the commit and has not
@@ -37,7 +37,15 @@ import time
 from tpu_ckpt import storage
 from tpu_ckpt.catalog._listing import _listed, checkpoints, staged_in
 from tpu_ckpt.errors import CheckpointError
-from tpu_ckpt.format import MANIFEST_FILE, REFERENCED_FILE, decode_manifest, token_of
+from tpu_ckpt.format import (
+    MANIFEST_FILE,
+    REFERENCED_FILE,
+    STAGING_MARKER,
+    decode_manifest,
+    is_marker,
+    marker_name,
+    token_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -99,9 +107,9 @@ def _held_until(where: storage.Location, names: set[str], token: str) -> float |
     """Until when the objects of the save with ``token`` in ``where`` (listed as ``names``) may
     be that save still writing: the grace period of its own staging marker, or of a plain
     one naming its token; None when neither is there."""
-    own = storage.marker_name(where, token)
+    own = marker_name(token, local=where.is_local)
     held = []
-    for name in sorted(names & {own, storage.STAGING_MARKER}):
+    for name in sorted(names & {own, STAGING_MARKER}):
         marker = storage.read_marker(where, name)
         if marker is not None and (name == own or marker.token == token):
             held.append(marker.held_until)
@@ -150,5 +158,5 @@ def _remove(loc: storage.Location, found: Strays) -> bool:
         kept = _named(where, retired=retired) if not retired or REFERENCED_FILE in names else None
         if kept is None or kept & set(found.files):
             return False
-        storage.remove_files(store, sorted((f for f in found.files if f in names), key=storage.is_marker))
+        storage.remove_files(store, sorted((f for f in found.files if f in names), key=is_marker))
     return True

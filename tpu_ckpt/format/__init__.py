@@ -20,10 +20,7 @@ from tpu_ckpt.format._manifest import (
     ALIGNMENT,
     DTYPE_NAMES,
     FORMAT_VERSION,
-    MANIFEST_FILE,
     PER_PROCESS,
-    REFERENCED_FILE,
-    TOKENED,
     LeafEntry,
     Manifest,
     PieceEntry,
@@ -34,11 +31,29 @@ from tpu_ckpt.format._manifest import (
     metric_values,
     seal,
     sharding_text,
-    spread,
     tensor_name,
-    token_of,
     unseal,
     version_for,
+)
+from tpu_ckpt.format._names import (
+    MANIFEST_FILE,
+    PLAN_FILE,
+    REFERENCED_FILE,
+    STAGING_DIRECTORY,
+    STAGING_MARKER,
+    TIER_FILE,
+    TOKENED,
+    data_file_name,
+    is_marker,
+    marker_name,
+    spread,
+    staged_index_file,
+    staging_directory,
+    table_file,
+    table_prefix,
+    token_of,
+    values_file_name,
+    written_by,
 )
 from tpu_ckpt.format._piece_table import encode_manifest, grid_of, write
 from tpu_ckpt.format._read_plan import MAX_READ_BYTES, Read, byte_batches, check_crcs, coalesce, overlapping
@@ -68,4 +83,4 @@ from tpu_ckpt.format._table_reads import (
 )
 from tpu_ckpt.format._values import PerProcess, decode_value, encode_value
 
-__all__ = ["ALIGNMENT", "PER_PROCESS", "PerProcess", "decode_value", "encode_value", "version_for", "DTYPE_NAMES", "FORMAT_VERSION", "IndexPlan", "IndexRows", "LeafEntry", "MANIFEST_FILE", "REFERENCED_FILE", "TOKENED", "MAX_GRID_CELLS", "MAX_READ_BYTES", "Manifest", "PathEntry", "PieceEntry", "PlannedPiece", "ROW", "ROW_BYTES", "Read", "SAFETENSORS_CODES", "SMALL_PIECE", "SliceSpec", "TableSource", "Texts", "byte_batches", "check_byte_ranges", "check_crcs", "coalesce", "contains", "cover", "crc32c", "data_file_bytes", "decode_index", "decode_manifest", "dtype_from_name", "dtype_itemsize", "dtype_name", "encode_index", "encode_manifest", "encode_parts", "encode_rows", "extent", "file_size", "flatten", "full_slice", "grid_of", "grids_shared", "index_manifest", "intersect", "join", "load_rows", "loaded_overlapping", "metric_values", "normalise_subtree", "overlapping", "path_entries", "piece_cells", "piece_rows", "piece_columns", "piece_layout", "prefetch", "relative", "seal", "sharding_text", "sort_order", "spread", "tensor_name", "tiling_problem", "token_of", "under", "unflatten_nested", "unseal", "volume", "write"]
+__all__ = ["ALIGNMENT", "PER_PROCESS", "PerProcess", "decode_value", "encode_value", "version_for", "DTYPE_NAMES", "FORMAT_VERSION", "IndexPlan", "IndexRows", "LeafEntry", "MANIFEST_FILE", "REFERENCED_FILE", "TOKENED", "MAX_GRID_CELLS", "MAX_READ_BYTES", "Manifest", "PathEntry", "PieceEntry", "PlannedPiece", "ROW", "ROW_BYTES", "Read", "SAFETENSORS_CODES", "SMALL_PIECE", "SliceSpec", "TableSource", "Texts", "byte_batches", "check_byte_ranges", "check_crcs", "coalesce", "contains", "cover", "crc32c", "data_file_bytes", "decode_index", "decode_manifest", "dtype_from_name", "dtype_itemsize", "dtype_name", "encode_index", "encode_manifest", "encode_parts", "encode_rows", "extent", "file_size", "flatten", "full_slice", "grid_of", "grids_shared", "index_manifest", "intersect", "join", "load_rows", "loaded_overlapping", "metric_values", "normalise_subtree", "overlapping", "path_entries", "piece_cells", "piece_rows", "piece_columns", "piece_layout", "prefetch", "relative", "seal", "sharding_text", "sort_order", "spread", "tensor_name", "tiling_problem", "token_of", "under", "unflatten_nested", "unseal", "volume", "write", "PLAN_FILE", "STAGING_DIRECTORY", "STAGING_MARKER", "TIER_FILE", "data_file_name", "is_marker", "marker_name", "staged_index_file", "staging_directory", "table_file", "table_prefix", "values_file_name", "written_by"]

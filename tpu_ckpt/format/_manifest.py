@@ -12,7 +12,6 @@ import functools
 import json
 import math
 import re
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
@@ -33,33 +32,8 @@ LEAF_KINDS_VERSION = "2.1"
 """What a manifest holding the leaves format 2.1 added (typed PRNG keys, bytes, per-process
 values: FORMAT.md "Leaf kinds") says it is; one without them still says FORMAT_VERSION."""
 PER_PROCESS = "per_process"  # a leaf kind: one value per process, in the values files
-MANIFEST_FILE = "manifest.json"
-# A step retention let go of while newer steps still reference its data files (FORMAT.md, "References").
-REFERENCED_FILE = "referenced.json"
-# What a save into an object store puts before each name it writes there but the manifest
-# (:func:`spread`, FORMAT.md "File names"): ``<hash>-<token>-``.
-TOKENED = r"[0-9a-f]{4}-(?P<token>[0-9a-f]{1,32})-"
-_TOKENED_NAME = re.compile(TOKENED + ".+")
 MAX_METRICS = 1000  # a manifest's metrics are few numbers (a loss, an accuracy), never a log
 MIN_INT, MAX_INT = -(1 << 63), (1 << 63) - 1
-
-
-def spread(token: str, name: str) -> str:
-    """``name`` as a save with ``token`` writes it into an object store's prefix, which it may
-    share with another save of the same checkpoint (a stale process, a second job):
-    ``<hash>-<token>-<name>``, so that two saves never write the same name, and, the hash
-    (4 hex digits of crc32 of token and name) first, one save's objects spread over the
-    prefix's key range instead of a run of neighbouring keys (FORMAT.md, "File names").
-    Unchanged without a token (a local save, whose staging directory is its own)."""
-    return f"{zlib.crc32(f'{token}/{name}'.encode()) & 0xFFFF:04x}-{token}-{name}" if token else name
-
-
-def token_of(name: str) -> str | None:
-    """The token of the save that wrote ``name`` (any name :func:`spread` made): which
-    save's objects a name is, in a prefix several saves of one checkpoint may share; None
-    for a name that carries none."""
-    match = _TOKENED_NAME.fullmatch(name)
-    return None if match is None else match["token"]
 
 
 _ML_ITEMSIZES = {  # ml_dtypes' names and sizes, known without importing it (see dtype_itemsize)

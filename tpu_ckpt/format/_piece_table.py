@@ -34,13 +34,10 @@ from tpu_ckpt.format._manifest import (
     sealed_parts,
     version_for,
 )
+from tpu_ckpt.format._names import table_file
 from tpu_ckpt.format._table_reads import ROW, ROW_BYTES, LazyPieces, TableRef, TableSource
 
 MAX_TABLE_ROWS = 1 << 22  # a new table starts past this many rows (64 MiB); a leaf is never split
-
-
-def table_file(number: int, prefix: str = "") -> str:
-    return f"{prefix}pieces-{number:05d}.bin"
 
 
 # -- writing ----------------------------------------------------------------------------

@@ -35,11 +35,11 @@ from tpu_ckpt.format import (
     encode_index,
     grids_shared,
     sort_order,
-    spread,
+    staged_index_file,
+    table_prefix,
     tiling_problem,
     write,
 )
-from tpu_ckpt.saving._plan import staged_index_file
 from tpu_ckpt.settings import settings
 
 _BY_SLICE = operator.itemgetter(0)  # a PieceEntry's slice
@@ -303,7 +303,7 @@ def write_manifest(
         storage.check_written(store, {**manifest.files, **tables})
 
     create = store.create if isinstance(store, storage.ObjectStore) else None
-    write(store, manifest, MANIFEST_FILE, check=every_file, grids=grids, table_prefix=spread(token, ""), commit=create)
+    write(store, manifest, MANIFEST_FILE, check=every_file, grids=grids, table_prefix=table_prefix(token), commit=create)
 
 
 def _read_index(store: storage.Backend, plan: IndexPlan, token: str, process: int) -> IndexRows:

@@ -19,12 +19,7 @@ from typing import Any
 
 from tpu_ckpt import storage
 from tpu_ckpt.errors import CheckpointError, CorruptCheckpointError, ProcessValueMismatchError
-from tpu_ckpt.format import PER_PROCESS, LeafEntry, Manifest, PieceEntry, crc32c, spread
-
-
-def values_file_name(process: int, token: str = "") -> str:
-    """The file holding ``process``'s per-process values (``format.spread`` with a token)."""
-    return spread(token, f"values-{process:05d}.bin")
+from tpu_ckpt.format import PER_PROCESS, LeafEntry, Manifest, PieceEntry, crc32c, values_file_name
 
 
 def write_values(store: storage.CheckpointStore, planned: Manifest, me: int, token: str) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -21,11 +20,11 @@ import numpy as np
 
 from tpu_ckpt.format import (
     PER_PROCESS,
-    TOKENED,
     LeafEntry,
     Manifest,
     PerProcess,
     PlannedPiece,
+    data_file_name,
     dtype_name,
     encode_value,
     flatten,
@@ -250,29 +249,3 @@ def _leaf_text(leaf: LeafEntry) -> str:
     if sharding["type"] == "NamedSharding":
         return text + f"  NamedSharding mesh={sharding['mesh']} spec={sharding['spec']}"
     return text + f"  {sharding['type']} over {sharding['num_devices']} devices"
-
-
-def data_file_name(process: int, number: int, token: str = "") -> str:
-    """Data file ``number`` of ``process``; a save into an object store passes its token,
-    which the name then carries after a short hash (``format.spread``)."""
-    return spread(token, f"d{process:05d}-{number:05d}.safetensors")
-
-
-def staged_index_file(process: int, token: str = "") -> str:
-    """Where a process other than the leader leaves its piece locations for the commit
-    (binary rows: ``format.encode_index``); the commit deletes it. A local tier's part keeps
-    its own under this name, merged at a tier restore. ``token``: as for :func:`data_file_name`."""
-    return spread(token, f"index-{process:05d}.bin")
-
-
-_OWNED_FILE = re.compile(
-    rf"(?:{TOKENED})?(?:d(\d{{5,9}})-\d{{5,9}}\.safetensors|index-(\d{{5,9}})\.(?:json|bin)|values-(\d{{5,9}})\.bin)"
-)
-
-
-def written_by(name: str) -> int | None:
-    """The process whose data file, index or values file ``name`` is (as named above, with or without a
-    token: checkpoints saved before names carried one name them ``dPPPPP-NNNNN.safetensors``);
-    None for any other name."""
-    match = _OWNED_FILE.fullmatch(name)
-    return None if match is None else int(match[2] or match[3] or match[4])

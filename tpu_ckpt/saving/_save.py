@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tpu_ckpt import cluster, relay, storage
-from tpu_ckpt.format import IndexPlan, Manifest, encode_index, metric_values
+from tpu_ckpt.format import IndexPlan, Manifest, encode_index, metric_values, staged_index_file, values_file_name
 from tpu_ckpt.options import CheckpointOptions, io_process, path_callbacks
 from tpu_ckpt.runtime import gc_paused
 from tpu_ckpt.saving import _commit as commit
@@ -33,7 +33,7 @@ from tpu_ckpt.saving import _data_writes as data_writes
 from tpu_ckpt.saving import _per_process as per_process
 from tpu_ckpt.saving._background import WRITER, SaveResult
 from tpu_ckpt.saving._incremental import Incremental, Reused
-from tpu_ckpt.saving._plan import SavePlan, plan_save, staged_index_file
+from tpu_ckpt.saving._plan import SavePlan, plan_save
 from tpu_ckpt.saving._staging import Staging, prepare, remove_staging
 from tpu_ckpt.settings import settings
 from tpu_ckpt.sharding import SlotPredicate
@@ -214,7 +214,7 @@ class SaveJob:
             self._writes.reference(reused.pieces, reused.files)
         self._copied = False  # whether the data to write are host copies of our own
         self._own_files = (
-            *(f.name for f in plan.files), staged_index_file(coord.me, staging.token), per_process.values_file_name(coord.me, staging.token)
+            *(f.name for f in plan.files), staged_index_file(coord.me, staging.token), values_file_name(coord.me, staging.token)
         )
 
     def snapshot(self) -> None:

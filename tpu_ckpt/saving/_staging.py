@@ -16,8 +16,7 @@ import os
 
 from tpu_ckpt import cluster, relay, storage
 from tpu_ckpt.errors import CheckpointExistsError
-from tpu_ckpt.format import token_of
-from tpu_ckpt.saving._plan import written_by
+from tpu_ckpt.format import is_marker, token_of, written_by
 
 logger = logging.getLogger(__name__)
 
@@ -118,21 +117,21 @@ def _check_free(final: storage.Location) -> None:
 
 def _left_by_a_save(name: str) -> bool:
     """Whether object ``name`` is one an uncommitted save leaves in its final prefix."""
-    return storage.is_marker(name) or token_of(name) is not None or written_by(name) is not None
+    return is_marker(name) or token_of(name) is not None or written_by(name) is not None
 
 
 def remove_staging(location: storage.Location, token: str) -> None:
     """Deletes an abandoned save's staging area: a local directory whole (``storage.remove``);
     in an object store's prefix, which another save of the same checkpoint may share
     (committed, or still writing), only the objects named with this save's ``token``, its
-    staging marker among them (``storage.marker_name``), and that last: what remains of an
+    staging marker among them (``format.marker_name``), and that last: what remains of an
     interrupted cleanup stays marked as the save's."""
     if not token:
         storage.remove(location)
         return
     with storage.Store(location) as store:
         names = [name for name in store.list() if token_of(name) == token]
-        storage.remove_files(store, sorted(names, key=storage.is_marker))
+        storage.remove_files(store, sorted(names, key=is_marker))
 
 
 def _sent_by_another(name: str, leader: int, count: int) -> bool:

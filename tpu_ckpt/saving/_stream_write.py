@@ -18,9 +18,17 @@ import numpy as np
 
 from tpu_ckpt import storage
 from tpu_ckpt.errors import CheckpointError, CheckpointExistsError
-from tpu_ckpt.format import LeafEntry, Manifest, PieceEntry, PlannedPiece, data_file_bytes, dtype_from_name, full_slice
+from tpu_ckpt.format import (
+    LeafEntry,
+    Manifest,
+    PieceEntry,
+    PlannedPiece,
+    data_file_bytes,
+    data_file_name,
+    dtype_from_name,
+    full_slice,
+)
 from tpu_ckpt.saving._commit import write_manifest
-from tpu_ckpt.saving._plan import data_file_name
 
 logger = logging.getLogger(__name__)
 

@@ -19,14 +19,11 @@ from tpu_ckpt.storage._safe_reads import (
     read_whole,
 )
 from tpu_ckpt.storage._stores import (
-    STAGING_MARKER,
     Store,
     check_written,
     has_staging_leftover,
     is_empty,
-    is_marker,
     latest_marker,
-    marker_name,
     markers,
     open_staging,
     publish,
@@ -36,4 +33,4 @@ from tpu_ckpt.storage._stores import (
 )
 from tpu_ckpt.storage._writers import shorter_grace
 
-__all__ = ["Backend", "CheckpointStore", "FileWriter", "IOPool", "LocalStore", "Location", "MAX_WHOLE_FILE_BYTES", "ObjectStore", "PooledStore", "ReadableStore", "STAGING_MARKER", "Store", "aligned_empty", "byte_view", "check_written", "confine", "ensure_directory", "file_size", "fsync_dir", "has_staging_leftover", "is_empty", "is_marker", "latest_marker", "location", "make_directory", "marker_name", "markers", "new_token", "open_confined", "open_staging", "publish", "read_json", "read_marker", "read_ranges", "read_whole", "remove", "remove_files", "rename_durably", "shorter_grace"]
+__all__ = ["Backend", "CheckpointStore", "FileWriter", "IOPool", "LocalStore", "Location", "MAX_WHOLE_FILE_BYTES", "ObjectStore", "PooledStore", "ReadableStore", "Store", "aligned_empty", "byte_view", "check_written", "confine", "ensure_directory", "file_size", "fsync_dir", "has_staging_leftover", "is_empty", "latest_marker", "location", "make_directory", "markers", "new_token", "open_confined", "open_staging", "publish", "read_json", "read_marker", "read_ranges", "read_whole", "remove", "remove_files", "rename_durably", "shorter_grace"]

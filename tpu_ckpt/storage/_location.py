@@ -9,6 +9,7 @@ import uuid
 from typing import Any
 from urllib.parse import urlparse
 
+from tpu_ckpt.format import staging_directory
 from tpu_ckpt.settings import settings
 
 
@@ -60,8 +61,7 @@ class Location:
     def staging(self, token: str) -> Location:
         """Where a save writes before committing (see module docstring)."""
         if self.is_local:
-            path = self.local_path.rstrip("/")
-            return Location(f"{path}.tmp-{token}")
+            return Location(staging_directory(self.local_path.rstrip("/"), token))
         return self
 
     def kvstore_spec(self) -> dict[str, Any]:

@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterable, Mapping
 
 from tpu_ckpt.errors import CheckpointError
-from tpu_ckpt.format import MANIFEST_FILE, spread, token_of
+from tpu_ckpt.format import MANIFEST_FILE, STAGING_MARKER, is_marker, marker_name, staging_directory
 from tpu_ckpt.settings import settings
 from tpu_ckpt.storage import _local as local_store
 from tpu_ckpt.storage import _objects as object_store
@@ -36,7 +36,6 @@ from tpu_ckpt.storage._protocols import Backend
 
 logger = logging.getLogger(__name__)
 
-STAGING_MARKER = "staging.json"  # the first file of a save's staging area (:func:`mark_staging`, :func:`marker_name`)
 STAGING_GRACE_S = 3600.0
 """How long after it started a save's staging area counts as a save in progress, which
 ``tpu-ckpt gc`` and a CheckpointManager's leftover cleanup leave alone."""
@@ -63,7 +62,7 @@ def has_staging_leftover(loc: Location) -> bool:
     if not loc.is_local:
         return False
     parent, name = os.path.split(os.path.abspath(loc.local_path.rstrip("/")))
-    return os.path.isdir(parent) and any(n.startswith(name + ".tmp-") for n in os.listdir(parent))
+    return os.path.isdir(parent) and any(n.startswith(staging_directory(name, "")) for n in os.listdir(parent))
 
 
 def open_staging(loc: Location, final: Location | None = None, token: str = "") -> Backend:
@@ -106,23 +105,7 @@ def mark_staging(store: Backend, final: Location, token: str) -> None:
     ``model.tmp-1``. It records its writer (host, boot, process: ``_writers.identity``), so
     that a cleanup on the same host knows a dead writer's leftover at once."""
     marker = {"final": final.name, "token": token, "started": time.time(), "grace_s": STAGING_GRACE_S, **writers.identity()}
-    store.write(marker_name(store.location, token), [json.dumps(marker).encode()]).result()
-
-
-def marker_name(where: Location, token: str) -> str:
-    """The name of the staging marker of the save with ``token`` at ``where``. On an object
-    store, whose prefix several saves of one checkpoint may share, each save's own
-    (``format.spread``, like its other objects): a save deletes its own marker with its
-    objects, never another's, and ``tpu-ckpt gc`` reads each save's age from its own. A local
-    staging directory is the save's own: there it is plain ``staging.json``."""
-    return STAGING_MARKER if where.is_local else spread(token, STAGING_MARKER)
-
-
-def is_marker(name: str) -> bool:
-    """Whether ``name`` is a staging marker: a save's own (:func:`marker_name`), or the plain
-    one (local saves, and object-store saves of versions before markers were per save)."""
-    token = token_of(name)
-    return name == STAGING_MARKER or (token is not None and name == spread(token, STAGING_MARKER))
+    store.write(marker_name(token, local=store.location.is_local), [json.dumps(marker).encode()]).result()
 
 
 def markers(names: Iterable[str]) -> list[str]:
@@ -271,7 +254,7 @@ def _unmark(final: Location, token: str) -> None:
     ``tpu-ckpt gc`` removes it once its grace period is over (``catalog/_strays.py``)."""
     try:
         with Store(final, threads=1) as store:
-            store.delete(marker_name(final, token))
+            store.delete(marker_name(token, local=final.is_local))
     except FileNotFoundError:
         pass
     except (CheckpointError, OSError) as error:

@@ -47,13 +47,12 @@ import numpy as np
 
 from tpu_ckpt import cluster, relay, saving, storage
 from tpu_ckpt.errors import CheckpointError
-from tpu_ckpt.format import IndexPlan, encode_index
+from tpu_ckpt.format import PLAN_FILE, TIER_FILE, IndexPlan, encode_index, staged_index_file, written_by
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.runtime import gc_paused
-from tpu_ckpt.saving import WRITER, SavePlan, SaveResult, plan_save, refuse_per_process, staged_index_file, written_by
+from tpu_ckpt.saving import WRITER, SavePlan, SaveResult, plan_save, refuse_per_process
 from tpu_ckpt.tiers import _part_checks as part_checks
 from tpu_ckpt.tiers._hosts import job_hosts
-from tpu_ckpt.tiers._part_checks import PLAN_FILE, TIER_FILE
 from tpu_ckpt.tiers._placement import check_size
 from tpu_ckpt.tiers._replicas import replica_roles
 from tpu_ckpt.tiers._slices import copy_group, job_slices

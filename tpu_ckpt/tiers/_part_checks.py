@@ -29,13 +29,10 @@ from typing import Any
 
 from tpu_ckpt import storage
 from tpu_ckpt.errors import CheckpointError, CorruptCheckpointError
-from tpu_ckpt.format import crc32c
-from tpu_ckpt.saving import staged_index_file, written_by
+from tpu_ckpt.format import PLAN_FILE, TIER_FILE, crc32c, staged_index_file, written_by
 
 logger = logging.getLogger(__name__)
 
-TIER_FILE = "tier.json"
-PLAN_FILE = "plan.json"  # the plan's manifest: every leaf, no piece (decoded with tiled=False)
 _warned: set[str] = set()  # files of another save this process has warned of (once each)
 
 

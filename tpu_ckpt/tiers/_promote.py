@@ -34,9 +34,10 @@ from tpu_ckpt.format import (
     decode_manifest,
     index_manifest,
     spread,
+    staged_index_file,
 )
 from tpu_ckpt.options import CheckpointOptions
-from tpu_ckpt.saving import SaveJob, SavePlan, Staging, prepare, staged_index_file, write_budget
+from tpu_ckpt.saving import SaveJob, SavePlan, Staging, prepare, write_budget
 from tpu_ckpt.tiers import _local_tier as local_tier
 from tpu_ckpt.tiers import _part_checks as part_checks
 

@@ -33,8 +33,9 @@ from tpu_ckpt.format import (
     encode_manifest,
     encode_rows,
     grids_shared,
+    staged_index_file,
 )
-from tpu_ckpt.saving import merge_rows, staged_index_file
+from tpu_ckpt.saving import merge_rows
 from tpu_ckpt.tiers import _local_tier as local_tier
 from tpu_ckpt.tiers import _part_checks as part_checks
 

@@ -32,10 +32,10 @@ from tpu_ckpt.format import (
     IndexPlan,
     Manifest,
     decode_manifest,
+    written_by,
 )
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.restoring import restore_from
-from tpu_ckpt.saving import written_by
 from tpu_ckpt.tiers import _local_tier as local_tier
 from tpu_ckpt.tiers import _part_checks as part_checks
 from tpu_ckpt.tiers import _range_merge as range_merge
@@ -295,4 +295,3 @@ class _Parts(_Routed):
                     self._coord, f"serve{holder}", holder, self.location, self.contacts.get(holder), connections=2
                 )
             return self._peers[holder]
-
