@@ -15,7 +15,7 @@ are one batch; Orbax and tensorstore keep their own read buffers on top. Keys ar
 key paths joined by ``/``, which are the keys ``tc.save`` gives the same tree, so a target
 that restored the Orbax checkpoint restores the converted one. Slot flags are decided by
 ``sharding/_slots.py`` on the tree Orbax restores (or on ``target``), as ``tc.save`` of that tree would.
-
+An export refuses, naming the key, a leaf Orbax cannot hold (``_orbax_checks.check_exportable``).
 Orbax is an optional dependency: it is imported inside the functions (see ``_orbax``).
 """
 
@@ -151,6 +151,7 @@ def export_orbax(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, ta
       CheckpointNotFoundError: ``src`` holds no committed checkpoint.
       TargetMismatchError: ``target`` does not match a checkpoint.
       CorruptCheckpointError: a data file of ``src`` is missing or fails its checksum.
+      ValueError: a checkpoint holds a leaf Orbax cannot hold (``tc.PerProcess``, bytes), named.
     """
     ocp, epath = _orbax()
     try:
@@ -170,6 +171,9 @@ def export_orbax(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, ta
 
 def _export_steps(ocp: Any, dst: Any, src: storage.Location, committed: dict[int, str], target: Any) -> list[str]:
     written = []
+    for step in sorted(committed):
+        with catalog.open_checkpoint(src.child(committed[step])) as checkpoint:
+            orbax_checks.check_exportable(checkpoint.manifest, checkpoint.where)
     with ocp.CheckpointManager(dst) as manager:
         for step in sorted(committed):
             tree = _restored(catalog.open_checkpoint(src.child(committed[step])), target)
@@ -183,6 +187,7 @@ def _export_steps(ocp: Any, dst: Any, src: storage.Location, committed: dict[int
 def _restored(checkpoint: catalog.OpenCheckpoint[Any], target: Any) -> Any:
     """The whole tree of an open checkpoint (closed after), as ``tc.restore`` gives it."""
     with checkpoint:
+        orbax_checks.check_exportable(checkpoint.manifest, checkpoint.where)
         return restore_from(checkpoint, target, CheckpointOptions(), None, None)[0]
 
 

@@ -31,7 +31,7 @@ import tensorstore as ts
 
 from tpu_ckpt import storage
 from tpu_ckpt.errors import CheckpointError, CorruptCheckpointError
-from tpu_ckpt.format import LeafEntry
+from tpu_ckpt.format import PER_PROCESS, LeafEntry, Manifest
 
 ZARR_JSON_FILES = frozenset({".zarray", ".zattrs", ".zgroup", "zarr.json"})
 """The metadata tensorstore parses; Orbax writes each in a few hundred bytes."""
@@ -196,3 +196,23 @@ def step_directories(path: Any) -> dict[int, Any]:
                                   file=str(path))
         found[step] = path / name
     return found
+
+
+def check_exportable(manifest: Manifest, where: str) -> None:
+    """Raises ValueError, naming the key, for a leaf of ``manifest`` that an Orbax checkpoint
+    cannot hold, before the export writes anything: a ``tc.PerProcess`` leaf (Orbax would keep
+    the exporting process's value and lose the others') and a bytes leaf (Orbax's
+    StandardCheckpointer saves arrays and numbers only). Typed PRNG keys Orbax holds as keys."""
+    for leaf in manifest.leaves:
+        if leaf.kind == PER_PROCESS:
+            kind = f"a tc.PerProcess leaf, one value per process ({len(leaf.pieces)} saved it)"
+            lost = "an Orbax checkpoint holds one value, and the others would be lost"
+        elif leaf.logical == "bytes":
+            kind, lost = "a bytes leaf", "Orbax's StandardCheckpointer saves arrays and numbers only"
+        else:
+            continue
+        raise ValueError(
+            f"Leaf {leaf.key!r} of {where} is {kind}, which Orbax cannot hold: {lost}. Nothing was exported. "
+            "Restore the checkpoint, leave that leaf out, and tc.save the rest to export it (or save it with "
+            "Orbax yourself)."
+        )
