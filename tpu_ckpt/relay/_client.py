@@ -85,6 +85,7 @@ class RelayStore(PooledStore, storage.CheckpointStore):
                 raise EOFError(refusal.get("message") if isinstance(refusal, dict) else "the handshake was refused")
             idle = answer.get("idle")
             self._idle = float(idle) if isinstance(idle, (int, float)) and idle > 0 else math.inf
+            relay_wire.TRAFFIC.add("opened", 1)
             return conn
         except (OSError, EOFError, ValueError) as e:
             raise relay_wire.RelayConnectionError(

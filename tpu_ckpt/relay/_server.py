@@ -188,7 +188,7 @@ class RelayServer:
         if full:
             _refuse(conn, self._full())
             return False
-        relay_wire.send(conn, {"ok": True, "idle": self._idle})
+        relay_wire.admitted(conn, self._idle)
         return True
 
     def _serve_one(self, conn: socket.socket) -> bool:

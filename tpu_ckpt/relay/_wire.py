@@ -19,6 +19,7 @@ import logging
 import socket
 import struct
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -56,6 +57,42 @@ class RelayRequestError(errors.CheckpointError):
     """The relay refused a request: a file this operation does not serve or accept, or a
     length beyond the relay's bounds. The job's own processes never ask that, so it means a
     bug, or a process of another operation that holds this one's secret."""
+
+
+class Traffic:
+    """What this process's relay moved since it started, for diagnostics (``relay.traffic()``,
+    ``benchmarks/control_plane.py``): connections opened (past the handshake) and accepted (the
+    secret checked), and bytes sent and received on them, headers included. One lock per socket
+    call, which moves up to 8 MiB: nothing next to the call itself."""
+
+    FIELDS = ("opened", "accepted", "sent", "received")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(self.FIELDS, 0)
+
+    def add(self, field: str, n: int) -> None:
+        with self._lock:
+            self._counts[field] += n
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+TRAFFIC = Traffic()
+
+
+def traffic() -> dict[str, int]:
+    """This process's relay connections opened and accepted, and bytes sent and received, since
+    it started (diagnostics: take the difference around an operation)."""
+    return TRAFFIC.counts()
+
+
+def admitted(conn: socket.socket, idle: float) -> None:
+    """The server's answer to a client past the handshake (its idle timeout), counted."""
+    send(conn, {"ok": True, "idle": idle})
+    TRAFFIC.add("accepted", 1)
 
 
 def tune(conn: socket.socket, buffer_bytes: int) -> None:
@@ -130,12 +167,14 @@ def send(conn: socket.socket, message: dict[str, Any], payload: Sequence[Any] = 
 def send_header(conn: socket.socket, message: dict[str, Any], payload_size: int) -> None:
     meta = json.dumps(message).encode()
     conn.sendall(_HEADER.pack(len(meta), payload_size) + meta)
+    TRAFFIC.add("sent", _HEADER.size + len(meta))
 
 
 def send_payload(conn: socket.socket, views: Sequence[memoryview]) -> None:
     for view in views:
         for start in range(0, len(view), _CHUNK):
             conn.sendall(view[start : start + _CHUNK])
+            TRAFFIC.add("sent", min(_CHUNK, len(view) - start))
 
 
 def receive_header(
@@ -181,6 +220,7 @@ def receive_into(conn: socket.socket, buffers: Sequence[Any], deadline: float | 
             n = conn.recv_into(view[:_CHUNK])
             if n == 0:
                 raise EOFError("the peer closed the connection")
+            TRAFFIC.add("received", n)
             view = view[n:]
 
 
