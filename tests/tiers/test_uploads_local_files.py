@@ -23,7 +23,7 @@ import pytest
 
 import tpu_ckpt as tc
 from tpu_ckpt.catalog import verify
-from tpu_ckpt.tiers import _promote as promote
+from tpu_ckpt.tiers import _upload as uploads
 
 DATA = "d00000-00000.safetensors"
 
@@ -52,13 +52,13 @@ def truncate_to_half(path: str) -> None:
 
 def before_the_upload_reads(monkeypatch, change) -> None:
     """``change(path)`` runs on the local data file of the next upload, just before it is read."""
-    original = promote._FromLocalFiles.write_own
+    original = uploads._FromLocalFiles.write_own
 
     def write_own(self, store):
         change(os.path.join(self._source, DATA))
         return original(self, store)
 
-    monkeypatch.setattr(promote._FromLocalFiles, "write_own", write_own)
+    monkeypatch.setattr(uploads._FromLocalFiles, "write_own", write_own)
 
 
 @pytest.mark.parametrize(
@@ -88,10 +88,10 @@ _TRUNCATED_DURING_THE_UPLOAD = r"""
 import os, sys
 import numpy as np
 import tpu_ckpt as tc
-from tpu_ckpt.tiers import _promote as promote
+from tpu_ckpt.tiers import _upload as uploads
 
 root, destination = sys.argv[1], sys.argv[2]
-original = promote._FromLocalFiles.write_own
+original = uploads._FromLocalFiles.write_own
 
 class TruncatingFirst:
     '''The upload's real store; its first write truncates the local file being uploaded.'''
@@ -108,7 +108,7 @@ class TruncatingFirst:
 def write_own(self, store):
     return original(self, TruncatingFirst(store, os.path.join(self._source, "d00000-00000.safetensors")))
 
-promote._FromLocalFiles.write_own = write_own
+uploads._FromLocalFiles.write_own = write_own
 w = np.arange(1 << 20, dtype=np.float32)
 with tc.CheckpointManager(destination, local_directory=os.path.join(root, "local")) as m:
     m.save(1, {"w": w})

@@ -20,8 +20,8 @@ from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
 from tests.mp_scenarios import GLOBAL, _global_array, _job_mesh, _mismatches, _reversed_mesh, _targets
-from tpu_ckpt.tiers import _local_tier as local_tier
-from tpu_ckpt.tiers import _promote as promote
+from tpu_ckpt.tiers import _local_steps as local_steps
+from tpu_ckpt.tiers import _upload as uploads
 
 
 def _enter_host(directory: str) -> str:
@@ -72,13 +72,13 @@ def _gated_uploads() -> threading.Event:
     """From now on every upload to the persistent tier waits, before its first byte, until
     the returned event is set: the upload is then provably still running."""
     gate = threading.Event()
-    original = promote._FromLocalFiles.write_own
+    original = uploads._FromLocalFiles.write_own
 
     def write_own(self, store):
         gate.wait(60)
         return original(self, store)
 
-    promote._FromLocalFiles.write_own = write_own
+    uploads._FromLocalFiles.write_own = write_own
     return gate
 
 
@@ -152,7 +152,7 @@ def killed_during_a_local_save(directory: str, phase: str) -> dict:
         manager.save(2, _state(2))
         manager.wait_until_finished()
         if me == 1:
-            local_tier._LocalSave._replicate = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+            local_steps._LocalSave._replicate = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
         try:
             manager.save(3, _state(3))
         except tc.CheckpointError as e:

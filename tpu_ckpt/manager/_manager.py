@@ -15,7 +15,7 @@ Retention and the removal of uncommitted leftovers run as a write callback of ea
 its commit, on the leader (which alone lists the directory, once per manager call: ``_list``).
 
 With ``local_directory`` a second, local tier saves often to each host's own disk and the
-persistent steps are uploaded from it in the background (``tiers/_tiers.py``); a restore takes the
+persistent steps are uploaded from it in the background (``tiers/_local_tier.py``); a restore takes the
 newest step either tier holds whole.
 """
 
@@ -71,7 +71,7 @@ class CheckpointManager:
       best_mode: ``"max"`` (the highest score is best) or ``"min"``.
       options: the :class:`CheckpointOptions` of every save, and the default for ``restore``.
       local_directory: a path on each host's own disk (local SSD, RAM disk), the local tier, where each process saves
-        its own pieces; persistent steps are uploaded to ``directory`` from those files in the background (tiers/_tiers.py).
+        its own pieces; persistent steps are uploaded to ``directory`` from those files in the background (tiers/_local_tier.py).
       local_interval_steps: the local tier saves every this many steps (and every persistent one).
       local_max_to_keep: how many of its newest local steps each host keeps.
       local_replicas: how many other hosts get a copy of each process's local pieces.
@@ -143,7 +143,7 @@ class CheckpointManager:
         After a restart, resume with :meth:`restore`. That also sets the step from which
         the interval counts. With ``local_directory`` a step is saved locally when either
         tier is due, and uploaded to ``directory`` in the background when the persistent
-        tier is (see tiers/_tiers.py); ``force`` saves to both.
+        tier is (see tiers/_local_tier.py); ``force`` saves to both.
 
         Raises:
           CheckpointExistsError: step ``step`` is already committed (nothing is ever overwritten).

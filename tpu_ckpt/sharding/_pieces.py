@@ -203,7 +203,7 @@ class LocalPieces:
     def __init__(self, process_index: int, group: frozenset[int] | None = None):
         self.process_index = process_index
         # The processes that share the writing with this one (None: the job). A local tier
-        # whose slices each hold the whole state writes a copy per slice (tiers/_slices.py).
+        # whose slices each hold the whole state writes a copy per slice (tiers/_slice_copies.py).
         self.group = group
         self.pieces: list[PlannedPiece] = []
         self.devices: list[Any] = []

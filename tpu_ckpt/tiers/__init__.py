@@ -3,10 +3,10 @@ persistent storage in the background, and the choice of which tier a restore rea
 
 from tpu_ckpt.tiers._cadence import Cadence
 from tpu_ckpt.tiers._choice import Choice, decide
-from tpu_ckpt.tiers._local_tier import held_steps
-from tpu_ckpt.tiers._promote import Upload
+from tpu_ckpt.tiers._local_steps import held_steps
+from tpu_ckpt.tiers._local_tier import FromLocal, LocalTier
 from tpu_ckpt.tiers._range_merge import merge_range
 from tpu_ckpt.tiers._replicas import replica_roles
-from tpu_ckpt.tiers._tiers import FromLocal, LocalTier
+from tpu_ckpt.tiers._upload import Upload
 
 __all__ = ["Cadence", "Choice", "FromLocal", "LocalTier", "Upload", "decide", "held_steps", "merge_range", "replica_roles"]

@@ -1,11 +1,11 @@
 """Which step a multi-tier restore takes, and who serves each part: the processes' agreement.
 
 Each host knows only its own disk, so the processes agree through the coordination service:
-each reports the local steps it holds and whose parts (``local_tier.held_steps``: the parts
+each reports the local steps it holds and whose parts (``local_steps.held_steps``: the parts
 it holds of another save apart, ``_part_checks``); process 0 picks the newest local step
 whose parts, on the hosts alive now, cover every process of the job that saved it (a
 replaced host with an empty disk simply reports nothing; a step saved as slice copies,
-``_slices``, needs only one slice's parts), compares it with the newest step of the
+``_slice_copies``, needs only one slice's parts), compares it with the newest step of the
 persistent directory, and tells everyone, with the process that serves each part: O(N), all
 process 0 publishes. ``_restore`` then restores the chosen local step.
 """
@@ -18,7 +18,7 @@ import json
 from collections.abc import Container, Iterable
 
 from tpu_ckpt import cluster
-from tpu_ckpt.tiers import _local_tier as local_tier
+from tpu_ckpt.tiers import _local_steps as local_steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +67,7 @@ def choose(
     """The processes' common choice (collective): ``step``, or the newest when None; never a
     local save of ``failed`` (step, token): one whose restore failed before."""
     held = [[s.step, s.token, s.count, list(s.owners), s.copy, list(s.others)]
-            for s in local_tier.held_steps(root) if (s.step, s.token) not in failed]
+            for s in local_steps.held_steps(root) if (s.step, s.token) not in failed]
     reports = coord.collect("held", json.dumps(held), at=0)
     if coord.me != 0:
         return Choice.from_json(coord.receive("choice", 0))
@@ -83,7 +83,7 @@ def choose(
 def decide(reports: dict[int, str], persistent: set[int], step: int | None) -> Choice:
     """Process 0's choice from every process's report: the newest whole local step unless the
     persistent tier has a newer one (a pure function, tested alone). Of two whole saves of
-    one step, the newer: the larger token (``local_tier._LocalSave._agreed_token``). A part
+    one step, the newer: the larger token (``local_steps._LocalSave._agreed_token``). A part
     a host holds of another save (``_part_checks``) is taken only when no step is left
     without it: the restore then fails naming the file."""
     choice = _decided(reports, persistent, step, others=False)

@@ -36,7 +36,7 @@ from tpu_ckpt.format import (
 )
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.restoring import restore_from
-from tpu_ckpt.tiers import _local_tier as local_tier
+from tpu_ckpt.tiers import _local_steps as local_steps
 from tpu_ckpt.tiers import _part_checks as part_checks
 from tpu_ckpt.tiers import _range_merge as range_merge
 from tpu_ckpt.tiers._choice import Choice
@@ -51,7 +51,7 @@ def restore_local(
     one copy's parts (``Choice.reads``), merged by the processes reading the same copy."""
     step, holders = choice.local_step or 0, choice.holders
     owners, members = choice.reads(coord.me, coord.count)
-    own = storage.Store(storage.Location(local_tier.step_dir(root, step)))
+    own = storage.Store(storage.Location(local_steps.step_dir(root, step)))
     store = _Parts(own, {owner: holders[owner] for owner in owners}, coord)
     with contextlib.ExitStack() as serving:  # servers stop first, then the stores close
         serving.callback(store.close)
@@ -91,10 +91,10 @@ def _plan_and_serve(
 
 
 def _plan(store: _Parts, readers: int) -> tuple[bytes, Manifest, list[tuple[int, int]]]:
-    data = store.read_file(local_tier.PLAN_FILE)
+    data = store.read_file(local_steps.PLAN_FILE)
     if data is None:
-        raise CorruptCheckpointError(f"{store.location.child(local_tier.PLAN_FILE)} is missing", file=store.location.url)
-    planned = decode_manifest(data, where=store.location.child(local_tier.PLAN_FILE), tiled=False)
+        raise CorruptCheckpointError(f"{store.location.child(local_steps.PLAN_FILE)} is missing", file=store.location.url)
+    planned = decode_manifest(data, where=store.location.child(local_steps.PLAN_FILE), tiled=False)
     return data, planned, range_merge.leaf_ranges(len(planned.leaves), min(readers, cluster.MAX_SERVERS))
 
 
@@ -106,7 +106,7 @@ def _serve(
     if not parts or peers == 0:
         return None
     root = own.location.local_path
-    names = [n for n in os.listdir(root) if written_by(n) in parts or n == local_tier.PLAN_FILE]
+    names = [n for n in os.listdir(root) if written_by(n) in parts or n == local_steps.PLAN_FILE]
     serves = {n: os.lstat(os.path.join(root, n)).st_size for n in names}  # a link's own size: its reads are refused
     serves.update(held.sizes)
     return cluster.serve(coord, None, held, peers, serves=serves)
@@ -280,7 +280,7 @@ class _Parts(_Routed):
         owner = written_by(name)
         if owner is None:
             owner = range_merge.blob_owner(name)
-        if name == local_tier.PLAN_FILE:
+        if name == local_steps.PLAN_FILE:
             first = self._holders[min(self._holders)]
             holder: int | None = self._coord.me if self._coord.me in self._holders.values() else first
         else:

@@ -38,7 +38,7 @@ from tpu_ckpt.format import (
 )
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.saving import SaveJob, SavePlan, Staging, prepare, write_budget
-from tpu_ckpt.tiers import _local_tier as local_tier
+from tpu_ckpt.tiers import _local_steps as local_steps
 from tpu_ckpt.tiers import _part_checks as part_checks
 
 logger = logging.getLogger(__name__)
@@ -62,8 +62,8 @@ class Upload:
         """Uploads this process's part of the committed local step under ``root``, and commits."""
         coord = self.coord
         try:
-            source = local_tier.step_dir(root, self.step)
-            data, where = _read(source, local_tier.PLAN_FILE)
+            source = local_steps.step_dir(root, self.step)
+            data, where = _read(source, local_steps.PLAN_FILE)
             plan = decode_manifest(data, where=where, tiled=False)
             parts = part_checks.check_step(source, self.step, None, data)  # the plan and index of this save
             index = _uploaded(source, _own_index(source, plan, coord.me, parts, self.step))
@@ -93,9 +93,9 @@ def _own_index(source: str, plan: Manifest, me: int, parts: dict[str, Any] | Non
 
 def _uploaded(source: str, index: Manifest) -> Manifest:
     """What of this process's part goes up: all of it, or, where each slice wrote a whole
-    copy (``_slices``), nothing unless it is of process 0's slice (the copies repeat each
+    copy (``_slice_copies``), nothing unless it is of process 0's slice (the copies repeat each
     other's pieces; one is the persistent step)."""
-    copy = (storage.read_json(source, local_tier.TIER_FILE, 1 << 16) or {}).get("copy")
+    copy = (storage.read_json(source, local_steps.TIER_FILE, 1 << 16) or {}).get("copy")
     if copy is None or 0 in copy:
         return index
     return dataclasses.replace(index, leaves=tuple(dataclasses.replace(leaf, pieces=()) for leaf in index.leaves), files={})
