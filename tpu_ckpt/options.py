@@ -77,7 +77,9 @@ class CheckpointOptions:
         that names the processes which did not arrive (a wait on a process that reports
         progress goes on, for at most 10 x ``coordination_timeout`` in all).
       load_and_broadcast: on a multi-process restore, read each piece several processes need
-        once (on one of them) and send it to the others over TCP (see ``restoring/_shared_reads.py``).
+        once: a leaf replicated over a mesh axis across processes is read in parts, one per
+        replica, and completed by one XLA collective (``restoring/_fanout.py``); the rest is read
+        by one process and sent to the others over TCP (``restoring/_shared_reads.py``).
         Refused together with ``io_device``, where one process already reads everything once.
       host_memory_limit: ``None`` (the default: unbounded, as fast as memory allows), or the most
         bytes of host memory a save or restore holds beyond the live arrays and the restored

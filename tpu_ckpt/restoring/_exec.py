@@ -44,7 +44,7 @@ def execute(plan: RestorePlan, source: shared_reads.StoreReads) -> tuple[list[An
         reads = pending if pending is not None else _start_reads(source, batch)
         overlap = i + 1 < len(batches) and plan.overlaps(i)
         pending = _start_reads(source, batches[i + 1]) if overlap else None
-        total += _place(batch, _collect(reads), results, placed)
+        total += _place(batch, collect(reads), results, placed)
     for position, shards in placed.items():
         array = plan.leaves[position]
         assert isinstance(array, ArrayRead) and array.sharding is not None  # placed by region: on devices
@@ -84,7 +84,7 @@ def _start_reads(source: shared_reads.StoreReads, batch: Sequence[Unit]) -> shar
     return source.start((unit.array.leaf.key, p) for unit in batch for p in unit.pieces)
 
 
-def _collect(reads: shared_reads.Reads) -> PieceData:
+def collect(reads: shared_reads.Reads) -> PieceData:
     """Waits for a batch's reads; returns each piece's verified bytes."""
     out: PieceData = {}
     for read, future in reads:

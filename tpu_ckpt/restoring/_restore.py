@@ -34,6 +34,7 @@ from tpu_ckpt.format import (
 )
 from tpu_ckpt.options import CheckpointOptions, io_process
 from tpu_ckpt.restoring import _exec as restore_exec
+from tpu_ckpt.restoring import _fanout as fanout
 from tpu_ckpt.restoring import _leaf_kinds as leaf_kinds
 from tpu_ckpt.restoring import _shared_reads as shared_reads
 from tpu_ckpt.restoring._check import read_batch_bytes
@@ -254,9 +255,27 @@ def restore_from(
     if coord is not None and coord.me == options.io_device:  # the others' reads alike, as SPMD restores are
         own = sum(p.length for batch in plan.batches for unit in batch for p in unit.pieces)
         relay.warn_if_beyond("restore", url, own * coord.count, options.coordination_timeout)
-    with gc_paused(), _piece_source(checkpoint.store, plan, options, coord) as source:
-        results, nbytes = restore_exec.execute(plan, source)
+    with gc_paused():
+        results, nbytes = _carry_out(checkpoint.store, plan, options, coord)
     return leaf_kinds.restored(manifest, plan.tree(results), given, subtree), len(results), nbytes
+
+
+def _carry_out(
+    store: storage.ReadableStore, plan: RestorePlan, options: CheckpointOptions, coord: cluster.Coordinator | None
+) -> tuple[list[Any], int]:
+    """The plan's reads and placement, and the bytes read: with ``load_and_broadcast``, first
+    the leaves a collective completes over their replica axes (``_fanout.py``), then the rest."""
+    arrays: dict[int, Any] = {}
+    fanned_bytes = 0
+    if coord is not None and options.load_and_broadcast and isinstance(store, storage.CheckpointStore):
+        fanned, plan = fanout.split(plan, coord.me, coord.count)
+        if fanned:
+            arrays, fanned_bytes = fanout.execute(fanned, store, coord, read_batch_bytes(options))
+    with _piece_source(store, plan, options, coord) as source:
+        results, nbytes = restore_exec.execute(plan, source)
+    for position, array in arrays.items():
+        results[position] = array
+    return results, nbytes + fanned_bytes
 
 
 @contextlib.contextmanager
@@ -271,6 +290,9 @@ def _piece_source(
         return
     arrays = [entry for entry in plan.leaves if isinstance(entry, ArrayRead)]
     the_plan = shared_reads.plan([(a.leaf, a.sharding) for a in arrays], coord.count)
+    if not the_plan.readers:  # nothing several processes need (or the collective brought it): no relay
+        yield shared_reads.StoreReads(store)
+        return
     pieces = {(p.file, p.offset): (a.leaf.key, p) for a in arrays for p in a.leaf.pieces}
     source = shared_reads.SharedReads(store, coord, the_plan, pieces, keep_bytes=None if options.host_memory_limit is None else options.host_memory_limit // 4)
     try:

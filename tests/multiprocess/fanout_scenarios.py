@@ -1,0 +1,136 @@
+"""load_and_broadcast's collective fan-out in real processes (run by tests/process_group.py): a
+state saved sharded over every device, restored onto a (processes, devices) mesh whose first
+axis replicates it across processes; the data bytes each process reads, the relay connections
+and the values, bit for bit."""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import tpu_ckpt as tc
+from tests.cluster.control_plane_scenarios import _counted
+from tests.mp_scenarios import _global_array
+from tpu_ckpt import storage
+
+
+def _values(n: int) -> dict[str, np.ndarray]:
+    """Leaves of every byte width, with values a float sum would change: -0.0, a NaN payload."""
+    rng = np.random.default_rng(0)
+    odd = np.array([-0.0, 0.0, np.inf, -np.inf, 1e-45, 1.5], np.float32)
+    odd = np.concatenate([odd, np.array([0x7FC00123, 0xFFF00001], np.uint32).view(np.float32)])
+    return {
+        "w": rng.standard_normal((n * 64, 256)).astype(np.float32),
+        "odd": np.tile(odd, n),
+        "half": rng.standard_normal((n * 8, 32)).astype(jnp.bfloat16),
+        "i8": rng.integers(-128, 127, (n * 4, 8)).astype(np.int8),
+        "flag": rng.integers(0, 2, n * 4).astype(bool),
+        "x64": rng.standard_normal((n * 4, 4)),
+        "small": np.arange(4, dtype=np.float32),
+    }
+
+
+_TARGET_SPECS = {"w": P("model"), "odd": P(), "half": P(None, "model"), "i8": P("model"), "flag": P(),
+                 "x64": P("model"), "small": P()}
+
+
+def _local_store_class(directory: str) -> type:
+    """The class of a local directory's store (its reads are what the counters wrap)."""
+    with storage.Store(storage.location(directory), threads=1) as probe:
+        return type(probe)
+
+
+def _count_data_reads(LocalStore: type) -> tuple[dict[str, int], object]:  # noqa: N803 - the class it wraps
+    """Bytes this process reads from the checkpoint's data files from now on (a real store's
+    reads, counted)."""
+    got = {"bytes": 0}
+    read = LocalStore.read
+
+    def counted(self, name, start, lengths, then=None):
+        if name.endswith(".safetensors"):
+            got["bytes"] += sum(lengths)
+        return read(self, name, start, lengths, then=then)
+
+    LocalStore.read = counted
+    return got, read
+
+
+def _bitwise_mismatches(restored: dict, expected: dict, targets: dict) -> list[str]:
+    out = []
+    for key, value in expected.items():
+        array = restored[key]
+        if array.sharding != targets[key].sharding or array.dtype != targets[key].dtype:
+            out.append(f"{key}: {array.dtype} on {array.sharding}")
+        for shard in array.addressable_shards:
+            got = np.ascontiguousarray(np.asarray(shard.data)).view(np.uint8)
+            if not np.array_equal(got, np.ascontiguousarray(value[shard.index]).view(np.uint8)):
+                out.append(f"{key} shard {shard.index} on {shard.device}")
+    return out
+
+
+def replica_fanout(directory: str) -> dict:
+    """Saved over every device, restored replicated across processes: plain and with
+    load_and_broadcast; what each read, the relay connections, the values."""
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    values = _values(len(devices))
+    flat = Mesh(np.array(devices), ("all",))
+    tree = {key: _global_array(flat, P() if key == "small" else P("all"), value) for key, value in values.items()}
+    path = os.path.join(directory, "ckpt")
+    tc.save(path, tree)
+    grid = Mesh(np.array(devices).reshape(jax.process_count(), -1), ("replica", "model"))
+    targets = {key: jax.ShapeDtypeStruct(v.shape, np.float32 if key == "x64" else v.dtype,
+                                         sharding=NamedSharding(grid, _TARGET_SPECS[key]))
+               for key, v in values.items()}
+    expected = {**values, "x64": values["x64"].astype(np.float32)}
+    out = {}
+    LocalStore = _local_store_class(directory)  # noqa: N806 - a class
+    for label, share in (("plain", False), ("shared", True)):
+        got, read = _count_data_reads(LocalStore)
+        try:
+            options = tc.CheckpointOptions(load_and_broadcast=share, coordination_timeout=60)
+            restored, out[f"{label}_counts"] = _counted(functools.partial(tc.restore, path, targets, options=options))
+        finally:
+            LocalStore.read = read
+        out[f"{label}_read"] = got["bytes"]
+        out[f"{label}_mismatches"] = _bitwise_mismatches(restored, expected, targets)
+    return out
+
+
+def fanout_missing_process(directory: str, timeout: str) -> dict:
+    """The last process's storage stalls in the fan-out's reads (past the timeout): the
+    others are told at the barrier before the collective, naming it."""
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    flat = Mesh(np.array(devices), ("all",))
+    value = np.arange(len(devices) * 64, dtype=np.float32)
+    path = os.path.join(directory, "ckpt")
+    tc.save(path, {"w": _global_array(flat, P("all"), value)})
+    grid = Mesh(np.array(devices).reshape(jax.process_count(), -1), ("replica", "model"))
+    target = {"w": jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=NamedSharding(grid, P()))}
+    LocalStore = _local_store_class(directory)  # noqa: N806 - a class
+    read = LocalStore.read
+    stalled = jax.process_index() == jax.process_count() - 1
+
+    def stalling(self, name, start, lengths, then=None):
+        if name.endswith(".safetensors"):
+            time.sleep(float(timeout) + 2)
+        return read(self, name, start, lengths, then=then)
+
+    if stalled:
+        LocalStore.read = stalling
+    options = tc.CheckpointOptions(load_and_broadcast=True, coordination_timeout=float(timeout))
+    started = time.monotonic()
+    try:
+        tc.restore(path, target, options=options)
+        error = None
+    except tc.CheckpointError as e:
+        error = {"type": type(e).__name__, "message": str(e), "missing": getattr(e, "missing", None)}
+    finally:
+        LocalStore.read = read
+    return {"error": error, "seconds": time.monotonic() - started, "stalled": stalled}

@@ -1,0 +1,42 @@
+"""load_and_broadcast's data path over an XLA collective (issue 37 item 1), with real processes:
+each process reads about 1/R of the bytes it restores, the restore is bit-exact, no relay
+connection is opened where the replica axis is clean, and a process that never reaches the
+collective is named by the barrier before it."""
+
+import pytest
+
+from tests import process_group
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+
+def _ok(results):
+    for r in results:
+        assert r.returncode == 0 and r.result is not None, r.output
+    return [r.result for r in results]
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_each_replica_reads_its_part_and_the_collective_completes_them(tmp_path, processes):
+    results = _ok(process_group.run("multiprocess.fanout_scenarios.replica_fanout", processes, str(tmp_path),
+                                    devices_per_process=2))
+    for r in results:
+        assert r["plain_mismatches"] == r["shared_mismatches"] == [], r
+        # Every process holds the whole state (R = processes replicas): it reads 1/R of it.
+        assert 0 < r["shared_read"] <= 1.1 * r["plain_read"] / processes, (r["shared_read"], r["plain_read"])
+        assert r["shared_counts"]["opened"] == r["shared_counts"]["accepted"] == 0, r["shared_counts"]
+    print("data bytes read per process, plain / load_and_broadcast:",
+          [(r["plain_read"], r["shared_read"]) for r in results])
+
+
+def test_a_process_that_never_reaches_the_collective_is_named(tmp_path):
+    timeout = 3
+    results = _ok(process_group.run("multiprocess.fanout_scenarios.fanout_missing_process", 2, str(tmp_path),
+                                    str(timeout), devices_per_process=2))
+    waiting = [r for r in results if not r["stalled"]]
+    for r in waiting:
+        assert r["error"]["type"] == "CoordinationTimeoutError", r
+        assert r["error"]["missing"] == [1] and "'fan-out 0'" in r["error"]["message"], r
+        assert r["seconds"] < 4 * timeout, r
+    (stalled,) = [r for r in results if r["stalled"]]
+    assert stalled["error"] is not None  # it hears of the others' verdict, not left in a collective

@@ -1,0 +1,223 @@
+"""load_and_broadcast's data path: each replica reads a part, one XLA collective completes them all.
+
+A target leaf on a ``NamedSharding`` whose mesh has *replica axes* (axes of size > 1 its
+PartitionSpec leaves out) across several processes, with dimensions the mesh divides evenly
+and a dtype of whole bytes (not complex), is restored here. The processes that hold each
+distinct shard split its pieces between them, balanced by bytes over the whole restore
+(``sharding.WriteBalance``: every process makes the same choices, without communicating), and
+each reads only its own from storage: about 1/R of the bytes, R the processes holding the
+shard. Each puts what it read, as bytes (uint8), on the first of its devices holding the shard
+and zeros on the others, and one jitted ``psum`` over the replica axes (under ``shard_map``)
+completes every replica. No byte is non-zero on more than one device, so the sum is the saved
+bytes exactly (floats travel as their bytes: -0.0 and NaN payloads survive), then cast as the
+target asks. On TPU the collective runs over ICI within a slice and DCN across slices; on CPU
+over gloo.
+
+The leaves go in batches, one collective per batch and mesh: a batch's shards add up, per
+device, to at most the restore's read batch divided among the devices of a process
+(``read_batch_bytes``: the setting, at most ``host_memory_limit / 4``). So beyond the restored
+arrays a device holds at most two of those shares at once (the bytes in and the bytes out),
+and a process's host at most one read batch.
+
+Before each collective every process meets at a key-value barrier (the coordinator's, bounded
+by ``coordination_timeout``): a process that failed or never arrives is named there, where a
+hung collective would name nobody. What is left (numpy and Python targets, other shardings,
+uneven dimensions, no replica across processes) goes the other ways of ``_shared_reads.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tpu_ckpt import cluster, storage
+from tpu_ckpt.format import (
+    PieceEntry,
+    SliceSpec,
+    byte_batches,
+    dtype_from_name,
+    extent,
+    intersect,
+    loaded_overlapping,
+    relative,
+)
+from tpu_ckpt.restoring import _exec as restore_exec
+from tpu_ckpt.restoring import _shared_reads as shared_reads
+from tpu_ckpt.restoring._plan import ArrayRead, NoRead, RestorePlan, slice_devices
+from tpu_ckpt.sharding import WriteBalance
+
+
+@dataclasses.dataclass(frozen=True)
+class FannedLeaf:
+    """A target leaf the collective completes, and what this process reads of it."""
+
+    position: int  # in RestorePlan.leaves
+    array: ArrayRead
+    axes: tuple[str, ...]  # the replica axes
+    mine: dict[SliceSpec, tuple[PieceEntry, ...]]  # per local region: the pieces this process reads for it
+
+    @property
+    def device_bytes(self) -> int:
+        """The bytes of one device's shard (the same on every device: the mesh divides evenly)."""
+        region = self.array.regions[0].slice
+        return math.prod(extent(region)) * dtype_from_name(self.array.leaf.dtype).itemsize
+
+
+def replica_axes(array: ArrayRead) -> tuple[str, ...]:
+    """The mesh axes over which the collective completes ``array``'s target; () where it cannot
+    (then the relay or plain reads do)."""
+    sharding = array.sharding
+    if not isinstance(sharding, NamedSharding) or array.python_type is not None:
+        return ()
+    saved = dtype_from_name(array.leaf.dtype)
+    if saved.kind == "c" or jax.dtypes.itemsize_bits(saved) != 8 * saved.itemsize:
+        return ()
+    if sharding.memory_kind not in (None, "device") or not array.regions or not isinstance(sharding.mesh, Mesh):
+        return ()
+    mesh, spec = sharding.mesh, _padded(sharding.spec, len(array.leaf.shape))
+    used = {name for part in spec for name in _names(part)}
+    axes = tuple(name for name in mesh.axis_names if name not in used and mesh.shape[name] > 1)
+    even = all(size % math.prod(mesh.shape[n] for n in _names(part)) == 0 for size, part in zip(array.leaf.shape, spec))
+    return axes if axes and even and _across_processes(mesh, axes) else ()
+
+
+def split(plan: RestorePlan, me: int, count: int) -> tuple[list[FannedLeaf], RestorePlan]:
+    """The leaves the collective completes (the same on every process) and the plan of the
+    rest. Each piece of a shard is given to one of the shard's processes, balanced by bytes."""
+    balance = WriteBalance()
+    fanned = []
+    for position, entry in enumerate(plan.leaves):
+        axes = replica_axes(entry) if isinstance(entry, ArrayRead) else ()
+        if axes:
+            assert isinstance(entry, ArrayRead)
+            fanned.append(FannedLeaf(position, entry, axes, _my_pieces(entry, balance, me)))
+    taken = {leaf.position for leaf in fanned}
+    if not taken:
+        return [], plan
+    leaves = tuple(NoRead(e.key, None, False) if i in taken else e for i, e in enumerate(plan.leaves))
+    kept = (tuple(unit for unit in batch if unit.position not in taken) for batch in plan.batches)
+    return fanned, dataclasses.replace(plan, leaves=leaves, batches=tuple(batch for batch in kept if batch))
+
+
+def _my_pieces(array: ArrayRead, balance: WriteBalance, me: int) -> dict[SliceSpec, tuple[PieceEntry, ...]]:
+    assert array.sharding is not None
+    mine: dict[SliceSpec, list[PieceEntry]] = {region.slice: [] for region in array.regions}
+    for region, devices in slice_devices(array.leaf.shape, array.sharding, True).items():
+        holders = sorted({device.process_index for device in devices})
+        for piece in loaded_overlapping(array.leaf, region):
+            if piece.length > 0 and balance.assign(holders, piece.length) == me:
+                mine[region].append(piece)
+    return {region: tuple(pieces) for region, pieces in mine.items()}
+
+
+def execute(
+    fanned: Sequence[FannedLeaf], store: storage.ReadableStore, coord: cluster.Coordinator, batch_bytes: int
+) -> tuple[dict[int, jax.Array], int]:
+    """Every fanned leaf's restored array by plan position, and the bytes this process read."""
+    per_device = max(1, batch_bytes // max(1, jax.device_count() // coord.count))
+    by_mesh: dict[Mesh, list[FannedLeaf]] = {}
+    for leaf in fanned:
+        assert isinstance(leaf.array.sharding, NamedSharding) and isinstance(leaf.array.sharding.mesh, Mesh)
+        by_mesh.setdefault(leaf.array.sharding.mesh, []).append(leaf)
+    batches = [b for leaves in by_mesh.values() for b in byte_batches(leaves, lambda f: f.device_bytes, per_device)]
+    results: dict[int, jax.Array] = {}
+    total = 0
+    for i, batch in enumerate(batches):
+        reads = shared_reads.StoreReads(store).start(
+            (leaf.array.leaf.key, piece) for leaf in batch for pieces in leaf.mine.values() for piece in pieces
+        )
+        data = restore_exec.collect(reads)
+        inputs = [_bytes_in(leaf, data) for leaf in batch]
+        total += sum(chunk.nbytes for chunk in data.values())
+        del data
+        coord.barrier(f"fan-out {i}")  # names a process that will not join the collective
+        outputs = _collective(tuple(_layout(leaf) for leaf in batch))(*inputs)
+        jax.block_until_ready(outputs)  # this batch's bytes in go before the next is read
+        results.update((leaf.position, out) for leaf, out in zip(batch, outputs))
+    return results, total
+
+
+def _bytes_in(leaf: FannedLeaf, data: restore_exec.PieceData) -> jax.Array:
+    """The leaf as bytes (a trailing axis of the item size) on every device holding it: what
+    this process read on the first of its devices holding each shard, zeros elsewhere."""
+    array = leaf.array
+    assert isinstance(array.sharding, NamedSharding)
+    saved = dtype_from_name(array.leaf.dtype)
+    shards: list[np.ndarray] = []
+    devices: list[jax.Device] = []
+    for region in array.regions:
+        shape = extent(region.slice)
+        filled = np.zeros((*shape, saved.itemsize), np.uint8)
+        values = filled.view(saved).reshape(shape)
+        for piece in leaf.mine[region.slice]:
+            overlap = intersect(piece.slice, region.slice)
+            if overlap is not None:
+                source = data[(piece.file, piece.offset)].view(saved).reshape(extent(piece.slice))
+                values[relative(overlap, region.slice)] = source[relative(overlap, piece.slice)]
+        zeros = np.zeros_like(filled) if len(region.devices) > 1 else filled
+        shards.extend(filled if j == 0 else zeros for j in range(len(region.devices)))
+        devices.extend(region.devices)
+    spec = P(*_padded(array.sharding.spec, len(array.leaf.shape)), None)
+    sharding = NamedSharding(array.sharding.mesh, spec)
+    return jax.make_array_from_single_device_arrays(
+        (*array.leaf.shape, saved.itemsize), sharding, jax.device_put(shards, devices)
+    )
+
+
+Layout = tuple[NamedSharding, tuple[str, ...], int, np.dtype, np.dtype]  # sharding, replica axes, rank, saved and target dtype
+
+
+def _layout(leaf: FannedLeaf) -> Layout:
+    assert isinstance(leaf.array.sharding, NamedSharding)
+    return leaf.array.sharding, leaf.axes, len(leaf.array.leaf.shape), dtype_from_name(leaf.array.leaf.dtype), leaf.array.dtype
+
+
+@functools.lru_cache(maxsize=16)
+def _collective(layout: tuple[Layout, ...]):  # noqa: ANN202 - a jitted function
+    """One jitted function for a batch: the psum over each leaf's replica axes, then the bytes
+    as the saved dtype, cast to the target's. Cached by layout: a restore of the same state
+    again compiles nothing."""
+    mesh = layout[0][0].mesh
+    specs = tuple(P(*_padded(sharding.spec, rank), None) for sharding, _, rank, _, _ in layout)
+
+    def summed(*xs: jax.Array) -> tuple[jax.Array, ...]:
+        return tuple(jax.lax.psum(x, axes) for x, (_, axes, _, _, _) in zip(xs, layout))
+
+    def complete(*xs: jax.Array) -> tuple[jax.Array, ...]:
+        ys = jax.shard_map(summed, mesh=mesh, in_specs=specs, out_specs=specs, check_vma=False)(*xs)
+        return tuple(_from_bytes(y, saved, target) for y, (_, _, _, saved, target) in zip(ys, layout))
+
+    return jax.jit(complete, out_shardings=tuple(entry[0] for entry in layout))
+
+
+def _from_bytes(y: jax.Array, saved: np.dtype, target: np.dtype) -> jax.Array:
+    if saved == np.bool_:
+        value = y[..., 0] != 0
+    else:
+        value = jax.lax.bitcast_convert_type(y[..., 0] if saved.itemsize == 1 else y, saved)
+    return value.astype(target)
+
+
+def _padded(spec: P, ndim: int) -> tuple:
+    return (*spec, *(None,) * (ndim - len(spec)))
+
+
+def _names(part: object) -> tuple[str, ...]:
+    if part is None:
+        return ()
+    return tuple(part) if isinstance(part, tuple) else (str(part),)
+
+
+def _across_processes(mesh: Mesh, axes: tuple[str, ...]) -> bool:
+    """Whether some shard's replicas live on more than one process."""
+    processes = np.vectorize(lambda device: device.process_index, otypes=[int])(mesh.devices)
+    return any(
+        bool((processes != np.take(processes, [0], axis=mesh.axis_names.index(name))).any()) for name in axes
+    )
