@@ -766,6 +766,11 @@ def main():
             print(f"\n{name}: {len(leaves)} leaves, {state_bytes / MB:.1f} MB",
                   file=sys.stderr, flush=True)
             samples = run_workload(name, tree, libs, workdir, args.reps, restores=not args.saves_only)
+            if name == "lm" and not args.saves_only:  # issue #36: the params to the Hugging Face layout and back
+                from hf_rows import hf_rows  # benchmarks/
+
+                targets = {k: abstract(tree.params, mesh(m)) for k, m in (("same", SAVE_MESH), ("resharded", RESTORE_MESH))}
+                results["huggingface"] = hf_rows(tree.params, targets, workdir, args.reps, drop_caches)
             if name == "lm" and args.run_async and not args.saves_only:
                 tree = run_async(name, tree, libs[:2], workdir, args.reps, samples)  # donates `tree`
             free(tree)

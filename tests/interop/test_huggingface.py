@@ -281,12 +281,16 @@ def test_an_index_naming_a_file_without_the_tensor(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_two_processes_write_one_export(tmp_path):
-    results = process_group.run("interop.hf_scenarios.export_from_every_process", 2, str(tmp_path))
+@pytest.mark.parametrize("processes", [2, 4])
+def test_every_process_writes_its_files_of_one_export(tmp_path, processes):
+    """Each process writes its share of the files (4 MiB over the job) and loads back only the
+    bytes its devices hold, onto a mesh whose devices are reversed (headers aside)."""
+    results = process_group.run("interop.hf_scenarios.export_from_every_process", processes, str(tmp_path))
     for r in results:
         assert r.returncode == 0 and r.result is not None, r.output[-4000:]
         assert r.result["mismatches"] == [], r.result["mismatches"]
-        assert r.result["written"] >= 2 << 20, r.result  # each process wrote its two files
+        assert r.result["written"] >= (4 << 20) // processes, r.result  # its files, 1 MiB each
+        assert r.result["held"] <= r.result["read"] <= 1.05 * r.result["held"] + (64 << 10), r.result
     files = results[0].result["files"]
     assert files == [f"model-0000{k}-of-00004.safetensors" for k in (1, 2, 3, 4)] + ["model.safetensors.index.json"]
     found = _tensors(tmp_path / "hf")
@@ -307,17 +311,19 @@ def test_export_and_load_on_object_stores(bucket):
 
 @pytest.mark.slow
 def test_peak_memory_under_host_memory_limit_both_ways(tmp_path):
-    """A 128 MiB leaf under a 16 MiB limit (tests/hf_memory_probe.py, a fresh process): the export
-    never holds the leaf; the load holds its result and, beyond it, about the limit."""
+    """A 256 MiB leaf under a 64 MiB limit (tests/hf_memory_probe.py, a fresh process; issue #36
+    names a 1 GiB leaf, which the probe measures the same way in ~4x the time): the export, a
+    transposed one, peaks within limit + 32 MiB; the load holds its result and, beyond it, as much."""
     probe = os.path.join(os.path.dirname(os.path.dirname(__file__)), "hf_memory_probe.py")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, probe, str(tmp_path), "128", str(16 << 20)], capture_output=True, text=True,
+    limit = 64 << 20
+    done = subprocess.run([sys.executable, probe, str(tmp_path), "256", str(limit)], capture_output=True, text=True,
                           env=env, cwd=os.path.dirname(probe), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["exact"]
-    assert out["export"] < (16 << 20) + (32 << 20), out  # the leaf is 128 MiB
-    assert out["load"] - out["load_held"] < (16 << 20) + (32 << 20), out
+    assert out["export"] <= limit + (32 << 20), out
+    assert out["load"] - out["load_held"] <= limit + (32 << 20), out
 
 
 @pytest.mark.parametrize("limit", [None, 16 << 20])  # the piece read whole, or in blocks

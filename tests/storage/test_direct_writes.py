@@ -107,3 +107,27 @@ def test_the_direct_writes_setting_turns_the_bounce_buffer_off(tmp_path, monkeyp
         configure(previous)
     assert (tmp_path / "f").read_bytes() == buffers[0].tobytes()
     assert direct == []
+
+
+@pytest.mark.parametrize("out_of_order", [False, True])
+def test_a_file_writer_goes_direct_while_its_parts_come_in_order(tmp_path, monkeypatch, out_of_order):
+    """A Hugging Face export's file (storage.FileWriter with its size): parts in order go
+    through the bounce buffer with O_DIRECT; the first part out of order (a transposed
+    tensor's runs) writes what was gathered through the page cache and the rest goes there
+    too. Either way the file is exact and the bounce buffer is handed back."""
+    switched = _counting(monkeypatch, "_set_direct")
+    head, middle, tail = _random_bytes([4097, CHUNK + 5, 3 * 4096 + 1])
+    size = len(head) + len(middle) + len(tail)
+    pooled = len(direct_writes._BOUNCES._free)
+    with storage.FileWriter(storage.location(tmp_path), "model.safetensors", size=size) as writer:
+        writer.write_at(0, [head])
+        if out_of_order:
+            writer.write_at(size - len(tail), [tail])
+            writer.write_at(len(head), [middle])
+        else:
+            writer.write_at(len(head), [middle[:100], middle[100:]])
+            writer.write_at(size - len(tail), [tail])
+    assert (tmp_path / "model.safetensors").read_bytes() == b"".join(b.tobytes() for b in (head, middle, tail))
+    assert switched == ([(True,), (False,)] if out_of_order else [(True,)])
+    assert len(direct_writes._BOUNCES._free) == max(pooled, 1)
+    assert os.listdir(tmp_path) == ["model.safetensors"]

@@ -12,12 +12,14 @@ process 0 writes the index, the commit: a reader that finds it finds every file 
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import functools
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import crc32c as _crc32c
 import jax.numpy as jnp
@@ -53,6 +55,8 @@ from tpu_ckpt.settings import settings
 logger = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None] | None
+READ_AHEAD = 2  # blocks whose reads are in flight while one is built and the one before written
+BLOCK_BYTES = 32 << 20  # a block of rows with no host_memory_limit: the next one's reads overlap this one's write
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,10 +139,11 @@ def _prepare(final: storage.Location) -> None:
 
 def _block_bytes(options: CheckpointOptions) -> int:
     """The bytes of one block of rows: an eighth of ``host_memory_limit`` (the block being
-    assembled, its reads and the next block's, the one being written and its transposed or
-    cast copy fit in it), else the read batch."""
+    assembled and its reads, the next ``READ_AHEAD`` blocks' reads, the one before being
+    written and its transposed or cast copy fit in it, beside the write's bounce buffer),
+    else ``BLOCK_BYTES`` (at most the read batch)."""
     limit = options.host_memory_limit
-    return settings().read_batch_bytes if limit is None else max(limit // 8, 1)
+    return min(BLOCK_BYTES, settings().read_batch_bytes) if limit is None else max(limit // 8, 1)
 
 
 def _write_file(
@@ -147,13 +152,18 @@ def _write_file(
 ) -> None:
     header, offsets = layout.encode_header([o.tensor for o in outputs])
     total, done = sum(o.tensor.nbytes for o in outputs), 0
-    with storage.FileWriter(final, name) as writer:
+    writing: concurrent.futures.Future | None = None
+    with storage.FileWriter(final, name, size=len(header) + total) as writer, ThreadPoolExecutor(1) as thread:
         writer.write_at(0, [header])
         for k, spec, data in _blocks(checkpoint, [o.leaf for o in outputs], block_bytes):
-            _write_block(writer, offsets[k], outputs[k], spec, data)
+            if writing is not None:
+                writing.result()  # before the next block is built where this one was
+            writing = thread.submit(_write_block, writer, offsets[k], outputs[k], spec, data)
             done += data.nbytes
             if progress is not None:
                 progress(done, total)
+        if writing is not None:
+            writing.result()
 
 
 Step = tuple[int, LeafEntry, list[PieceEntry], SliceSpec]  # a block: its leaf's index, the leaf, its pieces, its slice
@@ -164,20 +174,21 @@ def _blocks(
 ) -> Iterator[tuple[int, SliceSpec, np.ndarray]]:
     """The leaves as blocks of whole rows, ``(leaf index, global slice, array)``, each
     assembled from the rows of the pieces it overlaps; every piece is read once, in row
-    order, the next block's reads (of the next leaf, after a leaf's last) in flight while
-    this one is written. A piece's crc32c is checked across its blocks, at its last row; a
+    order, the next ``READ_AHEAD`` blocks' reads (of the next leaves, after a leaf's last)
+    in flight while this one is built and the one before written. A piece's crc32c is checked across its blocks, at its last row; a
     mismatch fails the export before its file is committed."""
     checkpoint.load([(leaf, [full_slice(leaf.shape)]) for leaf in leaves])
     if checkpoint.manifest.tables:  # format 2: the pieces loaded share no byte (as a restore checks)
         check_byte_ranges(checkpoint.manifest, checkpoint.where, loaded_only=True)
     steps = [step for k, leaf in enumerate(leaves) for step in _steps(checkpoint, k, leaf, block_bytes)]
+    scratch = _Scratch(max((volume(s[3]) * dtype_from_name(s[1].dtype).itemsize for s in steps), default=0))
     crcs: dict[PieceEntry, int] = {}
-    pending = _start_reads(checkpoint, *steps[0][1:]) if steps else []
+    pending = collections.deque(_start_reads(checkpoint, *step[1:]) for step in steps[:READ_AHEAD])
     for i, (k, leaf, _, span) in enumerate(steps):
-        current, pending = pending, _start_reads(checkpoint, *steps[i + 1][1:]) if i + 1 < len(steps) else []
-        block = _assemble(checkpoint, leaf, current, span, dtype_from_name(leaf.dtype), crcs)
-        yield k, span, block
-        del block  # before the next block is assembled
+        if i + READ_AHEAD < len(steps):
+            pending.append(_start_reads(checkpoint, *steps[i + READ_AHEAD][1:]))
+        current = pending.popleft()
+        yield k, span, _assemble(checkpoint, leaf, current, span, dtype_from_name(leaf.dtype), crcs, scratch)
 
 
 def _steps(checkpoint: OpenCheckpoint, k: int, leaf: LeafEntry, block_bytes: int) -> list[Step]:
@@ -195,16 +206,33 @@ def _steps(checkpoint: OpenCheckpoint, k: int, leaf: LeafEntry, block_bytes: int
     return [(k, leaf, pieces, ((r, min(r + rows, leaf.shape[0])), *whole[1:])) for r in range(0, leaf.shape[0], rows)]
 
 
+class _Scratch:
+    """The two buffers the assembled blocks of an export are built in, in turn (one being
+    written while the next is built), each made at the largest block's size when first
+    needed: fresh pages for each block would cost their first touch each time
+    (``storage/_direct_writes.py``)."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes, self._buffers, self._turn = nbytes, [None, None], 0
+
+    def take(self, span: SliceSpec, dtype: np.dtype) -> np.ndarray:
+        self._turn ^= 1
+        buffer = self._buffers[self._turn]
+        if buffer is None:
+            buffer = self._buffers[self._turn] = storage.aligned_empty(self.nbytes)
+        return buffer[: volume(span) * dtype.itemsize].view(dtype).reshape(extent(span))
+
+
 def _assemble(
     checkpoint: OpenCheckpoint, leaf: LeafEntry, reads: list[tuple[PieceEntry, SliceSpec, concurrent.futures.Future]],
-    span: SliceSpec, dtype: np.dtype, crcs: dict[PieceEntry, int],
+    span: SliceSpec, dtype: np.dtype, crcs: dict[PieceEntry, int], scratch: _Scratch,
 ) -> np.ndarray:
     """A block from its pieces' reads, each let go of once copied. A piece read whole was
     checked in the IO thread; one read in parts adds each to its running crc32c, checked at
     its last row. A block that is one read is that read's bytes, not copied."""
     if len(reads) == 1 and reads[0][1] == span and reads[0][1] == reads[0][0].slice:
         return reads.pop()[2].result()[0].view(dtype).reshape(extent(span))
-    block = np.empty(extent(span), dtype)
+    block = scratch.take(span, dtype)
     while reads:
         piece, part, future = reads.pop()
         (chunk,) = future.result()

@@ -70,14 +70,52 @@ def wanted(nbytes: int) -> bool:
 def write_file(fd: int, views: Sequence[Any]) -> None:
     """Writes ``views`` (byte buffers, ``safe_reads.byte_view``) to the empty file ``fd``
     from offset 0, through a bounce buffer and ``O_DIRECT`` where the file system allows."""
-    bounce = _BOUNCES.take()
+    appender = Appender(fd)
     try:
-        chunks = _Chunks(fd, bounce)
         for view in views:
-            chunks.add(np.frombuffer(view, np.uint8))
-        chunks.finish()
+            appender.add(view)
+        appender.finish()
     finally:
-        _BOUNCES.give_back(bounce)
+        appender.release()
+
+
+class Appender:
+    """The empty file ``fd`` written from offset 0 on, in order, a buffer at a time, as
+    ``write_file`` writes it: what a Hugging Face export's ``FileWriter`` does while its
+    writes come in order. ``detach`` writes what is gathered through the page cache and
+    leaves ``O_DIRECT`` off, for a writer that goes on at other offsets; ``release`` (always
+    called) hands the bounce buffer back."""
+
+    def __init__(self, fd: int):
+        self._bounce: np.ndarray | None = _BOUNCES.take()
+        self._chunks = _Chunks(fd, self._bounce)
+
+    @property
+    def end(self) -> int:
+        """The offset the next byte added goes to."""
+        return self._chunks.offset + self._chunks.fill
+
+    def add(self, view: Any) -> None:
+        self._chunks.add(np.frombuffer(view, np.uint8))
+
+    def finish(self) -> None:
+        try:
+            self._chunks.finish()
+        finally:
+            self.release()
+
+    def detach(self) -> None:
+        try:
+            chunks = self._chunks
+            chunks.direct = _set_direct(chunks.fd, False)
+            chunks.put(chunks.fill)
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        if self._bounce is not None:
+            _BOUNCES.give_back(self._bounce)
+            self._bounce = None
 
 
 class _Chunks:
@@ -97,7 +135,7 @@ class _Chunks:
             self.fill += n
             done += n
             if self.fill == CHUNK:
-                self._put(CHUNK)
+                self.put(CHUNK)
 
     def finish(self) -> None:
         """Writes the last, partial chunk: padded with zeros to ``ALIGNMENT`` when direct,
@@ -107,11 +145,11 @@ class _Chunks:
         size = self.offset + self.fill
         padded = -(-self.fill // ALIGNMENT) * ALIGNMENT if self.direct else self.fill
         self.bounce[self.fill : padded] = 0
-        self._put(padded)
+        self.put(padded)
         if padded != self.fill:
             os.ftruncate(self.fd, size)
 
-    def _put(self, length: int) -> None:
+    def put(self, length: int) -> None:
         data = self.bounce[:length].data  # a memoryview
         done = 0
         while done < length:

@@ -2,9 +2,12 @@
 (``interop/_hf_export.py``), whose files hold whole tensors that may be bigger than the
 host memory allowed.
 
-On a local disk the file is written under a temporary name beside its own, each part with
-``os.pwritev`` as it comes (so at most one part is in memory), synced, then renamed onto
-its name: a reader never sees it half-written. An object store has no writes at offsets:
+On a local disk the file is written under a temporary name beside its own, each part as it
+comes (so at most one part is in memory), synced, then renamed onto its name: a reader never
+sees it half-written. A file of a known ``size`` of at least ``direct_writes.CHUNK`` bytes is
+written around the page cache, through a bounce buffer and ``O_DIRECT`` as a save's data files
+are (``_direct_writes.py``), while its parts come in order (an export's do, unless a tensor is
+transposed); from the first part out of order on, with ``os.pwritev`` at its offset. An object store has no writes at offsets:
 there the parts are kept and the object is put whole, once, when the file is closed (an
 object appears whole or not at all), so the file's bytes are in memory once.
 """
@@ -15,6 +18,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from tpu_ckpt.storage import _direct_writes as direct_writes
 from tpu_ckpt.storage import _safe_reads as safe_reads
 from tpu_ckpt.storage._local import failed, fsync_dir, make_directory
 from tpu_ckpt.storage._location import Location, new_token
@@ -26,10 +30,11 @@ class FileWriter:
     the file is committed when the block ends without an exception, and nothing of it is
     left when it ends with one."""
 
-    def __init__(self, loc: Location, name: str):
+    def __init__(self, loc: Location, name: str, size: int | None = None):
         self._loc, self._name = loc, name
         self._parts: dict[int, list[bytes]] = {}
         self._fd: int | None = None
+        self._append: direct_writes.Appender | None = None
         if loc.is_local:
             self._path = safe_reads.confine(os.path.abspath(loc.local_path), name)
             self._partial = f"{self._path}.tmp-{new_token()}"
@@ -37,6 +42,8 @@ class FileWriter:
                 self._fd = os.open(self._partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except OSError as e:
                 raise failed("Creating", self._partial, e) from e
+            if size is not None and direct_writes.wanted(size):
+                self._append = direct_writes.Appender(self._fd)
 
     def __enter__(self) -> FileWriter:
         return self
@@ -44,7 +51,10 @@ class FileWriter:
     def __exit__(self, exc_type: Any, *_: Any) -> None:
         if exc_type is None:
             self._commit()
-        elif self._fd is not None:
+            return
+        if self._append is not None:
+            self._append.release()
+        if self._fd is not None:
             os.close(self._fd)
             os.unlink(self._partial)
 
@@ -55,6 +65,13 @@ class FileWriter:
             return
         views = [v for v in map(safe_reads.byte_view, buffers) if len(v)]
         try:
+            if self._append is not None and offset == self._append.end:
+                for view in views:
+                    self._append.add(view)
+                return
+            if self._append is not None:
+                self._append, appender = None, self._append
+                appender.detach()
             while views:
                 written = os.pwritev(self._fd, views[: safe_reads.IOV_MAX], offset)
                 views, offset = safe_reads.advance(views, written), offset + written
@@ -69,6 +86,9 @@ class FileWriter:
             return
         fd, self._fd = self._fd, None
         try:
+            if self._append is not None:
+                self._append, appender = None, self._append
+                appender.finish()
             os.fsync(fd)
         except OSError as e:
             raise failed("Syncing", self._partial, e) from e
