@@ -137,7 +137,7 @@ def test_each_process_works_out_its_own_replicas_as_the_whole_rule_says(seed):
     (dict(local_directory="gs://bucket/local"), "own disk"),
     (dict(local_replicas=-1), "local_replicas"),
     (dict(local_max_to_keep=0), "local_max_to_keep"),
-    (dict(local_interval_steps=0), "save_interval_steps"),
+    (dict(local_interval_steps=0), "local_interval_steps"),
     (dict(options=tc.CheckpointOptions(io_device=0)), "io_device"),
 ])
 def test_bad_arguments_are_refused(tmp_path, arg, message):

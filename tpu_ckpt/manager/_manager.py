@@ -1,7 +1,7 @@
 """CheckpointManager: numbered checkpoints of a training loop in one directory.
 
 A loop calls ``save(step, tree)`` every step. The manager writes a checkpoint when its
-save rules say so (tiers/_cadence.py: TensorFlow's interval, Orbax's multiples, or continuous
+save rules say so (manager/_cadence.py: TensorFlow's interval, Orbax's multiples, or continuous
 saving). It keeps the newest ``max_to_keep`` checkpoints, one every
 ``keep_checkpoint_every_n_hours``, and the ``keep_best`` best by a metric (manager/_retention.py), and
 it tells the loop when the job is being preempted.
@@ -37,12 +37,12 @@ from tpu_ckpt.manager import _intact as intact
 from tpu_ckpt.manager import _references as references
 from tpu_ckpt.manager import _retention as retention
 from tpu_ckpt.manager._arguments import NO_TREE, check_step, manager_options, refuse_orbax_keywords, restore_arguments
+from tpu_ckpt.manager._cadence import Cadence
 from tpu_ckpt.manager._preemption import PreemptionWatch
 from tpu_ckpt.manager._run_directory import RunDirectory
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.restoring import restore
 from tpu_ckpt.saving import SaveResult, save
-from tpu_ckpt.tiers import Cadence
 
 
 class CheckpointManager:
@@ -122,7 +122,10 @@ class CheckpointManager:
         self._preserved_since = time.time() - 1 if not self._list().committed else -math.inf
         self._preemption = PreemptionWatch()
         self._tier = None if local_directory is None else tiers.LocalTier(
-            local_directory, local_interval_steps, local_max_to_keep, local_replicas, self._options
+            local_directory, local_max_to_keep, local_replicas, self._options
+        )
+        self._local_cadence = (
+            None if local_directory is None else Cadence(local_interval_steps, False, None, "local_interval_steps")
         )
         self._incremental = references.incremental_state(incremental, local_directory)
 
@@ -152,12 +155,12 @@ class CheckpointManager:
         refuse_orbax_keywords("save(step, state)", orbax, missing=tree is NO_TREE)
         step = check_step(step, "save(step, tree)")
         persistent = force or self.should_save(step)
-        if not persistent and (self._tier is None or not self._tier.cadence.steps_due(step)):
+        if not persistent and (self._local_cadence is None or not self._local_cadence.steps_due(step)):
             return False
         metrics = None if metrics is None else metric_values(metrics)
         score = None if metrics is None else self._retention.score(metrics, step)  # a broken best_fn fails here
         self._wait_for_save()
-        if self._tier is None:
+        if self._tier is None or self._local_cadence is None:
             path, options = self._persistent(step, score)
             self._pending = save(path, tree, options=options, metrics=metrics, incremental=self._incremental)
         else:
@@ -166,6 +169,7 @@ class CheckpointManager:
                 self._tier.wait_for_upload()  # one upload at a time
                 upload = tiers.Upload(*self._persistent(step, score), step)
             self._pending = self._tier.save(step, tree, self._options, metrics, upload)
+            self._local_cadence.counts_from(step)
         if persistent:
             self._cadence.counts_from(step)
         return True
@@ -190,7 +194,7 @@ class CheckpointManager:
         return self._location.child(name), self._options.replace(write_callbacks=(*self._options.write_callbacks, retain))
 
     def should_save(self, step: int) -> bool:
-        """Whether :meth:`save` would write ``step`` now (without ``force``): see tiers/_cadence.py.
+        """Whether :meth:`save` would write ``step`` now (without ``force``): see manager/_cadence.py.
 
         With ``save_interval_seconds`` in a multi-process job this is collective (the io
         process decides for all, as the others' clocks and background writes differ), so
@@ -242,13 +246,12 @@ class CheckpointManager:
         tier = None if self._tier is None else functools.partial(self._tier.restore, step=step, target=target, options=options)
         found = self._checks.restorable(self.directory, committed, step, fallback, options.coordination_timeout, tier)
         if isinstance(found, tiers.FromLocal):
-            self._cadence.counts_from(found.step)
-            return found.tree
-        step = found
-        tree = restore(self._location.child(committed[step]), target, options=options)
-        self._cadence.counts_from(step)
-        if self._tier is not None:
-            self._tier.cadence.counts_from(step)
+            step, tree = found
+        else:
+            step, tree = found, restore(self._location.child(committed[found]), target, options=options)
+        for cadence in (self._cadence, self._local_cadence):
+            if cadence is not None:
+                cadence.counts_from(step)
         return tree
 
     def latest_step(self) -> int | None:

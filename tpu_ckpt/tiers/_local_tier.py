@@ -1,7 +1,7 @@
 """What a CheckpointManager with ``local_directory`` adds: the local tier and the uploads.
 
 The manager (manager/_manager.py) keeps its rules for the persistent ``directory``; this object owns
-the local tier's cadence, its saves (``tiers/_local_steps.py``), the background uploads of local steps
+the local tier's saves (``tiers/_local_steps.py``), the background uploads of local steps
 to ``directory`` (``tiers/_upload.py``) and the choice, at restore, between the tiers
 (``tiers/_choice.py``, ``tiers/_restore.py``). Every call is collective, like the manager's own.
 """
@@ -23,7 +23,6 @@ from tpu_ckpt.tiers import _placement as placement
 from tpu_ckpt.tiers import _restore as tier_restore
 from tpu_ckpt.tiers import _slice_copies as slice_copies
 from tpu_ckpt.tiers import _upload as uploads
-from tpu_ckpt.tiers._cadence import Cadence
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +38,7 @@ class LocalTier:
     """The local tier of one manager: ``root`` on every host's own disk."""
 
     def __init__(
-        self, directory: str | os.PathLike[str], interval_steps: int, max_to_keep: int | None, replicas: int,
-        options: CheckpointOptions,
+        self, directory: str | os.PathLike[str], max_to_keep: int | None, replicas: int, options: CheckpointOptions,
     ):
         loc = storage.location(directory)
         if not loc.is_local:
@@ -57,7 +55,6 @@ class LocalTier:
         self.root = os.path.abspath(loc.local_path)
         placement.warn_if_not_in_memory(self.root)
         slice_copies.warn_if_one_slice(cluster.process_count(), replicas)
-        self.cadence = Cadence(interval_steps, False, None)
         self.max_to_keep = max_to_keep
         self.replicas = replicas
         self._uploader = uploads.Uploader()
@@ -87,7 +84,6 @@ class LocalTier:
             self.root, step, tree, options, replicas=self.replicas, metrics=metrics, then=then, max_file_bytes=bound,
             max_to_keep=self.max_to_keep,
         )
-        self.cadence.counts_from(step)
         return result
 
     def wait_for_upload(self) -> None:
@@ -127,5 +123,4 @@ class LocalTier:
             return None if choice is None else choice.step
         tree, nbytes = restored
         logger.info("tpu_ckpt: restored the local step %d (%.1f MB read by this process)", choice.local_step, nbytes / 1e6)
-        self.cadence.counts_from(choice.local_step)
         return FromLocal(choice.local_step, tree)

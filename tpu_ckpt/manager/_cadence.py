@@ -9,7 +9,8 @@
   after the last save started (or the last restore).
 
 The rules are combined with "and", so no rule can silently switch another off (the v0
-Orbax flags could). A forced save ignores them all.
+Orbax flags could). A forced save ignores them all. With ``local_directory`` the manager keeps a
+second one for the local tier (``local_interval_steps``, the step rule alone).
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from typing import Any
 class Cadence:
     """The save rules, and the last step saved or restored (and when) that they count from."""
 
-    def __init__(self, every_steps: Any, on_multiples: Any, every_seconds: Any):
+    def __init__(
+        self, every_steps: Any, on_multiples: Any, every_seconds: Any, steps_name: str = "save_interval_steps"
+    ):
         if isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1:
-            raise ValueError(f"save_interval_steps must be a positive integer, got {every_steps!r}")
+            raise ValueError(f"{steps_name} must be a positive integer, got {every_steps!r}")
         if type(on_multiples) is not bool:
             raise ValueError(f"save_on_multiples must be True or False, got {on_multiples!r}")
         if every_seconds is not None and (
