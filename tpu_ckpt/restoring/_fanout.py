@@ -6,7 +6,8 @@ and a dtype of whole bytes (not complex), is restored here. The processes that h
 distinct shard split its pieces between them, balanced by bytes over the whole restore
 (``sharding.WriteBalance``: every process makes the same choices, without communicating), and
 each reads only its own from storage: about 1/R of the bytes, R the processes holding the
-shard. Each puts what it read, as bytes (uint8), on the first of its devices holding the shard
+shard. Each puts what it read, as unsigned integers of the item's width (at most 32 bits: a
+64-bit item is two), on the first of its devices holding the shard
 and zeros on the others, and one jitted ``psum`` over the replica axes (under ``shard_map``)
 completes every replica. No byte is non-zero on more than one device, so the sum is the saved
 bytes exactly (floats travel as their bytes: -0.0 and NaN payloads survive), then cast as the
@@ -79,6 +80,8 @@ def replica_axes(array: ArrayRead) -> tuple[str, ...]:
     saved = dtype_from_name(array.leaf.dtype)
     if saved.kind == "c" or jax.dtypes.itemsize_bits(saved) != 8 * saved.itemsize:
         return ()
+    if jax.dtypes.canonicalize_dtype(saved) != saved:  # 64 bits saved, JAX without x64: not as the saved dtype
+        return ()
     if sharding.memory_kind not in (None, "device") or not array.regions or not isinstance(sharding.mesh, Mesh):
         return ()
     mesh, spec = sharding.mesh, _padded(sharding.spec, len(array.leaf.shape))
@@ -145,16 +148,17 @@ def execute(
 
 
 def _bytes_in(leaf: FannedLeaf, data: restore_exec.PieceData) -> jax.Array:
-    """The leaf as bytes (a trailing axis of the item size) on every device holding it: what
+    """The leaf as unsigned integers (:func:`_carrier`) on every device holding it: what
     this process read on the first of its devices holding each shard, zeros elsewhere."""
     array = leaf.array
     assert isinstance(array.sharding, NamedSharding)
     saved = dtype_from_name(array.leaf.dtype)
+    carrier, per_item = _carrier(saved)
     shards: list[np.ndarray] = []
     devices: list[jax.Device] = []
     for region in array.regions:
         shape = extent(region.slice)
-        filled = np.zeros((*shape, saved.itemsize), np.uint8)
+        filled = np.zeros((*shape, per_item), carrier)
         values = filled.view(saved).reshape(shape)
         for piece in leaf.mine[region.slice]:
             overlap = intersect(piece.slice, region.slice)
@@ -167,7 +171,7 @@ def _bytes_in(leaf: FannedLeaf, data: restore_exec.PieceData) -> jax.Array:
     spec = P(*_padded(array.sharding.spec, len(array.leaf.shape)), None)
     sharding = NamedSharding(array.sharding.mesh, spec)
     return jax.make_array_from_single_device_arrays(
-        (*array.leaf.shape, saved.itemsize), sharding, jax.device_put(shards, devices)
+        (*array.leaf.shape, per_item), sharding, jax.device_put(shards, devices)
     )
 
 
@@ -201,8 +205,15 @@ def _from_bytes(y: jax.Array, saved: np.dtype, target: np.dtype) -> jax.Array:
     if saved == np.bool_:
         value = y[..., 0] != 0
     else:
-        value = jax.lax.bitcast_convert_type(y[..., 0] if saved.itemsize == 1 else y, saved)
+        value = jax.lax.bitcast_convert_type(y[..., 0] if saved.itemsize <= 4 else y, saved)
     return value.astype(target)
+
+
+def _carrier(saved: np.dtype) -> tuple[np.dtype, int]:
+    """The unsigned integer type a saved item travels as, and how many of them make one item
+    (the trailing axis): wider sums cost the collective fewer elements than bytes would."""
+    width = min(saved.itemsize, 4)
+    return np.dtype(f"uint{8 * width}"), saved.itemsize // width
 
 
 def _padded(spec: P, ndim: int) -> tuple:
