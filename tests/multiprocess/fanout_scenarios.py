@@ -12,6 +12,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src.distributed import global_state
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -19,6 +20,7 @@ import tpu_ckpt as tc
 from tests.cluster.control_plane_scenarios import _counted
 from tests.mp_scenarios import _global_array
 from tpu_ckpt import storage
+from tpu_ckpt.catalog import read_manifest
 
 
 def _values(n: int) -> dict[str, np.ndarray]:
@@ -103,16 +105,40 @@ def replica_fanout(directory: str) -> dict:
     return out
 
 
-def fanout_missing_process(directory: str, timeout: str) -> dict:
-    """The last process's storage stalls in the fan-out's reads (past the timeout): the
-    others are told at the barrier before the collective, naming it."""
+def _restore_error(path: str, target: dict, timeout: float) -> dict | None:
+    options = tc.CheckpointOptions(load_and_broadcast=True, coordination_timeout=timeout)
+    try:
+        tc.restore(path, target, options=options)
+    except tc.CheckpointError as e:
+        return {"type": type(e).__name__, "message": str(e), "missing": getattr(e, "missing", None)}
+    return None
+
+
+def _flip_first_piece(path: str) -> None:
+    """One byte of the first piece of ``w`` changed on disk (its crc32c then fails)."""
+    piece = next(e for e in read_manifest(storage.location(path)).leaves if e.key == "w").pieces[0]
+    with open(os.path.join(path, piece.file), "r+b") as f:
+        f.seek(piece.offset)
+        byte = f.read(1)
+        f.seek(piece.offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def fanout_failures(directory: str, timeout: str) -> dict:
+    """A corrupt piece, then the last process's storage stalling in the fan-out's reads (past
+    the timeout): the others are told at the barrier before the collective, naming it."""
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     flat = Mesh(np.array(devices), ("all",))
     value = np.arange(len(devices) * 64, dtype=np.float32)
     path = os.path.join(directory, "ckpt")
     tc.save(path, {"w": _global_array(flat, P("all"), value)})
+    tc.save(path + "-bad", {"w": _global_array(flat, P("all"), value)})
+    if jax.process_index() == 0:
+        _flip_first_piece(path + "-bad")
+    global_state.client.wait_at_barrier("flipped", 60_000)
     grid = Mesh(np.array(devices).reshape(jax.process_count(), -1), ("replica", "model"))
     target = {"w": jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=NamedSharding(grid, P()))}
+    corrupt = _restore_error(path + "-bad", target, 60)
     LocalStore = _local_store_class(directory)  # noqa: N806 - a class
     read = LocalStore.read
     stalled = jax.process_index() == jax.process_count() - 1
@@ -124,13 +150,9 @@ def fanout_missing_process(directory: str, timeout: str) -> dict:
 
     if stalled:
         LocalStore.read = stalling
-    options = tc.CheckpointOptions(load_and_broadcast=True, coordination_timeout=float(timeout))
     started = time.monotonic()
     try:
-        tc.restore(path, target, options=options)
-        error = None
-    except tc.CheckpointError as e:
-        error = {"type": type(e).__name__, "message": str(e), "missing": getattr(e, "missing", None)}
+        error = _restore_error(path, target, float(timeout))
     finally:
         LocalStore.read = read
-    return {"error": error, "seconds": time.monotonic() - started, "stalled": stalled}
+    return {"corrupt": corrupt, "error": error, "seconds": time.monotonic() - started, "stalled": stalled}

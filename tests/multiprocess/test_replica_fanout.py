@@ -29,10 +29,14 @@ def test_each_replica_reads_its_part_and_the_collective_completes_them(tmp_path,
           [(r["plain_read"], r["shared_read"]) for r in results])
 
 
-def test_a_process_that_never_reaches_the_collective_is_named(tmp_path):
+def test_a_corrupt_piece_and_a_process_that_never_reaches_the_collective_are_named(tmp_path):
     timeout = 3
-    results = _ok(process_group.run("multiprocess.fanout_scenarios.fanout_missing_process", 2, str(tmp_path),
+    results = _ok(process_group.run("multiprocess.fanout_scenarios.fanout_failures", 2, str(tmp_path),
                                     str(timeout), devices_per_process=2))
+    # The reader of the flipped piece names it; the other hears of it before any collective.
+    kinds = sorted(r["corrupt"]["type"] for r in results)
+    assert kinds == ["CorruptCheckpointError", "RemoteProcessError"], results
+    assert all("'w'" in r["corrupt"]["message"] for r in results), results
     waiting = [r for r in results if not r["stalled"]]
     for r in waiting:
         assert r["error"]["type"] == "CoordinationTimeoutError", r
