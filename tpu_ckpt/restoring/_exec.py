@@ -48,7 +48,9 @@ def execute(plan: RestorePlan, source: shared_reads.StoreReads) -> tuple[list[An
     for position, shards in placed.items():
         array = plan.leaves[position]
         assert isinstance(array, ArrayRead) and array.sharding is not None  # placed by region: on devices
-        results[position] = jax.make_array_from_single_device_arrays(array.leaf.shape, array.sharding, list(shards.values()))
+        results[position] = jax.make_array_from_single_device_arrays(
+            array.leaf.shape, array.sharding, list(shards.values()), dtype=array.dtype
+        )
     return results, total
 
 
@@ -70,7 +72,9 @@ def _place(
             hosts = [assembled[region.slice] for region in unit.regions for _ in region.devices]
             shards = jax.device_put(hosts, devices)
             if unit.whole:
-                results[unit.position] = jax.make_array_from_single_device_arrays(array.leaf.shape, array.sharding, shards)
+                results[unit.position] = jax.make_array_from_single_device_arrays(
+                    array.leaf.shape, array.sharding, shards, dtype=array.dtype  # dtype: for a process holding none
+                )
             else:
                 placed.setdefault(unit.position, {}).update(zip(devices, shards))
             sent.append(shards)

@@ -1,7 +1,7 @@
 """load_and_broadcast's data path: each replica reads a part, one XLA collective completes them all.
 
-A target leaf on a ``NamedSharding`` whose mesh has *replica axes* (axes of size > 1 its
-PartitionSpec leaves out) across several processes, with dimensions the mesh divides evenly
+A target leaf on a ``NamedSharding`` over every process whose mesh has *replica axes* (axes
+of size > 1 its PartitionSpec leaves out) across processes, with dimensions the mesh divides evenly
 and a dtype of whole bytes (not complex), is restored here. The processes that hold each
 distinct shard split its pieces between them, balanced by bytes over the whole restore
 (``sharding.WriteBalance``: every process makes the same choices, without communicating), and
@@ -23,7 +23,8 @@ and a process's host at most one read batch.
 Before each collective every process meets at a key-value barrier (the coordinator's, bounded
 by ``coordination_timeout``): a process that failed or never arrives is named there, where a
 hung collective would name nobody. What is left (numpy and Python targets, other shardings,
-uneven dimensions, no replica across processes) goes the other ways of ``_shared_reads.py``.
+meshes over some processes only, uneven dimensions, no replica across processes) goes the
+other ways of ``_shared_reads.py``.
 """
 
 from __future__ import annotations
@@ -226,9 +227,13 @@ def _names(part: object) -> tuple[str, ...]:
     return tuple(part) if isinstance(part, tuple) else (str(part),)
 
 
+@functools.lru_cache(maxsize=64)
 def _across_processes(mesh: Mesh, axes: tuple[str, ...]) -> bool:
-    """Whether some shard's replicas live on more than one process."""
+    """Whether some shard's replicas live on more than one process, on a mesh over every
+    process (so every process takes part in each collective, and all decide alike)."""
     processes = np.vectorize(lambda device: device.process_index, otypes=[int])(mesh.devices)
+    if len(np.unique(processes)) != cluster.process_count():
+        return False
     return any(
         bool((processes != np.take(processes, [0], axis=mesh.axis_names.index(name))).any()) for name in axes
     )
