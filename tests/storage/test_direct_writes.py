@@ -114,11 +114,15 @@ def test_a_file_writer_goes_direct_while_its_parts_come_in_order(tmp_path, monke
     """A Hugging Face export's file (storage.FileWriter with its size): parts in order go
     through the bounce buffer with O_DIRECT; the first part out of order (a transposed
     tensor's runs) writes what was gathered through the page cache and the rest goes there
-    too. Either way the file is exact and the bounce buffer is handed back."""
+    too. Either way the file is exact and every bounce buffer taken (one per chunk in flight)
+    is handed back."""
     switched = _counting(monkeypatch, "_set_direct")
-    head, middle, tail = _random_bytes([4097, CHUNK + 5, 3 * 4096 + 1])
+    head, middle, tail = _random_bytes([4097, 2 * CHUNK + 5, 3 * 4096 + 1])
     size = len(head) + len(middle) + len(tail)
-    pooled = len(direct_writes._BOUNCES._free)
+    taken, given = [], []
+    bounces = direct_writes._BOUNCES
+    monkeypatch.setattr(bounces, "take", lambda real=bounces.take: taken.append(real()) or taken[-1])
+    monkeypatch.setattr(bounces, "give_back", lambda b, real=bounces.give_back: given.append(b) or real(b))
     with storage.FileWriter(storage.location(tmp_path), "model.safetensors", size=size) as writer:
         writer.write_at(0, [head])
         if out_of_order:
@@ -129,5 +133,5 @@ def test_a_file_writer_goes_direct_while_its_parts_come_in_order(tmp_path, monke
             writer.write_at(size - len(tail), [tail])
     assert (tmp_path / "model.safetensors").read_bytes() == b"".join(b.tobytes() for b in (head, middle, tail))
     assert switched == ([(True,), (False,)] if out_of_order else [(True,)])
-    assert len(direct_writes._BOUNCES._free) == max(pooled, 1)
+    assert len(taken) == (1 if out_of_order else 3) and sorted(map(id, taken)) == sorted(map(id, given))
     assert os.listdir(tmp_path) == ["model.safetensors"]

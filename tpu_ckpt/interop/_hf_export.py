@@ -86,8 +86,10 @@ def export_huggingface(
             by_name = {o.tensor.name: o for o in outputs}
             mine = [i for i, owner in enumerate(owners(shards, coord.count)) if owner == coord.me]
             block_bytes = _block_bytes(options)
+            bounce_bytes = None if options.host_memory_limit is None else block_bytes  # the writes' bounce buffers
             for i in mine:
-                _write_file(checkpoint, final, files[i], [by_name[t.name] for t in shards[i]], block_bytes, progress)
+                outs = [by_name[t.name] for t in shards[i]]
+                _write_file(checkpoint, final, files[i], outs, (block_bytes, bounce_bytes), progress)
             coord.barrier("written")
             if coord.me == 0 and len(files) > 1:
                 weight_map = {t.name: files[i] for i, shard in enumerate(shards) for t in shard}
@@ -147,13 +149,16 @@ def _block_bytes(options: CheckpointOptions) -> int:
 
 
 def _write_file(
-    checkpoint: OpenCheckpoint, final: storage.Location, name: str, outputs: Sequence[Output], block_bytes: int,
-    progress: Progress,
+    checkpoint: OpenCheckpoint, final: storage.Location, name: str, outputs: Sequence[Output],
+    sizes: tuple[int, int | None], progress: Progress,
 ) -> None:
+    """File ``name``: its blocks (``sizes[0]`` bytes) built here, each written on a thread
+    while the next is built; ``sizes[1]``: the bytes its direct writes' bounce buffers may hold."""
+    block_bytes, bounce_bytes = sizes
     header, offsets = layout.encode_header([o.tensor for o in outputs])
     total, done = sum(o.tensor.nbytes for o in outputs), 0
     writing: concurrent.futures.Future | None = None
-    with storage.FileWriter(final, name, size=len(header) + total) as writer, ThreadPoolExecutor(1) as thread:
+    with storage.FileWriter(final, name, len(header) + total, bounce_bytes) as writer, ThreadPoolExecutor(1) as thread:
         writer.write_at(0, [header])
         for k, spec, data in _blocks(checkpoint, [o.leaf for o in outputs], block_bytes):
             if writing is not None:

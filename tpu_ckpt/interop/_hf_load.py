@@ -10,6 +10,8 @@ dimensions are whole), and copied into the slices it overlaps, which are then pl
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -26,6 +28,9 @@ from tpu_ckpt.interop._hf_names import Named, Names, resolve
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.settings import settings
 from tpu_ckpt.sharding import index_to_slice
+
+IN_FLIGHT = 4  # blocks of a leaf whose reads are in flight at once: a batch's bytes in all
+PART_BYTES = 16 << 20  # at most, a block: several reads in flight keep a disk busy where one would not
 
 
 def load_safetensors(
@@ -180,24 +185,29 @@ def _read_slices(
     """Distinct slices of the target leaf (a sharding's: they tile what they cover), as host
     arrays as stored (axes reversed when ``transpose``, the file's dtype). Their bounding box
     is read once when they tile it (a host's devices usually hold one block of the mesh),
-    else each slice by itself; a box a batch of its rows at a time. A block that is exactly
-    one slice is that slice, not copied."""
+    else each slice by itself; a box in blocks of rows, ``IN_FLIGHT`` blocks' reads in flight
+    (a batch's bytes at most). A block that is exactly one slice is that slice, not copied."""
     saved = dtype_from_name(entry.tensor.dtype)
     stored = [tuple(reversed(s)) if transpose else s for s in specs]
     hosts: list[np.ndarray | None] = [None] * len(stored)
     box = tuple((min(s[d][0] for s in stored), max(s[d][1] for s in stored)) for d in range(len(stored[0])))
-    for each in [box] if sum(map(volume, stored)) == volume(box) else stored:
-        for part in _row_blocks(each, saved.itemsize, batch):
-            data = _read_box(store, entry, saved, part)
-            for i, spec in enumerate(stored):
-                overlap = intersect(spec, part)
-                if spec == part:
-                    hosts[i] = data
-                elif overlap is not None:
-                    host = hosts[i]
-                    if host is None:
-                        host = hosts[i] = storage.aligned_empty(volume(spec) * saved.itemsize).view(saved).reshape(extent(spec))
-                    host[relative(overlap, spec)] = data[relative(overlap, part)]
+    size = max(1, min(batch // IN_FLIGHT, PART_BYTES))
+    parts = [part for each in ([box] if sum(map(volume, stored)) == volume(box) else stored)
+             for part in _row_blocks(each, saved.itemsize, size)]
+    reads = collections.deque(_start_box(store, entry, saved, part) for part in parts[:IN_FLIGHT])
+    for k, part in enumerate(parts):
+        if k + IN_FLIGHT < len(parts):
+            reads.append(_start_box(store, entry, saved, parts[k + IN_FLIGHT]))
+        data = _box(reads.popleft(), saved, part)
+        for i, spec in enumerate(stored):
+            overlap = intersect(spec, part)
+            if spec == part:
+                hosts[i] = data
+            elif overlap is not None:
+                host = hosts[i]
+                if host is None:
+                    host = hosts[i] = storage.aligned_empty(volume(spec) * saved.itemsize).view(saved).reshape(extent(spec))
+                host[relative(overlap, spec)] = data[relative(overlap, part)]
     return [np.empty(extent(s), saved) if h is None else h for s, h in zip(stored, hosts)]  # None: an empty slice
 
 
@@ -219,15 +229,21 @@ def _row_blocks(box: SliceSpec, itemsize: int, batch: int) -> Iterator[SliceSpec
         yield ((k, min(k + rows, stop)), *rest)
 
 
-def _read_box(store: storage.Backend, entry: layout.Entry, saved: np.dtype, box: SliceSpec) -> np.ndarray:
-    """A block of the stored tensor, read as the row-major runs of bytes it is made of."""
-    runs = list(layout.runs_of(entry.tensor.shape, saved.itemsize, box))
-    futures = [store.read(entry.file, entry.start + start, [length]) for start, length in runs]
-    if len(runs) == 1:  # one run (whole rows): the bytes read are the block
-        return futures[0].result()[0].view(saved).reshape(extent(box))
+def _start_box(
+    store: storage.Backend, entry: layout.Entry, saved: np.dtype, box: SliceSpec
+) -> list[tuple[concurrent.futures.Future, int]]:
+    """Starts reading a block of the stored tensor: the row-major runs of bytes it is made of."""
+    runs = layout.runs_of(entry.tensor.shape, saved.itemsize, box)
+    return [(store.read(entry.file, entry.start + start, [length]), length) for start, length in runs]
+
+
+def _box(reads: list[tuple[concurrent.futures.Future, int]], saved: np.dtype, box: SliceSpec) -> np.ndarray:
+    """A block from its runs' reads (``_start_box``)."""
+    if len(reads) == 1:  # one run (whole rows): the bytes read are the block
+        return reads[0][0].result()[0].view(saved).reshape(extent(box))
     out = storage.aligned_empty(volume(box) * saved.itemsize)
     at = 0
-    for future, (_, length) in zip(futures, runs):
+    for future, length in reads:
         (chunk,) = future.result()
         out[at : at + length] = chunk
         at += length

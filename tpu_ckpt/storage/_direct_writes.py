@@ -22,6 +22,8 @@ setting turns it off.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import errno
 import fcntl
 import mmap
@@ -82,13 +84,14 @@ def write_file(fd: int, views: Sequence[Any]) -> None:
 class Appender:
     """The empty file ``fd`` written from offset 0 on, in order, a buffer at a time, as
     ``write_file`` writes it: what a Hugging Face export's ``FileWriter`` does while its
-    writes come in order. ``detach`` writes what is gathered through the page cache and
-    leaves ``O_DIRECT`` off, for a writer that goes on at other offsets; ``release`` (always
-    called) hands the bounce buffer back."""
+    writes come in order, with up to ``in_flight`` chunks being written at once on threads
+    (each from a bounce buffer of its own: one stream of direct writes waits for each).
+    ``detach`` writes what is gathered through the page cache and leaves ``O_DIRECT`` off,
+    for a writer that goes on at other offsets; ``release`` (always called) waits for the
+    writes in flight and hands the bounce buffers back."""
 
-    def __init__(self, fd: int):
-        self._bounce: np.ndarray | None = _BOUNCES.take()
-        self._chunks = _Chunks(fd, self._bounce)
+    def __init__(self, fd: int, in_flight: int = 1):
+        self._chunks = _Chunks(fd, _BOUNCES.take(), in_flight)
 
     @property
     def end(self) -> int:
@@ -107,25 +110,28 @@ class Appender:
     def detach(self) -> None:
         try:
             chunks = self._chunks
+            chunks.drain()
             chunks.direct = _set_direct(chunks.fd, False)
             chunks.put(chunks.fill)
         finally:
             self.release()
 
     def release(self) -> None:
-        if self._bounce is not None:
-            _BOUNCES.give_back(self._bounce)
-            self._bounce = None
+        self._chunks.release()
 
 
 class _Chunks:
-    """The bytes of one file gathered ``CHUNK`` at a time into ``bounce`` and written out."""
+    """The bytes of one file gathered ``CHUNK`` at a time into ``bounce`` and written out:
+    here, or with ``in_flight`` > 1 on threads, that many chunks at once."""
 
-    def __init__(self, fd: int, bounce: np.ndarray):
+    def __init__(self, fd: int, bounce: np.ndarray, in_flight: int = 1):
         self.fd, self.bounce = fd, bounce
         self.direct = _set_direct(fd, True)
         self.offset = 0  # of bounce[0] in the file
         self.fill = 0
+        self.in_flight = in_flight
+        self.writing: collections.deque[tuple[concurrent.futures.Future, np.ndarray]] = collections.deque()
+        self.pool = concurrent.futures.ThreadPoolExecutor(in_flight, "tpu_ckpt-direct") if in_flight > 1 else None
 
     def add(self, data: np.ndarray) -> None:
         done = 0
@@ -135,11 +141,36 @@ class _Chunks:
             self.fill += n
             done += n
             if self.fill == CHUNK:
-                self.put(CHUNK)
+                self._full()
+
+    def _full(self) -> None:
+        if self.pool is None:
+            self.put(CHUNK)
+            return
+        while len(self.writing) >= self.in_flight:
+            self._wait_oldest()
+        self.writing.append((self.pool.submit(_write_chunk, self.fd, self.bounce, self.offset), self.bounce))
+        self.bounce = _BOUNCES.take()
+        self.offset += CHUNK
+        self.fill = 0
+
+    def _wait_oldest(self) -> None:
+        future, bounce = self.writing.popleft()
+        try:
+            future.result()
+        finally:
+            _BOUNCES.give_back(bounce)
+
+    def drain(self) -> None:
+        """Waits for the chunks being written; a write that found direct IO refused turned it off."""
+        while self.writing:
+            self._wait_oldest()
+        self.direct = self.direct and _is_direct(self.fd)
 
     def finish(self) -> None:
         """Writes the last, partial chunk: padded with zeros to ``ALIGNMENT`` when direct,
         the padding then truncated away."""
+        self.drain()
         if not self.fill:
             return
         size = self.offset + self.fill
@@ -161,6 +192,36 @@ class _Chunks:
                 self.direct = _set_direct(self.fd, False)  # an alignment this file system refuses
         self.offset += length
         self.fill = 0
+
+    def release(self) -> None:
+        """Waits for every write in flight (one that failed has already failed the file) and
+        hands the bounce buffers back."""
+        while self.writing:
+            future, bounce = self.writing.popleft()
+            concurrent.futures.wait([future])
+            _BOUNCES.give_back(bounce)
+        if self.pool is not None:
+            self.pool.shutdown()
+            self.pool = None
+        if self.bounce is not None:
+            _BOUNCES.give_back(self.bounce)
+            self.bounce = None  # type: ignore[assignment]
+
+
+def _write_chunk(fd: int, bounce: np.ndarray, offset: int) -> None:
+    """One full chunk, on a thread; where direct IO is refused, through the page cache."""
+    data, done = bounce.data, 0
+    while done < CHUNK:
+        try:
+            done += os.pwrite(fd, data[done:], offset + done)
+        except OSError as e:
+            if e.errno != errno.EINVAL or not _is_direct(fd):
+                raise
+            _set_direct(fd, False)
+
+
+def _is_direct(fd: int) -> bool:
+    return SUPPORTED and bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
 
 
 def _set_direct(fd: int, on: bool) -> bool:

@@ -7,7 +7,8 @@ comes (so at most one part is in memory), synced, then renamed onto its name: a 
 sees it half-written. A file of a known ``size`` of at least ``direct_writes.CHUNK`` bytes is
 written around the page cache, through a bounce buffer and ``O_DIRECT`` as a save's data files
 are (``_direct_writes.py``), while its parts come in order (an export's do, unless a tensor is
-transposed); from the first part out of order on, with ``os.pwritev`` at its offset. An object store has no writes at offsets:
+transposed), ``WRITES_IN_FLIGHT`` chunks at once (fewer when ``memory`` bounds their bounce
+buffers); from the first part out of order on, with ``os.pwritev`` at its offset. An object store has no writes at offsets:
 there the parts are kept and the object is put whole, once, when the file is closed (an
 object appears whole or not at all), so the file's bytes are in memory once.
 """
@@ -24,13 +25,15 @@ from tpu_ckpt.storage._local import failed, fsync_dir, make_directory
 from tpu_ckpt.storage._location import Location, new_token
 from tpu_ckpt.storage._stores import Store
 
+WRITES_IN_FLIGHT = 4  # direct writes of one file at once, each from a bounce buffer of its own
+
 
 class FileWriter:
     """Writes file ``name`` of directory (or prefix) ``loc``; use it as a context manager:
     the file is committed when the block ends without an exception, and nothing of it is
     left when it ends with one."""
 
-    def __init__(self, loc: Location, name: str, size: int | None = None):
+    def __init__(self, loc: Location, name: str, size: int | None = None, memory: int | None = None):
         self._loc, self._name = loc, name
         self._parts: dict[int, list[bytes]] = {}
         self._fd: int | None = None
@@ -43,7 +46,8 @@ class FileWriter:
             except OSError as e:
                 raise failed("Creating", self._partial, e) from e
             if size is not None and direct_writes.wanted(size):
-                self._append = direct_writes.Appender(self._fd)
+                in_flight = WRITES_IN_FLIGHT if memory is None else min(WRITES_IN_FLIGHT, memory // direct_writes.CHUNK)
+                self._append = direct_writes.Appender(self._fd, max(1, in_flight))
 
     def __enter__(self) -> FileWriter:
         return self
