@@ -7,9 +7,9 @@ persistent step went too). An upload now reads each file into memory (``safe_rea
 checks every piece's crc32c as it reads it: a damaged or truncated file fails the upload,
 which commits nothing, while the local step stays.
 
-The moments are reached through the upload itself: ``_FromLocalFiles.write_own`` (the step
-that reads the local files) is wrapped to change a local file just before it runs, or, for
-the truncation during the upload, its store to change it just before the first write.
+The moments are reached through the upload itself: ``_copy`` (the step that reads the local
+files) is wrapped to change a local file just before it runs, or, for the truncation during
+the upload, its store to change it just before the first write.
 """
 
 from __future__ import annotations
@@ -52,13 +52,13 @@ def truncate_to_half(path: str) -> None:
 
 def before_the_upload_reads(monkeypatch, change) -> None:
     """``change(path)`` runs on the local data file of the next upload, just before it is read."""
-    original = uploads._FromLocalFiles.write_own
+    original = uploads._copy
 
-    def write_own(self, store):
-        change(os.path.join(self._source, DATA))
-        return original(self, store)
+    def copy(index, source, names, writes):
+        change(os.path.join(source, DATA))
+        return original(index, source, names, writes)
 
-    monkeypatch.setattr(uploads._FromLocalFiles, "write_own", write_own)
+    monkeypatch.setattr(uploads, "_copy", copy)
 
 
 @pytest.mark.parametrize(
@@ -91,7 +91,7 @@ import tpu_ckpt as tc
 from tpu_ckpt.tiers import _upload as uploads
 
 root, destination = sys.argv[1], sys.argv[2]
-original = uploads._FromLocalFiles.write_own
+original = uploads._copy
 
 class TruncatingFirst:
     '''The upload's real store; its first write truncates the local file being uploaded.'''
@@ -105,10 +105,11 @@ class TruncatingFirst:
     def __getattr__(self, name):
         return getattr(self.store, name)
 
-def write_own(self, store):
-    return original(self, TruncatingFirst(store, os.path.join(self._source, "d00000-00000.safetensors")))
+def copy(index, source, names, writes):
+    writes.store = TruncatingFirst(writes.store, os.path.join(source, "d00000-00000.safetensors"))
+    return original(index, source, names, writes)
 
-uploads._FromLocalFiles.write_own = write_own
+uploads._copy = copy
 w = np.arange(1 << 20, dtype=np.float32)
 with tc.CheckpointManager(destination, local_directory=os.path.join(root, "local")) as m:
     m.save(1, {"w": w})

@@ -11,8 +11,8 @@ from tpu_ckpt.saving._plan import (
     plan_save,
     refuse_per_process,
 )
-from tpu_ckpt.saving._save import SaveJob, largest_file, save, write_budget
-from tpu_ckpt.saving._staging import Staging, prepare
+from tpu_ckpt.saving._save import OwnFiles, SaveJob, largest_file, save
+from tpu_ckpt.saving._staging import prepare
 from tpu_ckpt.saving._stream_write import StreamWriter
 
-__all__ = ["DataFile", "Incremental", "SaveJob", "SavePlan", "SaveResult", "Staging", "StreamWriter", "WRITER", "Writes", "commit", "index", "largest_file", "merge_rows", "plan_save", "prepare", "refuse_per_process", "save", "snapshot", "write_all", "write_budget"]
+__all__ = ["DataFile", "Incremental", "OwnFiles", "SaveJob", "SavePlan", "SaveResult", "StreamWriter", "WRITER", "Writes", "commit", "index", "largest_file", "merge_rows", "plan_save", "prepare", "refuse_per_process", "save", "snapshot", "write_all"]

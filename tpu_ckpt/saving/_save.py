@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from tpu_ckpt import cluster, relay, storage
@@ -184,6 +184,17 @@ def _remove_staging(staging: storage.Location, final: storage.Location, token: s
     remove_staging(staging, token)  # on an object store: only this save's objects (``token``)
 
 
+@dataclasses.dataclass(frozen=True)
+class OwnFiles:
+    """Data files a save copies rather than lays out from arrays (the local tier's upload copies
+    a local step's): ``names``, as ``write`` writes them into the staging area (what an abandoned
+    save removes), and ``write``, which writes them through the save's ``Writes`` and returns
+    this process's index."""
+
+    names: tuple[str, ...]
+    write: Callable[[data_writes.Writes], Manifest]
+
+
 class SaveJob:
     """One planned save being carried out.
 
@@ -196,6 +207,7 @@ class SaveJob:
     def __init__(
         self, plan: SavePlan, final: storage.Location, coord: cluster.Coordinator, leader: int,
         options: CheckpointOptions, staging: Staging, incremental: Incremental | None = None, reused: Reused | None = None,
+        own_files: OwnFiles | None = None,
     ):
         self.manifest = plan.manifest
         self.piece_count = plan.piece_count
@@ -213,9 +225,9 @@ class SaveJob:
         if reused is not None:
             self._writes.reference(reused.pieces, reused.files)
         self._copied = False  # whether the data to write are host copies of our own
-        self._own_files = (
-            *(f.name for f in plan.files), staged_index_file(coord.me, staging.token), values_file_name(coord.me, staging.token)
-        )
+        self._copies = own_files  # files to copy instead of the plan's (which has none then)
+        names = (f.name for f in plan.files) if own_files is None else own_files.names
+        self._own_files = (*names, staged_index_file(coord.me, staging.token), values_file_name(coord.me, staging.token))
 
     def snapshot(self) -> None:
         """Replaces the data to write by host copies, within ``host_memory_limit``
@@ -278,8 +290,10 @@ class SaveJob:
 
     def write_own(self, store: storage.CheckpointStore) -> Manifest | bytes:
         """Writes this process's data files; returns its index, encoded unless the save is
-        incremental. Each file's host bytes go once it is written. (The local tier's upload
-        writes files it already has instead.)"""
+        incremental. Each file's host bytes go once it is written. A save given ``own_files``
+        (the local tier's upload) copies them instead."""
+        if self._copies is not None:
+            return self._copies.write(self._writes)
         files, self._unwritten = collections.deque(self._unwritten), ()
         if self._incremental is None:
             return data_writes.write_all_encoded(self._writes, files, recycle=self._copied)

@@ -3,8 +3,8 @@
 The upload is an ordinary save whose data files already exist: each process copies its own
 data files from its local step (no second device-to-host copy, no second snapshot; on an
 object store named with the upload's token, as every save there names them), and the
-leader merges the indexes and commits exactly as ``tc.save`` does (``save.SaveJob``, whose
-``write_own`` is the one step that differs). The result is an ordinary checkpoint:
+leader merges the indexes and commits exactly as ``tc.save`` does (``saving.SaveJob``, given the
+files to copy as ``saving.OwnFiles``: the one step that differs). The result is an ordinary checkpoint:
 ``tc.restore``, the CLI and the export script read it like any other.
 
 Its coordinator is made when the manager decides on the upload, on the caller's thread: like
@@ -37,7 +37,7 @@ from tpu_ckpt.format import (
     staged_index_file,
 )
 from tpu_ckpt.options import CheckpointOptions
-from tpu_ckpt.saving import SaveJob, SavePlan, Staging, prepare, write_budget
+from tpu_ckpt.saving import OwnFiles, SaveJob, SavePlan, prepare
 from tpu_ckpt.tiers import _local_steps as local_steps
 from tpu_ckpt.tiers import _part_checks as part_checks
 
@@ -72,7 +72,10 @@ class Upload:
             with coord:
                 coord.report_failure(error)
             raise
-        _FromLocalFiles(plan, index, source, self.final, coord, self.options, staging).run()
+        names = {name: spread(staging.token, name) for name in index.files}
+        copies = OwnFiles(tuple(names.values()), lambda writes: _copy(index, source, names, writes))
+        pieces = sum(len(leaf.pieces) for leaf in index.leaves)
+        SaveJob(SavePlan(coord.me, plan, (), pieces), self.final, coord, 0, self.options, staging, own_files=copies).run()
 
 
 def _read(source: str, name: str) -> tuple[bytes, str]:
@@ -101,37 +104,22 @@ def _uploaded(source: str, index: Manifest) -> Manifest:
     return dataclasses.replace(index, leaves=tuple(dataclasses.replace(leaf, pieces=()) for leaf in index.leaves), files={})
 
 
-class _FromLocalFiles(SaveJob):
-    """An ordinary save's job whose data files are copied from the local step."""
-
-    def __init__(
-        self, plan: Manifest, index: Manifest, source: str, final: storage.Location,
-        coord: cluster.Coordinator, options: CheckpointOptions, staging: Staging,
-    ):
-        pieces = sum(len(leaf.pieces) for leaf in index.leaves)
-        super().__init__(SavePlan(coord.me, plan, (), pieces), final, coord, 0, options, staging)
-        self._index = index
-        self._source = source
-        self._names = {name: spread(staging.token, name) for name in index.files}
-        self._own_files = (*self._names.values(), staged_index_file(coord.me, staging.token))
-
-    def write_own(self, store: storage.CheckpointStore) -> Manifest:
-        """Copies this process's data files, ``writes_in_flight`` at a time (and within
-        ``host_memory_limit``); returns this process's index. Each file is read into memory,
-        never mapped (a local file truncated meanwhile would kill the process with SIGBUS),
-        and checked as it is read (:func:`_checked`): a damaged local file fails the upload
-        rather than being committed to the persistent tier."""
-        writes = saving.Writes(store, write_budget(self.final, self.options))
-        pieces = _pieces_by_file(self._index)
-        try:
-            for name, size in self._index.files.items():
-                writes.make_room(size)
-                writes.copy(self._names[name], [_checked(self._source, name, size, pieces.get(name, ()))])
-        except BaseException:
-            writes.settle()  # nothing may land after the staging area is removed
-            raise
-        writes.drain()
-        return _renamed(self._index, self._names)
+def _copy(index: Manifest, source: str, names: dict[str, str], writes: saving.Writes) -> Manifest:
+    """Copies this process's data files from the local step ``source`` as ``names`` says,
+    ``writes_in_flight`` at a time (and within ``host_memory_limit``); returns this process's
+    index. Each file is read into memory, never mapped (a local file truncated meanwhile would
+    kill the process with SIGBUS), and checked as it is read (:func:`_checked`): a damaged
+    local file fails the upload rather than being committed to the persistent tier."""
+    pieces = _pieces_by_file(index)
+    try:
+        for name, size in index.files.items():
+            writes.make_room(size)
+            writes.copy(names[name], [_checked(source, name, size, pieces.get(name, ()))])
+    except BaseException:
+        writes.settle()  # nothing may land after the staging area is removed
+        raise
+    writes.drain()
+    return _renamed(index, names)
 
 
 def _renamed(index: Manifest, names: dict[str, str]) -> Manifest:
