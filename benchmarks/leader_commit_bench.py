@@ -26,7 +26,7 @@ stages. CPU time is this process's (all threads): on a shared machine it is the 
 
 ``--tier`` measures a local-tier restore's merge instead, on the same synthetic parts laid
 out as a local step (``plan.json`` and every part's ``index-<p>.bin``): ``tier`` reads them
-and runs ``tiers.merge_range`` over all the leaves (decode and check every index,
+and runs ``merge_range`` (tiers/_range_merge.py) over all the leaves (decode and check every index,
 ``merge_rows``, the format 2 manifest and its tables), then decodes that manifest (one entry
 per leaf; the tables are read lazily). A job spreads this merge over its processes, a range
 of leaves each (``tiers/_range_merge.py``), so each does about 1/N of it: the figure is the
@@ -137,11 +137,11 @@ def _pieces(args: argparse.Namespace, process: int, leaf: int) -> list:
 def _index(args: argparse.Namespace, process: int):
     """Process ``process``'s index as a save makes it (``commit.index``): its devices' pieces
     of every leaf, one data file."""
-    from tpu_ckpt import saving
     from tpu_ckpt.format import data_file_name
+    from tpu_ckpt.saving._commit import index
 
     pieces = {_name(leaf): _pieces(args, process, leaf) for leaf in range(args.leaves)}
-    return saving.index(pieces, {data_file_name(process, 0): args.leaves * args.devices_per_process * PIECE_BYTES})
+    return index(pieces, {data_file_name(process, 0): args.leaves * args.devices_per_process * PIECE_BYTES})
 
 
 def _planned(args: argparse.Namespace):
@@ -179,13 +179,14 @@ def _setup(args: argparse.Namespace, staging: str, saved: str) -> dict:
 
 def _commit(args: argparse.Namespace, staging: str, final: str) -> dict:
     """The real commit, end to end; then a check that the manifest it wrote reads back whole."""
-    from tpu_ckpt import saving, storage
+    from tpu_ckpt import storage
     from tpu_ckpt.runtime import gc_paused
+    from tpu_ckpt.saving._commit import commit
 
     planned, own = _planned(args), _index(args, 0)
     store = storage.Store(storage.location(staging))
     with store, gc_paused():
-        _, measured = workers.measured(lambda: saving.commit(store, storage.location(final), planned, own, range(1, args.processes)))
+        _, measured = workers.measured(lambda: commit(store, storage.location(final), planned, own, range(1, args.processes)))
     files = [p for p in pathlib.Path(final).iterdir() if not p.name.endswith(".safetensors")]
     measured["manifest_and_table_bytes"] = sum(p.stat().st_size for p in files)
     measured["checked_pieces"] = _check(args, final)

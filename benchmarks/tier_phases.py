@@ -44,13 +44,14 @@ def _read(step: str, names: list[str]) -> tuple[bytes, list[tuple[str, bytes]]]:
 
 
 def _after(args: argparse.Namespace, step: str, pieces: Callable) -> dict:
-    """Read, ``tiers.merge_range``, then the decode of the manifest it makes; the
+    """Read, ``merge_range`` (tiers/_range_merge.py), then the decode of the manifest it makes; the
     first and last leaves' pieces are then loaded from the tables and checked."""
-    from tpu_ckpt import storage, tiers
+    from tpu_ckpt import storage
     from tpu_ckpt.format import TableSource, decode_manifest, staged_index_file
+    from tpu_ckpt.tiers._range_merge import merge_range
 
     (plan, indexes), read = workers.measured(lambda: _read(step, [staged_index_file(p) for p in range(args.processes)]))
-    (body, tables), merge = workers.measured(lambda: tiers.merge_range(plan, indexes, storage.location(step)))
+    (body, tables), merge = workers.measured(lambda: merge_range(plan, indexes, storage.location(step)))
     source = TableSource(lambda name, start, length: tables[name][start : start + length], lambda name: name)
     manifest, decode = workers.measured(lambda: decode_manifest(body, where="the merged manifest", tables=source))
     _check(args, manifest, pieces)

@@ -93,13 +93,20 @@ def evict(path) -> None:
             os.close(fd)
 
 
+def seal(body: bytes) -> bytes:
+    """``body``, a JSON object, sealed as FORMAT.md ("The seal") says, written here from the
+    text: the crc32c (Castagnoli) of these very bytes appended as its last field."""
+    from tpu_ckpt.format import crc32c
+
+    return body[:-1] + b',"manifest_crc32c":' + str(crc32c(body)).encode() + b"}"
+
+
 def sealed(doc: dict) -> bytes:
-    """A manifest document as tpu_ckpt writes it: compact JSON ending in its own crc32c.
+    """A manifest document as tpu_ckpt writes it: compact JSON ending in its own crc32c
+    (a sealed manifest reads as plain JSON: ``json.loads`` gives a document with it).
 
     Tests that hand-edit a manifest re-seal it, so that what they test is the edit, not the
     checksum (which would refuse any edit)."""
-    from tpu_ckpt.format import seal
-
     body = {k: v for k, v in doc.items() if k != "manifest_crc32c"}
     return seal(json.dumps(body, separators=(",", ":")).encode())
 

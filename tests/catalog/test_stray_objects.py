@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import tpu_ckpt as tc
 from tpu_ckpt.catalog import remove_strays, strays, verify
 from tpu_ckpt.cli import main
-from tpu_ckpt.format import MANIFEST_FILE, REFERENCED_FILE, token_of, unseal
+from tpu_ckpt.format import MANIFEST_FILE, REFERENCED_FILE, token_of
 
 pytestmark = pytest.mark.emulator
 
@@ -55,7 +55,7 @@ def mark(bucket, step: str, started: float) -> None:
 
 def named(bucket, step: str) -> set[str]:
     """What step's manifest names in its own prefix (data files, piece tables)."""
-    doc = json.loads(unseal(bucket.get(f"run/{step}/{MANIFEST_FILE}"), where=step)[0])
+    doc = json.loads(bucket.get(f"run/{step}/{MANIFEST_FILE}"))
     return {name for name, _ in doc["files"] + doc.get("tables", []) if not name.startswith("../")}
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import tpu_ckpt as tc
-from tpu_ckpt.format import DTYPE_NAMES, dtype_from_name, dtype_itemsize
+from tpu_ckpt.format import dtype_itemsize
 
 PROBE = """
 import json, sys
@@ -65,15 +65,6 @@ def test_diff_values_measures_a_bfloat16_difference_importing_ml_dtypes_then_onl
     result = subprocess.run([sys.executable, "-c", PROBE, json.dumps(argv)], capture_output=True, text=True, timeout=120)
     assert "bf16  data differs in 6 of 6 elements, max abs diff 1" in result.stdout, result.stdout + result.stderr
     assert json.loads(result.stdout.splitlines()[-1]) == [1, ["ml_dtypes"]]
-
-
-def test_the_static_dtype_sizes_are_numpys_and_ml_dtypes_own():
-    """The table a manifest is sized with, without ml_dtypes, agrees with the dtypes themselves."""
-    for name in DTYPE_NAMES:
-        assert dtype_itemsize(name) == dtype_from_name(name).itemsize, name
-        assert dtype_from_name(name).name == name
-    assert dtype_from_name("bfloat16") == np.dtype(ml_dtypes.bfloat16)
-    assert "bfloat16" in DTYPE_NAMES and "float32" in DTYPE_NAMES
 
 
 def test_an_unknown_dtype_name_is_a_format_version_error_without_ml_dtypes():

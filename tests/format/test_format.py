@@ -11,7 +11,6 @@ from tests.helpers import sealed
 from tpu_ckpt.format import (
     ALIGNMENT,
     FORMAT_VERSION,
-    SMALL_PIECE,
     LeafEntry,
     Manifest,
     PieceEntry,
@@ -20,10 +19,13 @@ from tpu_ckpt.format import (
     data_file_bytes,
     decode_manifest,
     dtype_from_name,
+    dtype_itemsize,
     dtype_name,
     file_size,
     tensor_name,
 )
+from tpu_ckpt.format._data_layout import SMALL_PIECE
+from tpu_ckpt.format._manifest import DTYPE_NAMES
 
 
 def piece(key, array):
@@ -161,3 +163,12 @@ def test_crc32c_known_value():
 def test_tensor_names():
     assert tensor_name("a/b", ((0, 2), (4, 8))) == "a/b[0:2,4:8]"
     assert tensor_name("s", ()) == "s[]"
+
+
+def test_the_static_dtype_sizes_are_numpys_and_ml_dtypes_own():
+    """The table a manifest is sized with, without ml_dtypes, agrees with the dtypes themselves."""
+    for name in DTYPE_NAMES:
+        assert dtype_itemsize(name) == dtype_from_name(name).itemsize, name
+        assert dtype_from_name(name).name == name
+    assert dtype_from_name("bfloat16") == np.dtype(ml_dtypes.bfloat16)
+    assert "bfloat16" in DTYPE_NAMES and "float32" in DTYPE_NAMES

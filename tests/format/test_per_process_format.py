@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import tpu_ckpt as tc
-from tpu_ckpt.format import seal, unseal
+from tpu_ckpt.format._manifest import seal, unseal
 from tpu_ckpt.format._values import decode_value, encode_value
 
 

@@ -13,11 +13,10 @@ from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
 from tests.helpers import as_format_1_2, bits, manifest, write_manifest
-from tpu_ckpt import catalog, storage
+from tpu_ckpt import storage
 from tpu_ckpt.catalog import verify
 from tpu_ckpt.format import (
     ROW,
-    ROW_BYTES,
     LeafEntry,
     Manifest,
     PieceEntry,
@@ -25,10 +24,11 @@ from tpu_ckpt.format import (
     crc32c,
     decode_manifest,
     encode_manifest,
-    grid_of,
     piece_columns,
     prefetch,
 )
+from tpu_ckpt.format._piece_table import grid_of
+from tpu_ckpt.format._table_reads import ROW_BYTES
 
 
 def _tree(mesh42):
@@ -277,14 +277,15 @@ def test_control_bytes_per_piece(tmp_path):
 def _recorded_manifest(path) -> tuple[object, list[tuple[str, int, int]]]:
     """The manifest at ``path`` decoded over its real piece tables, with every table read recorded."""
     reads: list[tuple[str, int, int]] = []
-    real = catalog.table_source(storage.location(path))
 
     def read(name: str, start: int, length: int) -> bytes:
         reads.append((name, start, length))
-        return real.read(name, start, length)
+        with open(path / name, "rb") as f:
+            f.seek(start)
+            return f.read(length)
 
     data = (path / "manifest.json").read_bytes()
-    return decode_manifest(data, where=str(path), tables=TableSource(read, real.where)), reads
+    return decode_manifest(data, where=str(path), tables=TableSource(read, storage.location(path).child)), reads
 
 
 def test_the_rows_of_many_leaves_are_read_in_runs(tmp_path):

@@ -43,8 +43,9 @@ def main(directory: str, kill_at: int) -> None:
 
         return deletion
 
-    storage.LocalStore.delete = counted(storage.LocalStore.delete)
-    storage.LocalStore.delete_all = counted(storage.LocalStore.delete_all)
+    local = type(storage.Store(storage.location(directory), threads=1))  # the local files' backend
+    local.delete = counted(local.delete)
+    local.delete_all = counted(local.delete_all)
     with tc.CheckpointManager(directory, max_to_keep=2) as manager:
         for step in (5, 6):
             manager.save(step, tree(step))

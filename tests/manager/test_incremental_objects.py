@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 import tpu_ckpt as tc
+from tests.helpers import sealed
 from tests.manager.test_run_directory import listings
 from tpu_ckpt.catalog import verify
 from tpu_ckpt.cli import main
-from tpu_ckpt.format import seal, unseal
 
 pytestmark = pytest.mark.emulator
 
@@ -126,15 +126,13 @@ def run(bucket):
 
 def edit_files(bucket, edit) -> None:
     """Rewrites step_1's manifest ``files`` through ``edit`` and seals it again (a hostile edit)."""
-    body, _ = unseal(bucket.get("run/step_1/manifest.json"), where="manifest")
-    doc = json.loads(body)
+    doc = json.loads(bucket.get("run/step_1/manifest.json"))
     doc["files"] = [edit(name, size) for name, size in doc["files"]]
-    bucket.put("run/step_1/manifest.json", seal(json.dumps(doc, separators=(",", ":")).encode()))
+    bucket.put("run/step_1/manifest.json", sealed(doc))
 
 
 def referenced(bucket) -> list[str]:
-    body, _ = unseal(bucket.get("run/step_1/manifest.json"), where="manifest")
-    return [name for name, _ in json.loads(body)["files"] if name.startswith("../")]
+    return [name for name, _ in json.loads(bucket.get("run/step_1/manifest.json"))["files"] if name.startswith("../")]
 
 
 @pytest.mark.parametrize(

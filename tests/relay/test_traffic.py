@@ -1,15 +1,16 @@
-"""The relay's own count of what it moved (``relay.traffic()``, #37 item 6): connections opened
+"""The relay's own count of what it moved (``traffic()``, #37 item 6): connections opened
 and accepted, bytes sent and received, with a real server and client over loopback TCP."""
 
 import numpy as np
 
 from tpu_ckpt import relay, storage
+from tpu_ckpt.relay._wire import traffic
 
 
 def test_connections_and_bytes_are_counted_at_both_ends(tmp_path):
     store = storage.open_staging(storage.Location(str(tmp_path / "ckpt")))
     server = relay.RelayServer(store, "127.0.0.1", timeout=10, peers=1, serves={"d.bin": 1 << 20}, accepts={"d.bin"}.__contains__)
-    before = relay.traffic()
+    before = traffic()
     client = relay.RelayStore(storage.Location("ckpt"), server.contact(), timeout=10, server_process=0, connections=2)
     try:
         data = np.arange(1 << 20, dtype=np.uint8)
@@ -19,7 +20,7 @@ def test_connections_and_bytes_are_counted_at_both_ends(tmp_path):
         client.close()
         server.close()
         store.close()
-    moved = {field: relay.traffic()[field] - before[field] for field in before}
+    moved = {field: traffic()[field] - before[field] for field in before}
     # one process is both ends here: each connection counted once opened and once accepted
     assert moved["opened"] == 2 and moved["accepted"] == 2, moved
     # the file went out and came back: each byte sent once and received once, each way; plus headers

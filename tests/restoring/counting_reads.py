@@ -1,15 +1,17 @@
 """A real restore whose storage reads are counted where they are issued (``StoreReads.start``):
 what ``check_restore``'s bytes and requests are compared against."""
 
-from tpu_ckpt import restoring, settings, storage
+from tpu_ckpt import settings, storage
 from tpu_ckpt.catalog import open_checkpoint
-from tpu_ckpt.restoring import needed_slices, plan_restore
+from tpu_ckpt.restoring._exec import execute
+from tpu_ckpt.restoring._plan import needed_slices, plan_restore
+from tpu_ckpt.restoring._shared_reads import StoreReads
 
 
 def restore_counting_reads(path, target):
     """The restore's own plan of ``target``, and the bytes and requests a real restore of it issues."""
 
-    class Counting(restoring.StoreReads):
+    class Counting(StoreReads):
         nbytes = requests = 0
 
         def start(self, needed):
@@ -21,5 +23,5 @@ def restore_counting_reads(path, target):
     with open_checkpoint(storage.location(path)) as checkpoint:
         checkpoint.load(needed_slices(checkpoint.manifest, target, None, False))
         plan = plan_restore(checkpoint.manifest, target, batch_bytes=settings.settings().read_batch_bytes)
-        restoring.execute(plan, Counting(checkpoint.store))
+        execute(plan, Counting(checkpoint.store))
     return plan, (Counting.nbytes, Counting.requests)

@@ -13,8 +13,9 @@ import tpu_ckpt as tc
 from tests.helpers import manifest, write_manifest
 from tests.restoring.counting_reads import restore_counting_reads
 from tpu_ckpt import format as fmt
-from tpu_ckpt import restoring, settings
+from tpu_ckpt import settings
 from tpu_ckpt.restoring._check_reads import _requests
+from tpu_ckpt.restoring._plan import ArrayRead
 
 LEAVES = 12
 
@@ -50,7 +51,7 @@ def _per_piece_leaves(plan):
     return {
         e.key: (read[e.key], read[e.key] - wanted[e.key],
                 any(len(r.pieces) != 1 or (r.slice and r.pieces[0].slice != r.slice) for r in e.regions))
-        for e in plan.leaves if isinstance(e, restoring.ArrayRead)
+        for e in plan.leaves if isinstance(e, ArrayRead)
     }
 
 

@@ -10,10 +10,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tpu_ckpt import restoring
 from tpu_ckpt.errors import CheckpointError, CorruptCheckpointError
 from tpu_ckpt.format import (
-    ROW_BYTES,
+    ROW,
     LeafEntry,
     Manifest,
     PieceEntry,
@@ -22,8 +21,10 @@ from tpu_ckpt.format import (
     encode_manifest,
     load_rows,
 )
+from tpu_ckpt.restoring import _plan
+from tpu_ckpt.restoring._plan import needed_slices
 
-plan_restore = functools.partial(restoring.plan_restore, batch_bytes=1 << 20)
+plan_restore = functools.partial(_plan.plan_restore, batch_bytes=1 << 20)
 FILE = "d00000-00000.safetensors"
 
 
@@ -46,7 +47,7 @@ class _Tables:
     def read(self, name: str, start: int, length: int) -> bytes:
         if self.closed:
             raise AssertionError(f"planning read {name}[{start}:{start + length}]")
-        self.reads.append((start // ROW_BYTES, length // ROW_BYTES))
+        self.reads.append((start // ROW.itemsize, length // ROW.itemsize))
         return self.tables[name][start : start + length]
 
 
@@ -60,7 +61,7 @@ def _decoded(*leaves: LeafEntry) -> tuple[Manifest, _Tables]:
 def test_a_plan_is_made_from_the_loaded_rows_alone(mesh24):
     manifest, tables = _decoded(_grid_leaf("w", (8, 8), 4, 2), _grid_leaf("b", (8, 8), 8, 1))
     target = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(mesh24, P("data", "model")))}
-    load_rows(restoring.needed_slices(manifest, target, None, False), threads=1)
+    load_rows(needed_slices(manifest, target, None, False), threads=1)
     assert tables.reads == [(0, 8)]  # w's 8 rows in one read; b (not in the target) untouched
     tables.closed = True
     (entry,) = plan_restore(manifest, target).leaves
@@ -100,7 +101,7 @@ def test_rows_loaded_by_the_cell_are_checked_row_by_row():
     manifest, tables = _decoded(leaf)
     (name,) = tables.tables
     data = bytearray(tables.tables[name])
-    data[ROW_BYTES * 5 + 8] = 7  # cell 5's file index
+    data[ROW.itemsize * 5 + 8] = 7  # cell 5's file index
     tables.tables[name] = bytes(data)
     with pytest.raises(CorruptCheckpointError, match="file index") as e:
         load_rows([(manifest.leaves[0], [((0, 16), (0, 8))])], threads=1)

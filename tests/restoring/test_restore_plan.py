@@ -10,11 +10,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-from tpu_ckpt import restoring
 from tpu_ckpt.format import LeafEntry, Manifest, PieceEntry
-from tpu_ckpt.restoring import ArrayRead, NoRead
+from tpu_ckpt.restoring._plan import ArrayRead, NoRead, plan_restore
 
-plan_restore = functools.partial(restoring.plan_restore, batch_bytes=1 << 20)
+plan_restore = functools.partial(plan_restore, batch_bytes=1 << 20)
 
 
 def array_leaf(key, shape, rows=1, cols=1, dtype="float32", is_slot=False):

@@ -21,7 +21,8 @@ from tpu_ckpt.format import (
     staged_index_file,
     written_by,
 )
-from tpu_ckpt.saving import commit, index, merge_rows
+from tpu_ckpt.saving import merge_rows
+from tpu_ckpt.saving._commit import commit, index
 
 FILE_BYTES = 1 << 20
 

@@ -16,9 +16,9 @@ from jax.sharding import PartitionSpec as P
 from tpu_ckpt import storage
 from tpu_ckpt.errors import CheckpointError
 from tpu_ckpt.format import PlannedPiece, full_slice
-from tpu_ckpt.saving import DataFile
 from tpu_ckpt.saving._data_writes import Writes, _private_host_value, fetch_started, write_all
-from tpu_ckpt.storage import LocalStore, make_directory
+from tpu_ckpt.saving._plan import DataFile
+from tpu_ckpt.storage import make_directory
 
 SLACK = 96 << 20  # interpreter, allocator and page-table noise
 
@@ -58,7 +58,7 @@ def test_each_file_is_let_go_once_written(tmp_path):
         DataFile(f"d{i}.safetensors", (PlannedPiece(f"k{i}", full_slice(a.shape), a, a.nbytes),), a.nbytes) for i, a in enumerate(arrays)
     )
     del arrays
-    store = LocalStore(location, threads=1)
+    store = storage.Store(location, threads=1)
     try:
         index = write_all(Writes(store, None), files)
         assert not files
@@ -106,7 +106,7 @@ def test_a_failed_write_leaves_no_other_write_running(tmp_path):
     files = collections.deque(
         DataFile(f"d{i}.safetensors", (PlannedPiece(f"k{i}", full_slice(a.shape), a, a.nbytes),), a.nbytes) for i, a in enumerate(arrays)
     )
-    store = LocalStore(location, threads=4)
+    store = storage.Store(location, threads=4)
     try:
         with pytest.raises(CheckpointError, match="d0.safetensors"):
             write_all(Writes(store, None), files)

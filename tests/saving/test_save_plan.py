@@ -14,7 +14,8 @@ import tpu_ckpt as tc
 from tests import helpers, process_group
 from tests.helpers import binary_merge
 from tpu_ckpt.format import PieceEntry, TableSource, decode_manifest, encode_manifest, written_by
-from tpu_ckpt.saving import index, plan_save
+from tpu_ckpt.saving import plan_save
+from tpu_ckpt.saving._commit import index
 
 
 def written(plan):

@@ -21,13 +21,13 @@ from tpu_ckpt.format import SliceSpec, full_slice
 from tpu_ckpt.sharding import (
     LocalPieces,
     MaxShardSizePolicy,
-    Shard,
     ShardableTensor,
     ShardByDevicePolicy,
     ShardByTaskPolicy,
     ShardingCallback,
     validate_shards,
 )
+from tpu_ckpt.sharding._pieces import Shard
 
 
 def piece(

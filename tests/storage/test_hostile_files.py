@@ -16,6 +16,7 @@ import tpu_ckpt as tc
 from tests.helpers import bits, files
 from tpu_ckpt import storage
 from tpu_ckpt.catalog import verify
+from tpu_ckpt.storage._safe_reads import MAX_WHOLE_FILE_BYTES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TREE = {"w": np.arange(4096, dtype=np.float32).reshape(64, 64), "b": np.ones(7, np.int32)}
@@ -69,7 +70,7 @@ def test_a_huge_manifest_is_refused_before_it_is_read(ckpt):
     with storage.Store(storage.location(ckpt)) as store:
         with pytest.raises(tc.CorruptCheckpointError, match="more than the 10 "):
             store.read_file("manifest.json", max_bytes=10)
-    os.truncate(ckpt / "manifest.json", 2 * storage.MAX_WHOLE_FILE_BYTES)
+    os.truncate(ckpt / "manifest.json", 2 * MAX_WHOLE_FILE_BYTES)
     with pytest.raises(tc.CorruptCheckpointError, match="more than the 1073741824"):
         tc.restore(ckpt)
 

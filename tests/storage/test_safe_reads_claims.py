@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import tpu_ckpt as tc
-from tests.helpers import sealed
+from tests.helpers import seal, sealed
 from tests.rss import reset_peak, rss
 from tpu_ckpt import storage
 
@@ -109,8 +109,6 @@ except tc.CorruptCheckpointError as e:
 def test_a_sealed_manifest_of_empty_lists_is_refused_not_a_memory_error(tmp_path):
     """64 MB of ``[],``: under the size bound, but over 1.4 GB decoded; in a process allowed
     768 MB more, as a smaller host would be."""
-    from tpu_ckpt.format import seal
-
     (tmp_path / "c").mkdir()
     body = b'{"format":"tpu_ckpt","format_version":"2.0","leaves":[' + b"[]," * ((64 << 20) // 3) + b"[]]}"
     (tmp_path / "c" / "manifest.json").write_bytes(seal(body))

@@ -11,6 +11,7 @@ from tpu_ckpt import relay, storage
 from tpu_ckpt.errors import CorruptCheckpointError
 from tpu_ckpt.format import ALIGNMENT
 from tpu_ckpt.settings import Settings, configure
+from tpu_ckpt.storage._local import LocalStore
 
 
 def test_locations_map_to_kvstore_specs(tmp_path):
@@ -81,7 +82,7 @@ def test_an_object_store_prefix_lists_its_own_keys_only():
 
 
 def test_each_location_opens_a_backend_of_the_storage_protocol(tmp_path):
-    for url, backend in ((str(tmp_path), storage.LocalStore), ("memory://protocol/c", storage.ObjectStore)):
+    for url, backend in ((str(tmp_path), LocalStore), ("memory://protocol/c", storage.ObjectStore)):
         with storage.Store(storage.location(url)) as store:
             assert isinstance(store, backend) and isinstance(store, storage.Backend)
     assert storage.CheckpointStore in relay.RelayStore.__mro__  # declared: it stands in for a backend

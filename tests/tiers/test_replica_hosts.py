@@ -4,8 +4,8 @@ lands on a process of its owner's host (tiers/_replicas.py, tiers/_hosts.py)."""
 import numpy as np
 import pytest
 
-from tpu_ckpt import tiers
 from tpu_ckpt.settings import Settings
+from tpu_ckpt.tiers._replicas import replica_roles
 
 
 def _holders_of_every_process(replicas, slices, hosts):
@@ -23,10 +23,10 @@ def _holders_of_every_process(replicas, slices, hosts):
 
 def test_two_processes_per_host_never_keep_each_others_parts():
     hosts = (0, 0, 1, 1)
-    assert tiers.replica_roles(0, 1, (None,) * 4, hosts) == ((2,), frozenset({2}))  # host 0's k-th to host 1's k-th
-    assert tiers.replica_roles(1, 1, (None,) * 4, hosts) == ((3,), frozenset({3}))
-    assert tiers.replica_roles(0, 3, (None,) * 4, hosts) == ((2, 3), frozenset({2, 3}))  # 2 other processes only
-    assert tiers.replica_roles(0, 1, (None,) * 4) == ((1,), frozenset({3}))  # by process index: 1 shares 0's host
+    assert replica_roles(0, 1, (None,) * 4, hosts) == ((2,), frozenset({2}))  # host 0's k-th to host 1's k-th
+    assert replica_roles(1, 1, (None,) * 4, hosts) == ((3,), frozenset({3}))
+    assert replica_roles(0, 3, (None,) * 4, hosts) == ((2, 3), frozenset({2, 3}))  # 2 other processes only
+    assert replica_roles(0, 1, (None,) * 4) == ((1,), frozenset({3}))  # by process index: 1 shares 0's host
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -42,7 +42,7 @@ def test_each_process_works_out_its_replicas_as_the_rule_says_with_several_proce
     replicas = int(rng.integers(1, 4))
     holders = _holders_of_every_process(replicas, slices, hosts)
     for me in range(count):
-        sends, keeps = tiers.replica_roles(me, replicas, slices, hosts)
+        sends, keeps = replica_roles(me, replicas, slices, hosts)
         assert list(sends) == holders[me], (me, slices, hosts)
         assert keeps == {owner for owner, held_by in holders.items() if me in held_by}, (me, slices, hosts)
         assert all(hosts[p] != hosts[me] for p in sends)

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from tpu_ckpt.settings import Settings
-from tpu_ckpt.tiers import Choice, decide
+from tpu_ckpt.tiers._choice import Choice, decide
 
 
 def _report(*steps) -> str:

@@ -12,7 +12,7 @@ import pytest
 
 import tpu_ckpt as tc
 from tests.helpers import merge_indexes
-from tpu_ckpt import saving, storage, tiers
+from tpu_ckpt import storage
 from tpu_ckpt.errors import CorruptCheckpointError
 from tpu_ckpt.format import (
     IndexPlan,
@@ -28,7 +28,7 @@ from tpu_ckpt.format import (
     index_manifest,
     staged_index_file,
 )
-from tpu_ckpt.tiers._range_merge import blob_name, joined, leaf_ranges, part_blobs
+from tpu_ckpt.tiers._range_merge import blob_name, joined, leaf_ranges, merge_range, part_blobs
 
 W = np.arange(32, dtype=np.float32).reshape(8, 4)
 
@@ -132,7 +132,8 @@ SLICES = {
 
 
 def _indexes(slices=SLICES) -> list[Manifest]:
-    """Three parts: the pieces dealt out round robin, each part's in its one data file."""
+    """Three parts: the pieces dealt out round robin, each part's in its one data file (an index
+    is a manifest of the part's pieces and files)."""
     pieces: list[dict] = [{}, {}, {}]
     offsets = [0, 0, 0]
     for n, (key, spec) in enumerate((key, spec) for key, specs in slices.items() for spec in specs):
@@ -140,13 +141,14 @@ def _indexes(slices=SLICES) -> list[Manifest]:
         length = 4 * int(np.prod([b - a for a, b in spec]))
         pieces[p].setdefault(key, []).append(PieceEntry(spec, data_file_name(p, 0), offsets[p], length, 100 + n))
         offsets[p] += length
-    return [saving.index(own, {data_file_name(p, 0): 4096}) for p, own in enumerate(pieces)]
+    leaves = [tuple(LeafEntry(key, [], "array", pieces=tuple(got)) for key, got in own.items()) for own in pieces]
+    return [Manifest(own, {data_file_name(p, 0): 4096}, 0, "") for p, own in enumerate(leaves)]
 
 
 def _merge(indexes: list[Manifest]) -> tuple[bytes, dict[str, bytes]]:
     plan = IndexPlan.of(PLANNED)
     parts = [(staged_index_file(p), encode_index(one, plan)) for p, one in enumerate(indexes)]
-    return tiers.merge_range(PLANNED.to_json(), parts, storage.location("/local/step_7"))
+    return merge_range(PLANNED.to_json(), parts, storage.location("/local/step_7"))
 
 
 def test_merge_range_serves_the_manifest_and_tables_the_per_piece_merge_made():
@@ -189,7 +191,7 @@ def test_ranges_merged_apart_and_joined_are_the_whole_merge(tmp_path, processes)
     step = storage.location("/local/step_7")
     parts = []
     for r, leaves in enumerate(ranges):
-        body, tables = tiers.merge_range(PLANNED.to_json(), [(blob_name(p, r), blobs[blob_name(p, r)]) for p in range(3)],
+        body, tables = merge_range(PLANNED.to_json(), [(blob_name(p, r), blobs[blob_name(p, r)]) for p in range(3)],
                                          step, leaves, table_prefix=f"r{r:05d}-")
         assert all(name.startswith(f"r{r:05d}-") for name in tables)
         part = decode_manifest(body, where="range", tables=_in_memory(tables))
@@ -212,7 +214,7 @@ def test_a_range_blob_holding_rows_of_another_range_is_refused(tmp_path):
     plan = IndexPlan.of(PLANNED)
     whole = [(staged_index_file(p), encode_index(one, plan)) for p, one in enumerate(_indexes())]
     with pytest.raises(CorruptCheckpointError, match=r"holds rows of leaf 0, outside the range 1\.\.3"):
-        tiers.merge_range(PLANNED.to_json(), whole, storage.location("/local/step_7"), (1, 4))
+        merge_range(PLANNED.to_json(), whole, storage.location("/local/step_7"), (1, 4))
 
 
 def test_ranges_giving_one_data_file_two_sizes_are_refused():

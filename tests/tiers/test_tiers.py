@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import tpu_ckpt as tc
-from tpu_ckpt import tiers
-from tpu_ckpt.tiers import Choice, decide
+from tpu_ckpt.tiers._choice import Choice, decide
+from tpu_ckpt.tiers._replicas import replica_roles
 
 
 def tree(step: int) -> dict:
@@ -112,10 +112,10 @@ def _holders_of_every_process(replicas: int, slices: tuple) -> dict[int, list[in
 
 
 def test_replicas_go_to_the_next_processes():
-    assert tiers.replica_roles(0, 1, (None,) * 4) == ((1,), frozenset({3}))
-    assert tiers.replica_roles(1, 5, (None,) * 3) == ((2, 0), frozenset({0, 2}))
-    assert tiers.replica_roles(0, 1, (None,)) == ((), frozenset())
-    assert tiers.replica_roles(0, 1, (0, 0, 1, 1)) == ((2,), frozenset({2, 3}))  # another slice first
+    assert replica_roles(0, 1, (None,) * 4) == ((1,), frozenset({3}))
+    assert replica_roles(1, 5, (None,) * 3) == ((2, 0), frozenset({0, 2}))
+    assert replica_roles(0, 1, (None,)) == ((), frozenset())
+    assert replica_roles(0, 1, (0, 0, 1, 1)) == ((2,), frozenset({2, 3}))  # another slice first
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -128,7 +128,7 @@ def test_each_process_works_out_its_own_replicas_as_the_whole_rule_says(seed):
     replicas = int(rng.integers(1, 4))
     holders = _holders_of_every_process(replicas, slices)
     for me in range(count):
-        sends, keeps = tiers.replica_roles(me, replicas, slices)
+        sends, keeps = replica_roles(me, replicas, slices)
         assert list(sends) == holders[me], (me, slices)
         assert keeps == {owner for owner, held_by in holders.items() if me in held_by}, (me, slices)
 

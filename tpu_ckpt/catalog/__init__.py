@@ -1,8 +1,14 @@
 """Committed checkpoints as they are found: one open checkpoint (manifest and piece tables
 read once), a run's listing, verification and diffs. No JAX."""
 
-from tpu_ckpt.catalog._committed import read_manifest, store_tables, table_source
-from tpu_ckpt.catalog._diff import Change, diff
+from tpu_ckpt.catalog._committed import (
+    read_manifest,
+    store_tables,
+)
+from tpu_ckpt.catalog._diff import (
+    Change,
+    diff,
+)
 from tpu_ckpt.catalog._listing import (
     Entry,
     Listing,
@@ -16,8 +22,37 @@ from tpu_ckpt.catalog._listing import (
     remove_step,
     scan,
 )
-from tpu_ckpt.catalog._open import OpenCheckpoint, open_checkpoint
-from tpu_ckpt.catalog._strays import Strays, remove_strays, strays
+from tpu_ckpt.catalog._open import (
+    OpenCheckpoint,
+    open_checkpoint,
+)
+from tpu_ckpt.catalog._strays import (
+    Strays,
+    remove_strays,
+    strays,
+)
 from tpu_ckpt.catalog._verify import verify
 
-__all__ = ["Change", "Entry", "Listing", "OpenCheckpoint", "Strays", "busy", "checkpoints_in", "diff", "list_run", "nested", "open_checkpoint", "parse_listing", "read_manifest", "remove_leftover", "remove_leftovers", "remove_step", "remove_strays", "scan", "store_tables", "strays", "table_source", "verify"]
+__all__ = [
+    "Change",
+    "Entry",
+    "Listing",
+    "OpenCheckpoint",
+    "Strays",
+    "busy",
+    "checkpoints_in",
+    "diff",
+    "list_run",
+    "nested",
+    "open_checkpoint",
+    "parse_listing",
+    "read_manifest",
+    "remove_leftover",
+    "remove_leftovers",
+    "remove_step",
+    "remove_strays",
+    "scan",
+    "store_tables",
+    "strays",
+    "verify",
+]

@@ -9,8 +9,38 @@ from tpu_ckpt.cluster._coordinator import (
     reached_preemption_sync_point,
     relay_host,
 )
-from tpu_ckpt.cluster._relays import MAX_SERVERS, connect, contacts, serve, spread
-from tpu_ckpt.cluster._shared_storage import prove_staging, read_manifest_everywhere, unproved
-from tpu_ckpt.cluster._verdicts import Proved, agreed_verdict
+from tpu_ckpt.cluster._relays import (
+    MAX_SERVERS,
+    connect,
+    contacts,
+    serve,
+    spread,
+)
+from tpu_ckpt.cluster._shared_storage import (
+    prove_staging,
+    read_manifest_everywhere,
+    unproved,
+)
+from tpu_ckpt.cluster._verdicts import (
+    Proved,
+    agreed_verdict,
+)
 
-__all__ = ["MAX_SERVERS", "Coordinator", "Proved", "agreed_verdict", "connect", "contacts", "serve", "spread", "preemption_sync_available", "process_count", "process_index", "prove_staging", "reached_preemption_sync_point", "read_manifest_everywhere", "relay_host", "unproved"]
+__all__ = [
+    "Coordinator",
+    "MAX_SERVERS",
+    "Proved",
+    "agreed_verdict",
+    "connect",
+    "contacts",
+    "preemption_sync_available",
+    "process_count",
+    "process_index",
+    "prove_staging",
+    "reached_preemption_sync_point",
+    "read_manifest_everywhere",
+    "relay_host",
+    "serve",
+    "spread",
+    "unproved",
+]

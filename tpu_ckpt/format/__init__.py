@@ -1,7 +1,13 @@
 """The checkpoint format as data: the manifest and its sealed encoding, piece tables, data-file
 layout, key paths, slices and byte-range reads. No IO, no JAX: ``tpu-ckpt`` reads through it."""
 
-from tpu_ckpt.format._data_layout import SAFETENSORS_CODES, SMALL_PIECE, PlannedPiece, Texts, data_file_bytes, file_size
+from tpu_ckpt.format._data_layout import (
+    SAFETENSORS_CODES,
+    PlannedPiece,
+    Texts,
+    data_file_bytes,
+    file_size,
+)
 from tpu_ckpt.format._decode import decode_manifest
 from tpu_ckpt.format._decode_layout import check_byte_ranges
 from tpu_ckpt.format._index import (
@@ -15,10 +21,17 @@ from tpu_ckpt.format._index import (
     piece_rows,
     sort_order,
 )
-from tpu_ckpt.format._keys import PathEntry, flatten, join, normalise_subtree, path_entries, under, unflatten_nested
+from tpu_ckpt.format._keys import (
+    PathEntry,
+    flatten,
+    join,
+    normalise_subtree,
+    path_entries,
+    under,
+    unflatten_nested,
+)
 from tpu_ckpt.format._manifest import (
     ALIGNMENT,
-    DTYPE_NAMES,
     FORMAT_VERSION,
     PER_PROCESS,
     LeafEntry,
@@ -29,11 +42,8 @@ from tpu_ckpt.format._manifest import (
     dtype_itemsize,
     dtype_name,
     metric_values,
-    seal,
     sharding_text,
     tensor_name,
-    unseal,
-    version_for,
 )
 from tpu_ckpt.format._names import (
     MANIFEST_FILE,
@@ -42,21 +52,29 @@ from tpu_ckpt.format._names import (
     STAGING_DIRECTORY,
     STAGING_MARKER,
     TIER_FILE,
-    TOKENED,
     data_file_name,
     is_marker,
     marker_name,
     spread,
     staged_index_file,
     staging_directory,
-    table_file,
     table_prefix,
     token_of,
     values_file_name,
     written_by,
 )
-from tpu_ckpt.format._piece_table import encode_manifest, grid_of, write
-from tpu_ckpt.format._read_plan import MAX_READ_BYTES, Read, byte_batches, check_crcs, coalesce, overlapping
+from tpu_ckpt.format._piece_table import (
+    encode_manifest,
+    write,
+)
+from tpu_ckpt.format._read_plan import (
+    MAX_READ_BYTES,
+    Read,
+    byte_batches,
+    check_crcs,
+    coalesce,
+    overlapping,
+)
 from tpu_ckpt.format._slices import (
     MAX_GRID_CELLS,
     SliceSpec,
@@ -72,7 +90,6 @@ from tpu_ckpt.format._slices import (
 )
 from tpu_ckpt.format._table_reads import (
     ROW,
-    ROW_BYTES,
     TableSource,
     load_rows,
     loaded_overlapping,
@@ -81,6 +98,93 @@ from tpu_ckpt.format._table_reads import (
     piece_layout,
     prefetch,
 )
-from tpu_ckpt.format._values import PerProcess, decode_value, encode_value
+from tpu_ckpt.format._values import (
+    PerProcess,
+    decode_value,
+    encode_value,
+)
 
-__all__ = ["ALIGNMENT", "PER_PROCESS", "PerProcess", "decode_value", "encode_value", "version_for", "DTYPE_NAMES", "FORMAT_VERSION", "IndexPlan", "IndexRows", "LeafEntry", "MANIFEST_FILE", "REFERENCED_FILE", "TOKENED", "MAX_GRID_CELLS", "MAX_READ_BYTES", "Manifest", "PathEntry", "PieceEntry", "PlannedPiece", "ROW", "ROW_BYTES", "Read", "SAFETENSORS_CODES", "SMALL_PIECE", "SliceSpec", "TableSource", "Texts", "byte_batches", "check_byte_ranges", "check_crcs", "coalesce", "contains", "cover", "crc32c", "data_file_bytes", "decode_index", "decode_manifest", "dtype_from_name", "dtype_itemsize", "dtype_name", "encode_index", "encode_manifest", "encode_parts", "encode_rows", "extent", "file_size", "flatten", "full_slice", "grid_of", "grids_shared", "index_manifest", "intersect", "join", "load_rows", "loaded_overlapping", "metric_values", "normalise_subtree", "overlapping", "path_entries", "piece_cells", "piece_rows", "piece_columns", "piece_layout", "prefetch", "relative", "seal", "sharding_text", "sort_order", "spread", "tensor_name", "tiling_problem", "token_of", "under", "unflatten_nested", "unseal", "volume", "write", "PLAN_FILE", "STAGING_DIRECTORY", "STAGING_MARKER", "TIER_FILE", "data_file_name", "is_marker", "marker_name", "staged_index_file", "staging_directory", "table_file", "table_prefix", "values_file_name", "written_by"]
+__all__ = [
+    "ALIGNMENT",
+    "FORMAT_VERSION",
+    "IndexPlan",
+    "IndexRows",
+    "LeafEntry",
+    "MANIFEST_FILE",
+    "MAX_GRID_CELLS",
+    "MAX_READ_BYTES",
+    "Manifest",
+    "PER_PROCESS",
+    "PLAN_FILE",
+    "PathEntry",
+    "PerProcess",
+    "PieceEntry",
+    "PlannedPiece",
+    "REFERENCED_FILE",
+    "ROW",
+    "Read",
+    "SAFETENSORS_CODES",
+    "STAGING_DIRECTORY",
+    "STAGING_MARKER",
+    "SliceSpec",
+    "TIER_FILE",
+    "TableSource",
+    "Texts",
+    "byte_batches",
+    "check_byte_ranges",
+    "check_crcs",
+    "coalesce",
+    "contains",
+    "cover",
+    "crc32c",
+    "data_file_bytes",
+    "data_file_name",
+    "decode_index",
+    "decode_manifest",
+    "decode_value",
+    "dtype_from_name",
+    "dtype_itemsize",
+    "dtype_name",
+    "encode_index",
+    "encode_manifest",
+    "encode_parts",
+    "encode_rows",
+    "encode_value",
+    "extent",
+    "file_size",
+    "flatten",
+    "full_slice",
+    "grids_shared",
+    "index_manifest",
+    "intersect",
+    "is_marker",
+    "join",
+    "load_rows",
+    "loaded_overlapping",
+    "marker_name",
+    "metric_values",
+    "normalise_subtree",
+    "overlapping",
+    "path_entries",
+    "piece_cells",
+    "piece_columns",
+    "piece_layout",
+    "piece_rows",
+    "prefetch",
+    "relative",
+    "sharding_text",
+    "sort_order",
+    "spread",
+    "staged_index_file",
+    "staging_directory",
+    "table_prefix",
+    "tensor_name",
+    "tiling_problem",
+    "token_of",
+    "under",
+    "unflatten_nested",
+    "values_file_name",
+    "volume",
+    "write",
+    "written_by",
+]

@@ -5,6 +5,17 @@ the Hugging Face layout), Hugging Face safetensors loaded onto a mesh, and the T
 from tpu_ckpt.interop._checkpoint import Checkpoint
 from tpu_ckpt.interop._export import export_for_serving
 from tpu_ckpt.interop._hf_load import load_safetensors
-from tpu_ckpt.interop._orbax import ImportReport, export_orbax, import_orbax
+from tpu_ckpt.interop._orbax import (
+    ImportReport,
+    export_orbax,
+    import_orbax,
+)
 
-__all__ = ["Checkpoint", "ImportReport", "export_for_serving", "export_orbax", "import_orbax", "load_safetensors"]
+__all__ = [
+    "Checkpoint",
+    "ImportReport",
+    "export_for_serving",
+    "export_orbax",
+    "import_orbax",
+    "load_safetensors",
+]

@@ -3,4 +3,6 @@ run directory of ``step_<n>`` checkpoints."""
 
 from tpu_ckpt.manager._manager import CheckpointManager
 
-__all__ = ["CheckpointManager"]
+__all__ = [
+    "CheckpointManager",
+]

@@ -2,10 +2,27 @@
 place, with reads shared between processes; and ``check_restore``, the plan without the reads."""
 
 from tpu_ckpt.restoring._abstract import abstract_target
-from tpu_ckpt.restoring._check import RestoreReport, check_restore
-from tpu_ckpt.restoring._exec import execute
-from tpu_ckpt.restoring._plan import ArrayRead, NoRead, missing_subtree, needed_slices, plan_restore
-from tpu_ckpt.restoring._restore import ArrayMetadata, PerProcessMetadata, metadata, restore, restore_from
-from tpu_ckpt.restoring._shared_reads import StoreReads
+from tpu_ckpt.restoring._check import (
+    RestoreReport,
+    check_restore,
+)
+from tpu_ckpt.restoring._plan import missing_subtree
+from tpu_ckpt.restoring._restore import (
+    ArrayMetadata,
+    PerProcessMetadata,
+    metadata,
+    restore,
+    restore_from,
+)
 
-__all__ = ["ArrayMetadata", "PerProcessMetadata", "ArrayRead", "NoRead", "RestoreReport", "StoreReads", "abstract_target", "check_restore", "execute", "metadata", "missing_subtree", "needed_slices", "plan_restore", "restore", "restore_from"]
+__all__ = [
+    "ArrayMetadata",
+    "PerProcessMetadata",
+    "RestoreReport",
+    "abstract_target",
+    "check_restore",
+    "metadata",
+    "missing_subtree",
+    "restore",
+    "restore_from",
+]

@@ -2,6 +2,17 @@
 collector paused while millions of small objects are made."""
 
 from tpu_ckpt.runtime._gc_pause import gc_paused
-from tpu_ckpt.runtime._progress import Progress, plural, size, table
+from tpu_ckpt.runtime._progress import (
+    Progress,
+    plural,
+    size,
+    table,
+)
 
-__all__ = ["Progress", "gc_paused", "plural", "size", "table"]
+__all__ = [
+    "Progress",
+    "gc_paused",
+    "plural",
+    "size",
+    "table",
+]

@@ -1,18 +1,50 @@
 """The save pipeline: plan (pure) -> snapshot to host -> write data files -> every process's
 index to the leader -> commit (manifest last), synchronously or in the background."""
 
-from tpu_ckpt.saving._background import WRITER, SaveResult
-from tpu_ckpt.saving._commit import commit, index, merge_rows
-from tpu_ckpt.saving._data_writes import Writes, snapshot, write_all
+from tpu_ckpt.saving._background import (
+    WRITER,
+    SaveResult,
+)
+from tpu_ckpt.saving._commit import merge_rows
+from tpu_ckpt.saving._data_writes import (
+    Writes,
+    snapshot,
+    write_all,
+)
 from tpu_ckpt.saving._incremental import Incremental
 from tpu_ckpt.saving._plan import (
-    DataFile,
     SavePlan,
     plan_save,
     refuse_per_process,
 )
-from tpu_ckpt.saving._save import OwnFiles, SaveJob, largest_file, save
-from tpu_ckpt.saving._staging import prepare
+from tpu_ckpt.saving._save import (
+    SaveJob,
+    largest_file,
+    save,
+    write_budget,
+)
+from tpu_ckpt.saving._staging import (
+    Staging,
+    prepare,
+)
 from tpu_ckpt.saving._stream_write import StreamWriter
 
-__all__ = ["DataFile", "Incremental", "OwnFiles", "SaveJob", "SavePlan", "SaveResult", "StreamWriter", "WRITER", "Writes", "commit", "index", "largest_file", "merge_rows", "plan_save", "prepare", "refuse_per_process", "save", "snapshot", "write_all"]
+__all__ = [
+    "Incremental",
+    "SaveJob",
+    "SavePlan",
+    "SaveResult",
+    "Staging",
+    "StreamWriter",
+    "WRITER",
+    "Writes",
+    "largest_file",
+    "merge_rows",
+    "plan_save",
+    "prepare",
+    "refuse_per_process",
+    "save",
+    "snapshot",
+    "write_all",
+    "write_budget",
+]

@@ -5,7 +5,6 @@ from tpu_ckpt.sharding._bounded_files import bounded
 from tpu_ckpt.sharding._local_indices import local_indices
 from tpu_ckpt.sharding._pieces import (
     LocalPieces,
-    Shard,
     ShardableTensor,
     ShardingCallback,
     WriteBalance,
@@ -20,7 +19,28 @@ from tpu_ckpt.sharding._policies import (
     ShardByDevicePolicy,
     ShardByTaskPolicy,
 )
-from tpu_ckpt.sharding._slots import SlotPredicate, slot_keys
+from tpu_ckpt.sharding._slots import (
+    SlotPredicate,
+    slot_keys,
+)
 from tpu_ckpt.sharding._validation import validate_shards
 
-__all__ = ["BUILT_IN_POLICIES", "LocalPieces", "MaxShardSizePolicy", "Shard", "ShardByDevicePolicy", "ShardByTaskPolicy", "ShardableTensor", "ShardingCallback", "SlotPredicate", "WriteBalance", "bounded", "describe_sharding", "index_to_slice", "local_indices", "on_one_cpu", "planned", "slot_keys", "validate_shards"]
+__all__ = [
+    "BUILT_IN_POLICIES",
+    "LocalPieces",
+    "MaxShardSizePolicy",
+    "ShardByDevicePolicy",
+    "ShardByTaskPolicy",
+    "ShardableTensor",
+    "ShardingCallback",
+    "SlotPredicate",
+    "WriteBalance",
+    "bounded",
+    "describe_sharding",
+    "index_to_slice",
+    "local_indices",
+    "on_one_cpu",
+    "planned",
+    "slot_keys",
+    "validate_shards",
+]
