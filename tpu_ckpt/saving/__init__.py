@@ -18,23 +18,20 @@ from tpu_ckpt.saving._plan import (
     refuse_per_process,
 )
 from tpu_ckpt.saving._save import (
+    OwnFiles,
     SaveJob,
     largest_file,
     save,
-    write_budget,
 )
-from tpu_ckpt.saving._staging import (
-    Staging,
-    prepare,
-)
+from tpu_ckpt.saving._staging import prepare
 from tpu_ckpt.saving._stream_write import StreamWriter
 
 __all__ = [
     "Incremental",
+    "OwnFiles",
     "SaveJob",
     "SavePlan",
     "SaveResult",
-    "Staging",
     "StreamWriter",
     "WRITER",
     "Writes",
@@ -46,5 +43,4 @@ __all__ = [
     "save",
     "snapshot",
     "write_all",
-    "write_budget",
 ]
