@@ -25,6 +25,7 @@ import numpy as np
 from tpu_ckpt import storage
 from tpu_ckpt.errors import CheckpointError, CorruptCheckpointError
 from tpu_ckpt.format import (
+    PLAN_FILE,
     IndexPlan,
     IndexRows,
     Manifest,
@@ -36,7 +37,6 @@ from tpu_ckpt.format import (
     staged_index_file,
 )
 from tpu_ckpt.saving import merge_rows
-from tpu_ckpt.tiers import _local_steps as local_steps
 from tpu_ckpt.tiers import _part_checks as part_checks
 
 _BLOB = re.compile(r"rows-(\d{5,9})-(\d{5,9})\.bin")
@@ -98,7 +98,7 @@ def merge_range(
     leaf's rows sorted and proved to tile it, the tables written from the sorted rows, the
     manifest naming the data files they use. Array operations over the rows, never a Python
     object per piece (``benchmarks/leader_commit_bench.py --tier``: 13.5 M pieces in seconds)."""
-    planned = decode_manifest(plan, where=step.child(local_steps.PLAN_FILE), tiled=False)
+    planned = decode_manifest(plan, where=step.child(PLAN_FILE), tiled=False)
     first, stop = leaves if leaves is not None else (0, len(planned.leaves))
     rows_plan, sub = IndexPlan.of(planned), dataclasses.replace(planned, leaves=planned.leaves[first:stop])
     with grids_shared():  # a leaf kept inline is gridded once, for its check and its encoding
@@ -117,7 +117,7 @@ def _not_of_one_save(step: storage.Location, error: CheckpointError) -> CorruptC
     different saves (a host's disk restored from an old image, a hand copy)."""
     what = f"leaf {error.key!r}" if error.key else f"{error.file or 'an index'} names another tree"
     return CorruptCheckpointError(
-        f"The local step {step.url}: its {local_steps.PLAN_FILE} and its parts' indexes are not of one save "
+        f"The local step {step.url}: its {PLAN_FILE} and its parts' indexes are not of one save "
         f"({what}). Remove that step_<n> on the hosts holding it to fall back.",
         key=error.key, file=step.url,
     )

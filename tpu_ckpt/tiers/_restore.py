@@ -29,6 +29,7 @@ from tpu_ckpt.catalog import OpenCheckpoint, store_tables
 from tpu_ckpt.errors import CorruptCheckpointError
 from tpu_ckpt.format import (
     MANIFEST_FILE,
+    PLAN_FILE,
     IndexPlan,
     Manifest,
     decode_manifest,
@@ -91,10 +92,10 @@ def _plan_and_serve(
 
 
 def _plan(store: _Parts, readers: int) -> tuple[bytes, Manifest, list[tuple[int, int]]]:
-    data = store.read_file(local_steps.PLAN_FILE)
+    data = store.read_file(PLAN_FILE)
     if data is None:
-        raise CorruptCheckpointError(f"{store.location.child(local_steps.PLAN_FILE)} is missing", file=store.location.url)
-    planned = decode_manifest(data, where=store.location.child(local_steps.PLAN_FILE), tiled=False)
+        raise CorruptCheckpointError(f"{store.location.child(PLAN_FILE)} is missing", file=store.location.url)
+    planned = decode_manifest(data, where=store.location.child(PLAN_FILE), tiled=False)
     return data, planned, range_merge.leaf_ranges(len(planned.leaves), min(readers, cluster.MAX_SERVERS))
 
 
@@ -106,7 +107,7 @@ def _serve(
     if not parts or peers == 0:
         return None
     root = own.location.local_path
-    names = [n for n in os.listdir(root) if written_by(n) in parts or n == local_steps.PLAN_FILE]
+    names = [n for n in os.listdir(root) if written_by(n) in parts or n == PLAN_FILE]
     serves = {n: os.lstat(os.path.join(root, n)).st_size for n in names}  # a link's own size: its reads are refused
     serves.update(held.sizes)
     return cluster.serve(coord, None, held, peers, serves=serves)
@@ -280,7 +281,7 @@ class _Parts(_Routed):
         owner = written_by(name)
         if owner is None:
             owner = range_merge.blob_owner(name)
-        if name == local_steps.PLAN_FILE:
+        if name == PLAN_FILE:
             first = self._holders[min(self._holders)]
             holder: int | None = self._coord.me if self._coord.me in self._holders.values() else first
         else:

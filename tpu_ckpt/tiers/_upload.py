@@ -26,6 +26,8 @@ import numpy as np
 from tpu_ckpt import cluster, saving, storage
 from tpu_ckpt.errors import CorruptCheckpointError
 from tpu_ckpt.format import (
+    PLAN_FILE,
+    TIER_FILE,
     IndexPlan,
     Manifest,
     PieceEntry,
@@ -63,7 +65,7 @@ class Upload:
         coord = self.coord
         try:
             source = local_steps.step_dir(root, self.step)
-            data, where = _read(source, local_steps.PLAN_FILE)
+            data, where = _read(source, PLAN_FILE)
             plan = decode_manifest(data, where=where, tiled=False)
             parts = part_checks.check_step(source, self.step, None, data)  # the plan and index of this save
             index = _uploaded(source, _own_index(source, plan, coord.me, parts, self.step))
@@ -98,7 +100,7 @@ def _uploaded(source: str, index: Manifest) -> Manifest:
     """What of this process's part goes up: all of it, or, where each slice wrote a whole
     copy (``_slice_copies``), nothing unless it is of process 0's slice (the copies repeat each
     other's pieces; one is the persistent step)."""
-    copy = (storage.read_json(source, local_steps.TIER_FILE, 1 << 16) or {}).get("copy")
+    copy = (storage.read_json(source, TIER_FILE, 1 << 16) or {}).get("copy")
     if copy is None or 0 in copy:
         return index
     return dataclasses.replace(index, leaves=tuple(dataclasses.replace(leaf, pieces=()) for leaf in index.leaves), files={})
