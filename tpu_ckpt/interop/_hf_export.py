@@ -218,7 +218,8 @@ class _Scratch:
     (``storage/_direct_writes.py``)."""
 
     def __init__(self, nbytes: int):
-        self.nbytes, self._buffers, self._turn = nbytes, [None, None], 0
+        self.nbytes, self._turn = nbytes, 0
+        self._buffers: list[np.ndarray | None] = [None, None]
 
     def take(self, span: SliceSpec, dtype: np.dtype) -> np.ndarray:
         self._turn ^= 1

@@ -73,8 +73,8 @@ class FileWriter:
                 for view in views:
                     self._append.add(view)
                 return
-            if self._append is not None:
-                self._append, appender = None, self._append
+            appender, self._append = self._append, None
+            if appender is not None:
                 appender.detach()
             while views:
                 written = os.pwritev(self._fd, views[: safe_reads.IOV_MAX], offset)
@@ -90,8 +90,8 @@ class FileWriter:
             return
         fd, self._fd = self._fd, None
         try:
-            if self._append is not None:
-                self._append, appender = None, self._append
+            appender, self._append = self._append, None
+            if appender is not None:
                 appender.finish()
             os.fsync(fd)
         except OSError as e:
