@@ -771,6 +771,9 @@ def main():
 
                 targets = {k: abstract(tree.params, mesh(m)) for k, m in (("same", SAVE_MESH), ("resharded", RESTORE_MESH))}
                 results["huggingface"] = hf_rows(tree.params, targets, workdir, args.reps, drop_caches)
+                from per_process_rows import per_process_rows  # benchmarks/: issue #35, keys and tc.PerProcess
+
+                results["per_process"] = per_process_rows(tree, workdir, args.reps, drop_caches)
             if name == "lm" and args.run_async and not args.saves_only:
                 tree = run_async(name, tree, libs[:2], workdir, args.reps, samples)  # donates `tree`
             free(tree)
