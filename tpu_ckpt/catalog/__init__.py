@@ -1,5 +1,6 @@
 """Committed checkpoints as they are found: one open checkpoint (manifest and piece tables
-read once), a run's listing, verification and diffs. No JAX."""
+read once), a run's listing, verification and diffs; and the removal of a run's steps,
+leftovers and strays (``_removal``, the one module that deletes). No JAX."""
 
 from tpu_ckpt.catalog._committed import (
     read_manifest,
@@ -17,18 +18,22 @@ from tpu_ckpt.catalog._listing import (
     list_run,
     nested,
     parse_listing,
-    remove_leftover,
-    remove_leftovers,
-    remove_step,
     scan,
 )
 from tpu_ckpt.catalog._open import (
     OpenCheckpoint,
     open_checkpoint,
 )
+from tpu_ckpt.catalog._removal import (
+    remove_leftover,
+    remove_leftovers,
+    remove_step,
+    remove_strays,
+    retire_step,
+    trim_step,
+)
 from tpu_ckpt.catalog._strays import (
     Strays,
-    remove_strays,
     strays,
 )
 from tpu_ckpt.catalog._verify import verify
@@ -51,8 +56,10 @@ __all__ = [
     "remove_leftovers",
     "remove_step",
     "remove_strays",
+    "retire_step",
     "scan",
     "store_tables",
     "strays",
+    "trim_step",
     "verify",
 ]

@@ -1,4 +1,4 @@
-"""What a directory of checkpoints holds, and removing the leftovers of interrupted saves.
+"""What a directory of checkpoints holds: its checkpoints, and the leftovers of interrupted saves.
 
 The rules are CheckpointManager's (manager/_manager.py), so ``tpu-ckpt ls``/``gc`` and a manager
 agree on what is committed and what may be deleted. What a directory holds decides, not its
@@ -10,16 +10,14 @@ manifest that is ours: it holds a staging marker (plain, or on an object store o
 CheckpointManager's rule, or ``<name>.tmp-<hex>``, which older saves left unmarked). A
 leftover whose marker is younger than its grace period (of several, the one that ends last)
 may be a save still running: it is "busy", and neither ``gc`` nor a manager's cleanup
-removes it. Anything else (a user's own files and directories) is neither listed nor removed.
+removes it (``_removal``). Anything else (a user's own files and directories) is neither listed nor removed.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import json
-import logging
 import os
 import re
 import time
@@ -28,8 +26,6 @@ from collections.abc import Collection, Iterable
 from tpu_ckpt import storage
 from tpu_ckpt.errors import CheckpointError, CheckpointNotFoundError
 from tpu_ckpt.format import MANIFEST_FILE, REFERENCED_FILE, STAGING_DIRECTORY, STAGING_MARKER, decode_manifest
-
-logger = logging.getLogger(__name__)
 
 INTEGER = re.compile(r"\d+")
 # Only what a CheckpointManager writes is ever removed as its leftover, never a user's directory.
@@ -191,42 +187,6 @@ def _listed(directory: str | os.PathLike[str]) -> tuple[storage.Location, list[s
     return loc, files
 
 
-def remove_leftovers(directory: str | os.PathLike[str], names: list[str]) -> list[str]:
-    """Deletes the given leftovers of ``directory`` (as found by :func:`scan`, and not busy)
-    that still are (:func:`remove_leftover`); returns those deleted."""
-    loc = storage.location(directory)
-    return [name for name in names if remove_leftover(loc, name, "an uncommitted leftover")]
-
-
-def remove_leftover(loc: storage.Location, name: str, why: str, *, even_busy: bool = False) -> bool:
-    """Deletes the leftover ``name`` of ``loc`` unless, since it was listed, it became a save
-    in progress (unless ``even_busy``) or was committed; returns whether it did.
-
-    The marker is read before the manifest is looked for, the reverse of the order in which
-    a commit writes the manifest and then deletes the marker: a save committing meanwhile is
-    seen by one or the other (a listing, however recent, may predate the commit). On an
-    object store a manifest is the commit whatever its marker names (``staged_in``)."""
-    where = storage.Location(loc.child(name))
-    marker = storage.latest_marker(where)
-    if marker is not None and not even_busy and time.time() < marker.held_until:
-        logger.info("tpu_ckpt: keeping %s: a save that may still be running", where.url)
-        return False
-    if _has_manifest(where) and (marker is None or marker.final in (None, name) or not loc.is_local):
-        logger.info("tpu_ckpt: keeping %s: committed since it was listed", where.url)
-        return False
-    remove_step(loc, name, why)
-    return True
-
-
-def _has_manifest(where: storage.Location) -> bool:
-    """Whether ``where`` holds a manifest now: a stat, or a listing of its prefix (an object
-    store's read would fetch the whole manifest)."""
-    if where.is_local:
-        return os.path.isfile(os.path.join(where.local_path, MANIFEST_FILE))
-    with storage.Store(where, threads=1) as store:
-        return MANIFEST_FILE in store.list()
-
-
 def _committed(loc: storage.Location, name: str, step: int | None, files: int) -> Entry:
     """A checkpoint's entry; its size is what it stores itself (a link's data lives elsewhere)."""
     where = loc.child(name)
@@ -341,13 +301,3 @@ def _sort(names: set[str], with_manifest: set[str], staged: Collection[str], ret
             committed.setdefault(int(numbers[0]), name)
     leftovers = sorted(n for n in names if OWN_LEFTOVER.fullmatch(n) and (n not in with_manifest or n in staged))
     return Listing(committed, leftovers, retired=sorted(retired))
-
-
-def remove_step(loc: storage.Location, name: str, why: str) -> None:
-    """Deletes one step directory under ``loc``. The manifest goes first, so an interrupted
-    delete leaves an uncommitted leftover and never a committed checkpoint with files missing."""
-    logger.info("tpu_ckpt: removing %s: %s", loc.child(name), why)
-    with storage.Store(storage.Location(loc.child(name)), threads=1) as store:
-        with contextlib.suppress(FileNotFoundError):
-            store.delete(MANIFEST_FILE)
-        store.delete_all()

@@ -32,7 +32,6 @@ import dataclasses
 import json
 import logging
 import os
-import time
 
 from tpu_ckpt import storage
 from tpu_ckpt.catalog._listing import _listed, checkpoints, staged_in
@@ -42,7 +41,6 @@ from tpu_ckpt.format import (
     REFERENCED_FILE,
     STAGING_MARKER,
     decode_manifest,
-    is_marker,
     marker_name,
     token_of,
 )
@@ -134,29 +132,3 @@ def _named(where: storage.Location, *, retired: bool) -> set[str] | None:
     except CheckpointError:
         return None
     return {*manifest.files, *manifest.tables}
-
-
-def remove_strays(directory: str | os.PathLike[str], found: list[Strays]) -> list[Strays]:
-    """Deletes the strays ``found`` (by :func:`strays`, and not held) that still are; returns
-    those deleted."""
-    loc = storage.location(directory)
-    return [s for s in found if _remove(loc, s)]
-
-
-def _remove(loc: storage.Location, found: Strays) -> bool:
-    """Deletes one save's strays in one checkpoint unless, since they were listed, that save
-    marked it (it may be writing: a marker found now, or renewed), or it stopped being a
-    checkpoint or retired step, or what it names came to include one of them: one listing
-    of its prefix, and a read of each file that decides. Its staging marker goes last."""
-    where = storage.Location(loc.child(found.name))
-    with storage.Store(where, threads=1) as store:
-        names = set(store.list())
-        held = [_held_until(where, names, token) for token in found.tokens]
-        if any(until is not None and time.time() < until for until in held):
-            return False
-        retired = MANIFEST_FILE not in names
-        kept = _named(where, retired=retired) if not retired or REFERENCED_FILE in names else None
-        if kept is None or kept & set(found.files):
-            return False
-        storage.remove_files(store, sorted((f for f in found.files if f in names), key=is_marker))
-    return True

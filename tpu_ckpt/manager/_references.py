@@ -22,16 +22,14 @@ runs on the run directory's removal thread, on the leader.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tpu_ckpt import saving, storage
-from tpu_ckpt.catalog import Listing, remove_step
+from tpu_ckpt.catalog import Listing, remove_step, retire_step, trim_step
 from tpu_ckpt.errors import CheckpointError, CheckpointExistsError
-from tpu_ckpt.format import MANIFEST_FILE, REFERENCED_FILE, decode_manifest
+from tpu_ckpt.format import MANIFEST_FILE, decode_manifest
 
 if TYPE_CHECKING:  # the manager hands its run directory in
     from tpu_ckpt.manager._run_directory import RunDirectory
@@ -124,16 +122,8 @@ def referenced(run: RunDirectory, kept: list[str], named: dict[str, dict[str, se
 
 def _retire(run: RunDirectory, name: str, keep: set[str], why: str) -> None:
     """Takes step ``name`` out of the committed steps: ``referenced.json`` first when kept steps
-    name files of it (it becomes a retired step), then its manifest."""
-    with storage.Store(storage.Location(run.loc.child(name)), threads=1) as store:
-        if keep:
-            logger.info("tpu_ckpt: retiring %s (%s); keeping the %d data files newer steps reference",
-                        run.loc.child(name), why, len(keep))
-            store.write(REFERENCED_FILE, [json.dumps({"files": sorted(keep)}).encode()]).result()
-        else:
-            logger.info("tpu_ckpt: removing %s: %s", run.loc.child(name), why)
-        with contextlib.suppress(FileNotFoundError):
-            store.delete(MANIFEST_FILE)
+    name files of it (it becomes a retired step), then its manifest (``catalog.retire_step``)."""
+    retire_step(run.loc, name, keep, why)
     run.left(name, retired=bool(keep))
 
 
@@ -147,10 +137,5 @@ def _trim(run: RunDirectory, name: str, keep: set[str], why: str) -> None:
         return
     if not run.loc.is_local and run.trimmed.get(name) == keep:
         return
-    with storage.Store(storage.Location(run.loc.child(name)), threads=1) as store:
-        files = store.list()
-        extra = [file for file in files if file not in keep and file not in (REFERENCED_FILE, MANIFEST_FILE)]
-        if extra or REFERENCED_FILE not in files:
-            store.write(REFERENCED_FILE, [json.dumps({"files": sorted(keep)}).encode()]).result()
-        storage.remove_files(store, extra)
+    trim_step(run.loc, name, keep)
     run.trimmed[name] = keep
