@@ -147,13 +147,8 @@ class LazyPieces(Sequence[PieceEntry]):
         wanted = sorted(needed - self._cells.keys())
         if len(wanted) == self._ref.count:
             return [_Span(self, 0, self._ref.count)]
-        spans: list[_Span] = []
-        for cell in wanted:
-            if spans and spans[-1].first + spans[-1].length == cell:
-                spans[-1] = spans[-1]._replace(length=spans[-1].length + 1)
-            else:
-                spans.append(_Span(self, cell, 1))
-        return spans
+        ends = [i for i in range(1, len(wanted)) if wanted[i] != wanted[i - 1] + 1]  # where a run of cells breaks
+        return [_Span(self, wanted[a], b - a) for a, b in zip([0, *ends], [*ends, len(wanted)]) if b > a]
 
     def _load_whole(self) -> table_rows.Columns:
         if self._whole is None:
