@@ -58,7 +58,12 @@ def table_source(loc: storage.Location) -> TableSource:
 
 
 def store_tables(store: storage.ReadableStore) -> TableSource:
-    """Reads ranges of the piece tables through an open store."""
+    """Reads ranges of the piece tables through an open store; a local one's in place, as
+    :func:`table_source` does: a process of a job reads its own cells of each leaf, a small read
+    per leaf, and the hop to an IO thread and back cost more than the read (300 leaves: 109 -> 79
+    ms of CPU)."""
+    if isinstance(store, storage.Backend) and store.location.is_local:
+        return table_source(store.location)
     return TableSource(
         lambda name, start, length: store.read(name, start, [length]).result()[0].tobytes(), store.location.child
     )
