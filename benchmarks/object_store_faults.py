@@ -29,7 +29,7 @@ def main() -> int:
     args = parser.parse_args()
     scratch = tempfile.mkdtemp(prefix="tpu_ckpt_faults_")
     moto, endpoint = start_moto(scratch)
-    from tests.object_stores import FaultyProxy
+    from tests.support.object_stores import FaultyProxy
 
     proxy = FaultyProxy(endpoint)
     empty = os.path.join(scratch, "empty")  # no AWS profile files to look for (and log about)

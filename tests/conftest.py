@@ -10,7 +10,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-pytest_plugins = ("tests.object_stores",)  # the gcs_server, s3_server and bucket fixtures
+pytest_plugins = ("tests.support.object_stores",)  # the gcs_server, s3_server and bucket fixtures
 
 # 64-bit dtypes must survive a round trip through real jax.Arrays too.
 jax.config.update("jax_enable_x64", True)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import tpu_ckpt as tc
-from tests.helpers import CountingStore
+from tests.support.helpers import CountingStore
 from tpu_ckpt import catalog, restoring, storage
 from tpu_ckpt.catalog import diff, verify
 

@@ -2,7 +2,7 @@
 save that never committed it (a writer that stalled for good: issue #23), and nothing else:
 every object a manifest, a retired step's referenced.json or a kept step's reference names
 stays, a stray beside a staging marker still in its grace period stays, and the checkpoint
-restores bit-exactly afterwards. Against moto and gcp-storage-emulator (tests/object_stores.py)."""
+restores bit-exactly afterwards. Against moto and gcp-storage-emulator (tests/support/object_stores.py)."""
 
 import json
 import time

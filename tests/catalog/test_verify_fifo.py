@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 import tpu_ckpt as tc
-from tests.helpers import files
+from tests.support.helpers import files
 from tpu_ckpt.cli import main
 
 

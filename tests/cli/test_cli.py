@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-from tests.helpers import axis_types, leaf, manifest
+from tests.support.helpers import axis_types, leaf, manifest
 
 pytestmark = [pytest.mark.slow]  # every test runs the command in a fresh interpreter
 
@@ -377,7 +377,7 @@ def _read_all(fd: int) -> str:
 
 @pytest.mark.emulator
 def test_ls_verify_and_gc_work_on_object_store_urls(bucket, mesh42):
-    """Through the GCS and S3 emulators of tests/object_stores.py (the subprocess inherits
+    """Through the GCS and S3 emulators of tests/support/object_stores.py (the subprocess inherits
     the environment that points tensorstore at them)."""
     with tc.CheckpointManager(bucket.url("run"), max_to_keep=None) as manager:
         manager.save(1, {"params": params(mesh42, P("data", "model")), "step": 1})

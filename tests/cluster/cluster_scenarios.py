@@ -1,4 +1,4 @@
-"""Scenarios of the coordinator alone, run by tests/mp_worker.py in each process."""
+"""Scenarios of the coordinator alone, run by tests/support/mp_worker.py in each process."""
 
 from __future__ import annotations
 

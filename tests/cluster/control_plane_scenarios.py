@@ -1,4 +1,4 @@
-"""The restores' control plane counted per process (run by tests/process_group.py at several
+"""The restores' control plane counted per process (run by tests/support/process_group.py at several
 process counts): the coordination service's key-value calls and the relay connections each
 process opens and accepts, for a tier restore and a load_and_broadcast restore of a small
 state (one sharded array, one replicated, a host value)."""
@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-from tests.mp_scenarios import GLOBAL, _global_array, _mismatches
+from tests.support.mp_scenarios import GLOBAL, _global_array, _mismatches
 from tests.tiers.tier_scenarios import _enter_host
 from tpu_ckpt import relay
 

@@ -3,7 +3,7 @@ progress; one that stops reporting is a timeout naming what it was last doing.""
 
 import pytest
 
-from tests import process_group
+from tests.support import process_group
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

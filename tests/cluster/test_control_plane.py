@@ -3,7 +3,7 @@ with real processes at 2 and 4 processes (tests/cluster/control_plane_scenarios.
 
 import pytest
 
-from tests import process_group
+from tests.support import process_group
 from tpu_ckpt import cluster
 
 

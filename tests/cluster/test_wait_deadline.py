@@ -4,7 +4,7 @@ sender's changing progress notes extended a wait without bound."""
 
 import pytest
 
-from tests import process_group
+from tests.support import process_group
 from tpu_ckpt.cluster._coordinator import MAX_WAIT_TIMEOUTS
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]

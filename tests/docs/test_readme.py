@@ -10,10 +10,10 @@ Where a block runs, chosen by an HTML comment on the line before it:
   (none)                       one subprocess for all of them (8 simulated CPU devices,
                                JAX_PLATFORMS=cpu), so the JAX import is paid once;
   <!-- run: 2 processes -->    every process of a real 2-process jax.distributed job
-                               (tests/process_group.py, 4 CPU devices each), where
+                               (tests/support/process_group.py, 4 CPU devices each), where
                                jax.distributed.initialize() has been called already, so the
                                block's own call is dropped;
-  <!-- run: s3 -->             against moto (tests/object_stores.py), in the bucket the
+  <!-- run: s3 -->             against moto (tests/support/object_stores.py), in the bucket the
                                object-store page's shell lines create;
   <!-- not run: <why> -->      skipped; NOT_RUN must list it, so nothing is skipped silently.
 
@@ -43,7 +43,7 @@ import tokenize
 
 import pytest
 
-from tests import process_group
+from tests.support import process_group
 
 pytestmark = [pytest.mark.notebook, pytest.mark.slow]
 
@@ -131,7 +131,7 @@ def transform(code: str, workdir: str, *, multi_process: bool = False) -> tuple[
     """The block as it runs (same number of lines), and how many of its prints are checked."""
     code = code.replace("/tmp/", workdir.rstrip("/") + "/")
     if multi_process:
-        code = code.replace("jax.distributed.initialize()", "pass  # done by tests/mp_worker.py")
+        code = code.replace("jax.distributed.initialize()", "pass  # done by tests/support/mp_worker.py")
     lines = code.split("\n")
     comments = {
         tok.start[0] - 1: (tok.start[1], tok.string)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import tpu_ckpt as tc
-from tests.helpers import sealed
+from tests.support.helpers import sealed
 from tpu_ckpt.format import (
     ALIGNMENT,
     FORMAT_VERSION,

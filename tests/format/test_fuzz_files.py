@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tpu_ckpt as tc
-from tests.helpers import manifest
+from tests.support.helpers import manifest
 from tpu_ckpt.catalog import verify
 
 TREE = {"w": np.arange(512, dtype=np.float32).reshape(16, 32), "step": 3}

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import tpu_ckpt as tc
-from tests.helpers import manifest, write_manifest
+from tests.support.helpers import manifest, write_manifest
 from tpu_ckpt.catalog import verify
 from tpu_ckpt.format._keys import node_clash, unflatten_nested
 

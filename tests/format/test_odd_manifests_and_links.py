@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import tpu_ckpt as tc
-from tests.helpers import as_format_1_2, manifest, write_manifest
+from tests.support.helpers import as_format_1_2, manifest, write_manifest
 from tpu_ckpt.catalog import verify
 from tpu_ckpt.format import _decode as decode
 

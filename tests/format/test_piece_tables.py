@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-from tests.helpers import as_format_1_2, bits, manifest, write_manifest
+from tests.support.helpers import as_format_1_2, bits, manifest, write_manifest
 from tpu_ckpt import storage
 from tpu_ckpt.catalog import verify
 from tpu_ckpt.format import (

@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-from tests.helpers import manifest, write_manifest
+from tests.support.helpers import manifest, write_manifest
 from tpu_ckpt import cli
 
 

@@ -1,5 +1,5 @@
 """A Hugging Face export written by every process of a job, then loaded back onto a mesh
-whose devices are reversed, run by every process (see tests/process_group.py)."""
+whose devices are reversed, run by every process (see tests/support/process_group.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-from tests.mp_scenarios import _bytes_written, _global_array, _job_mesh, _reversed_mesh, _shard_mismatches
+from tests.support.mp_scenarios import _bytes_written, _global_array, _job_mesh, _reversed_mesh, _shard_mismatches
 
 # four 1 MiB tensors, one per file at a max_shard_size of 1 MiB: two files for each of 2 processes, one for each of 4
 VALUES = {f"w{i}": np.arange(256 * 1024, dtype=np.float32).reshape(256, 1024) * (i + 1) for i in range(4)}

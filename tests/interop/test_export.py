@@ -13,7 +13,7 @@ import pytest
 from flax.training import train_state
 
 import tpu_ckpt as tc
-from tests.helpers import files, manifest
+from tests.support.helpers import files, manifest
 from tpu_ckpt.settings import settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

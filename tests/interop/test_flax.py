@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-from tests.flax_mlp import X, Y, new_state, train_step
+from tests.support.flax_mlp import X, Y, new_state, train_step
 
 
 def train(state, steps):

@@ -20,9 +20,9 @@ from safetensors.numpy import load as safetensors_load
 from safetensors.numpy import save_file
 
 import tpu_ckpt as tc
-from tests import process_group
-from tests.flax_mlp import X, new_state
 from tests.interop.hf_scenarios import VALUES
+from tests.support import process_group
+from tests.support.flax_mlp import X, new_state
 from tpu_ckpt.cli import main
 
 RNG = np.random.default_rng(0)
@@ -311,10 +311,10 @@ def test_export_and_load_on_object_stores(bucket):
 
 @pytest.mark.slow
 def test_peak_memory_under_host_memory_limit_both_ways(tmp_path):
-    """A 1 GiB leaf under a 64 MiB limit, issue #36's sizes (tests/hf_memory_probe.py, a fresh
+    """A 1 GiB leaf under a 64 MiB limit, issue #36's sizes (tests/interop/hf_memory_probe.py, a fresh
     process: ~22 s on 2 cores, 10 s at 256 MiB): the export, a transposed one, peaks within
     limit + 32 MiB; the load holds its result and, beyond it, as much."""
-    probe = os.path.join(os.path.dirname(os.path.dirname(__file__)), "hf_memory_probe.py")
+    probe = os.path.join(os.path.dirname(__file__), "hf_memory_probe.py")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     limit = 64 << 20
     done = subprocess.run([sys.executable, probe, str(tmp_path), "1024", str(limit)], capture_output=True, text=True,

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-from tests.helpers import bits, manifest, read_chars
+from tests.support.helpers import bits, manifest, read_chars
 from tpu_ckpt import cli
 from tpu_ckpt.format import flatten
 

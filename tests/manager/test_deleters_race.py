@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import tpu_ckpt as tc
-from tests.object_stores import Bucket
 from tests.saving.test_save_integrity import Sabotage, tree
+from tests.support.object_stores import Bucket
 from tpu_ckpt import catalog, cli, storage
 from tpu_ckpt.format import STAGING_MARKER
 

@@ -16,8 +16,8 @@ import optax
 import pytest
 
 import tpu_ckpt as tc
-from tests import process_group
 from tests.manager import incremental_kill_worker
+from tests.support import process_group
 from tpu_ckpt.catalog import verify
 from tpu_ckpt.cli import main
 

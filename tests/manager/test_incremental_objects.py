@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import tpu_ckpt as tc
-from tests.helpers import sealed
 from tests.manager.test_run_directory import listings
+from tests.support.helpers import sealed
 from tpu_ckpt.catalog import verify
 from tpu_ckpt.cli import main
 

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-from tests import process_group
+from tests.support import process_group
 
 
 def tree(step: int) -> dict:

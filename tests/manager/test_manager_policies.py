@@ -15,9 +15,9 @@ import pytest
 from flax.training import train_state
 
 import tpu_ckpt as tc
-from tests import process_group
-from tests.flax_mlp import X, Y, new_state, train_step
-from tests.helpers import sealed
+from tests.support import process_group
+from tests.support.flax_mlp import X, Y, new_state, train_step
+from tests.support.helpers import sealed
 from tpu_ckpt import cli
 from tpu_ckpt.errors import CorruptCheckpointError
 from tpu_ckpt.format import decode_manifest

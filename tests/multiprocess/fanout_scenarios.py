@@ -1,4 +1,4 @@
-"""load_and_broadcast's collective fan-out in real processes (run by tests/process_group.py): a
+"""load_and_broadcast's collective fan-out in real processes (run by tests/support/process_group.py): a
 state saved sharded over every device, restored onto a (processes, devices) mesh whose first
 axis replicates it across processes; the data bytes each process reads, the relay connections
 and the values, bit for bit."""
@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
 from tests.cluster.control_plane_scenarios import _counted
-from tests.mp_scenarios import _global_array
+from tests.support.mp_scenarios import _global_array
 from tpu_ckpt import storage
 from tpu_ckpt.catalog import read_manifest
 

@@ -7,7 +7,7 @@
   index-based sampling, every record of the epoch is trained on exactly once (the trained
   state counts each record it saw), and the PRNG stream goes on where it stopped.
 
-The scenarios run in every process (tests/mp_worker.py imports this module after
+The scenarios run in every process (tests/support/mp_worker.py imports this module after
 ``jax.distributed.initialize``); each process has one CPU device.
 """
 
@@ -27,10 +27,10 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tests import process_group
+from tests.support import process_group
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
-pytest.importorskip("grain")
+grain = pytest.importorskip("grain")  # the [grain] extra, which `make test` installs
 
 RECORDS, BATCH, SEED = 24, 2, 5  # 6 steps of 2 x 2 records; divisible by 1, 2 and 4 processes
 KILL_AT = 3  # the step whose async save is in flight when the job is killed
@@ -40,8 +40,6 @@ CONFIG = {"lr": 0.5, "records": RECORDS}
 def dataset(start: int, stride: int):
     """This process's part of the epoch: positions start, start + stride, ... of the shuffled
     order, in batches (the last one short when the part does not fill it)."""
-    import grain
-
     return grain.MapDataset.range(RECORDS).shuffle(seed=SEED)[start::stride].map(np.int32).batch(BATCH)
 
 

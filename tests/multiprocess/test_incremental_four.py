@@ -4,7 +4,7 @@ jax.Array objects, and a trained part changes every step. Each save after the fi
 about the trained part alone; retention (max_to_keep=2) keeps the files that kept steps
 reference; every kept step restores bit-exactly, on the saved layout and on another mesh.
 
-``incremental_loop`` is the scenario each process runs (tests/mp_worker.py imports this
+``incremental_loop`` is the scenario each process runs (tests/support/mp_worker.py imports this
 module after ``jax.distributed.initialize``)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tests import helpers, process_group
+from tests.support import helpers, process_group
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import tpu_ckpt as tc
-from tests import helpers, mp_scenarios, process_group
+from tests.support import helpers, mp_scenarios, process_group
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

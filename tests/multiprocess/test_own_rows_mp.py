@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tests import process_group
+from tests.support import process_group
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -20,7 +20,7 @@ LEAVES, SHAPE = 3, (32, 16)
 
 def own_rows(directory: str) -> dict:
     import tpu_ckpt as tc
-    from tests.helpers import CountingStore
+    from tests.support.helpers import CountingStore
     from tpu_ckpt import catalog, restoring, storage
 
     mesh = jax.make_mesh((4, 2), ("data", "model"))  # process 0 holds mesh rows 0-1: cells 0-3 of each leaf

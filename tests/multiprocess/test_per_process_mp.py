@@ -1,7 +1,7 @@
 """tc.PerProcess, typed keys and differing Python values in a real 2-process JAX job (gloo),
 and the 2 -> 1 restore of what it saved (this pytest process is a 1-process job).
 
-``per_process_job`` is the scenario each process runs (tests/mp_worker.py imports this module
+``per_process_job`` is the scenario each process runs (tests/support/mp_worker.py imports this module
 after ``jax.distributed.initialize``)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tests import process_group
+from tests.support import process_group
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

@@ -3,7 +3,7 @@ each process adds at most 1.1x its bytes to the checkpoint, and never passes thr
 coordination service: every value this job's processes set in, or get from, the service's
 key-value store stays below 64 KiB (JAX's real client, wrapped to record the sizes).
 
-``sizes_job`` is the scenario each process runs (tests/mp_worker.py imports this module after
+``sizes_job`` is the scenario each process runs (tests/support/mp_worker.py imports this module after
 ``jax.distributed.initialize``)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tests import process_group
+from tests.support import process_group
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

@@ -5,7 +5,7 @@ collective is named by the barrier before it."""
 
 import pytest
 
-from tests import process_group
+from tests.support import process_group
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

@@ -1,7 +1,7 @@
 """check_restore in a real 2-process JAX job: every process computes every process's reads
 from the global shardings, and each process's own entry is what its restore really reads.
 
-``cross_process_reads`` is the scenario each process runs (tests/mp_worker.py imports this
+``cross_process_reads`` is the scenario each process runs (tests/support/mp_worker.py imports this
 module after ``jax.distributed.initialize``)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tests import process_group
+from tests.support import process_group
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

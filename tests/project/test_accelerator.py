@@ -19,8 +19,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-from tests.flax_mlp import X, Y, new_state, train_step
-from tests.helpers import bits
+from tests.support.flax_mlp import X, Y, new_state, train_step
+from tests.support.helpers import bits
 
 ON_CPU = os.environ.get("TPU_CKPT_ACCELERATOR_TIER_ON_CPU") == "1"
 pytestmark = [
@@ -83,7 +83,7 @@ def test_one_host_copy_per_save_and_host_memory_limit_on_device_memory(tmp_path)
     """A sync save's host memory stays within 1.2x the state (one host copy at most, each let
     go once written); under host_memory_limit a save and a restore stay within it."""
     limit, megabytes = 128 << 20, 512
-    probe = os.path.join(os.path.dirname(os.path.dirname(__file__)), "accelerator_probe.py")
+    probe = os.path.join(os.path.dirname(__file__), "accelerator_probe.py")
     env = dict(os.environ)
     out = subprocess.run([sys.executable, probe, str(tmp_path), str(megabytes), str(limit)],
                          capture_output=True, text=True, check=True, env=env)

@@ -92,7 +92,7 @@ def test_the_fast_tier_installs_what_its_modules_import():
     assert "tpu_ckpt[test-fast]" in extras["test"]
     allowed = set(sys.stdlib_module_names) | {"pytest", "safetensors", "tpu_ckpt", "jax", "numpy", "ml_dtypes", "tensorstore", "crc32c"}
     todo = [p for p in (ROOT / "tests").rglob("test_*.py") if not _is_heavy(p)]
-    plugins = {ROOT / "tests" / "conftest.py", ROOT / "tests" / "object_stores.py"}  # their fixtures run on use only
+    plugins = {ROOT / "tests" / "conftest.py", ROOT / "tests" / "support" / "object_stores.py"}  # their fixtures run on use only
     todo += plugins
     seen: set[pathlib.Path] = set()
     while todo:

@@ -10,7 +10,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-from tests.mp_scenarios import GLOBAL, _global_array, _job_mesh, _mismatches, _targets
+from tests.support.mp_scenarios import GLOBAL, _global_array, _job_mesh, _mismatches, _targets
 from tpu_ckpt.settings import Settings, configure
 
 

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from tests import process_group
+from tests.support import process_group
 from tpu_ckpt.relay import _io_budget as io_budget
 from tpu_ckpt.settings import Settings, configure
 

@@ -10,8 +10,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-from tests.helpers import manifest, write_manifest
 from tests.restoring.counting_reads import restore_counting_reads
+from tests.support.helpers import manifest, write_manifest
 from tpu_ckpt import format as fmt
 from tpu_ckpt import settings
 from tpu_ckpt.restoring._check_reads import _requests

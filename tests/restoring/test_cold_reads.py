@@ -15,7 +15,7 @@ import pytest
 from flax.training import train_state
 
 import tpu_ckpt as tc
-from tests.helpers import evict, leaf, manifest, storage_reads
+from tests.support.helpers import evict, leaf, manifest, storage_reads
 
 MB = 1 << 20
 # Four 1 MiB kernels, and Adam's mu and nu of each: 12 MiB, params first in the file.

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-from tests.helpers import as_format_1_2, bits, manifest, sealed, write_manifest
+from tests.support.helpers import as_format_1_2, bits, manifest, sealed, write_manifest
 from tpu_ckpt.catalog import verify
 
 

@@ -10,8 +10,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-from tests.helpers import manifest
 from tests.restoring.counting_reads import restore_counting_reads
+from tests.support.helpers import manifest
 from tpu_ckpt import settings
 
 W = np.arange(64, dtype=np.float32).reshape(8, 8)

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-from tests.helpers import as_format_1_2, axis_types, bits, files, leaf, manifest, read_chars, write_manifest
+from tests.support.helpers import as_format_1_2, axis_types, bits, files, leaf, manifest, read_chars, write_manifest
 
 DTYPES = [
     np.float32, np.float16, np.float64, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2,

@@ -4,7 +4,7 @@ manifest-form indexes, and every inconsistency refused, without a Python object 
 import pytest
 
 import tpu_ckpt as tc
-from tests.helpers import binary_merge, merge_indexes
+from tests.support.helpers import binary_merge, merge_indexes
 from tpu_ckpt import storage
 from tpu_ckpt.errors import CheckpointError
 from tpu_ckpt.format import (

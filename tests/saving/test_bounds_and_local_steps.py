@@ -53,7 +53,7 @@ def test_an_async_local_save_holds_at_most_host_memory_limit(tmp_path):
 
 
 def test_a_commit_of_a_leaf_no_process_wrote_is_refused_with_a_checkpoint_error():
-    from tests.helpers import binary_merge
+    from tests.support.helpers import binary_merge
     from tpu_ckpt.saving import plan_save
 
     plan = plan_save({"w": np.ones((8, 4), np.float32)}, tc.CheckpointOptions(), process_index=0, process_count=1)

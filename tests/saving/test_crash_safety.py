@@ -38,7 +38,7 @@ import tpu_ckpt as tc
 
 pytestmark = [pytest.mark.slow]
 
-WORKER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "crash_worker.py")
+WORKER = os.path.join(os.path.dirname(__file__), "crash_worker.py")
 MARKER_TIMEOUT = 120.0  # seconds: worker start-up plus two 512 MB saves on a slow shared disk
 
 # id -> (worker mode, when to kill). ("after", word, fraction): `fraction` of the measured

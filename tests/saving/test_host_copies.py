@@ -70,7 +70,7 @@ def test_each_file_is_let_go_once_written(tmp_path):
 
 def _probe(tmp_path, mode: str) -> dict:
     megabytes = 256  # 4 shards of 64 MiB
-    probe = os.path.join(os.path.dirname(os.path.dirname(__file__)), "host_copies_probe.py")
+    probe = os.path.join(os.path.dirname(__file__), "host_copies_probe.py")
     out = subprocess.run([sys.executable, probe, str(tmp_path), str(megabytes), mode], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

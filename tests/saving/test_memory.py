@@ -17,7 +17,7 @@ SLACK = 96 << 20  # interpreter, allocator and page-table noise
 
 def test_save_and_restore_peak_memory(tmp_path):
     megabytes = 768  # 8 data files of 96 MB
-    probe = os.path.join(os.path.dirname(os.path.dirname(__file__)), "memory_probe.py")
+    probe = os.path.join(os.path.dirname(__file__), "memory_probe.py")
     out = subprocess.run([sys.executable, probe, str(tmp_path), str(megabytes)], capture_output=True, text=True, check=True)
     peaks = json.loads(out.stdout.strip().splitlines()[-1])
     state = peaks["state_bytes"]
@@ -33,7 +33,7 @@ def test_host_memory_limit_bounds_saves_and_restores(tmp_path):
     save (whose snapshot cannot fit: the call writes the first files itself) and a restore
     each hold at most the limit + 64 MiB beyond the live arrays and the restored result."""
     limit, megabytes = 128 << 20, 576
-    probe = os.path.join(os.path.dirname(os.path.dirname(__file__)), "memory_limit_probe.py")
+    probe = os.path.join(os.path.dirname(__file__), "memory_limit_probe.py")
     out = subprocess.run(
         [sys.executable, probe, str(tmp_path), str(megabytes), str(limit)], capture_output=True, text=True, check=True
     )
@@ -55,7 +55,7 @@ def test_host_memory_limit_holds_with_many_small_leaves(tmp_path):
     (its plan, manifest and table entries) is outside the bound, at most the per-piece cost the
     README states; beyond it, a save or restore holds the limit + 5% (+ slack)."""
     limit, leaves = 16 << 20, 65536
-    probe = os.path.join(os.path.dirname(os.path.dirname(__file__)), "small_leaves_probe.py")
+    probe = os.path.join(os.path.dirname(__file__), "small_leaves_probe.py")
     out = subprocess.run(
         [sys.executable, probe, str(tmp_path), str(leaves), str(limit)], capture_output=True, text=True, check=True
     )

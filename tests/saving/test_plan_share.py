@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tests import process_group
+from tests.support import process_group
 
 
 @pytest.mark.multiprocess

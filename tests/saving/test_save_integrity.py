@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import tpu_ckpt as tc
 from tpu_ckpt import storage
 
-WORKER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "full_disk_worker.py")
+WORKER = os.path.join(os.path.dirname(__file__), "full_disk_worker.py")
 
 
 class Sabotage(tc.ShardByDevicePolicy):

@@ -11,8 +11,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-from tests import helpers, process_group
-from tests.helpers import binary_merge
+from tests.support import helpers, process_group
+from tests.support.helpers import binary_merge
 from tpu_ckpt.format import PieceEntry, TableSource, decode_manifest, encode_manifest, written_by
 from tpu_ckpt.saving import plan_save
 from tpu_ckpt.saving._commit import index
@@ -212,7 +212,7 @@ def test_merging_indexes_that_miss_a_block_refuses_to_commit():
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_two_processes_plan_balanced_writes_and_log_only_their_own_files(tmp_path):
-    worker = os.path.join(os.path.dirname(os.path.dirname(__file__)), "plan_worker.py")
+    worker = os.path.join(os.path.dirname(__file__), "plan_worker.py")
     runs = process_group.run_script(worker, 2, str(tmp_path))
     assert all(r.returncode == 0 and r.result for r in runs), [r.output for r in runs]
     plans = {r.result["process"]: r.result["files"] for r in runs}

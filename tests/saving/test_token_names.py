@@ -12,8 +12,8 @@ import threading
 import pytest
 
 import tpu_ckpt as tc
-from tests.helpers import assert_bit_exact, mixed_state
-from tests.object_stores import Bucket
+from tests.support.helpers import assert_bit_exact, mixed_state
+from tests.support.object_stores import Bucket
 from tpu_ckpt import storage
 from tpu_ckpt.format import STAGING_MARKER, data_file_name, marker_name, staged_index_file, token_of, written_by
 

@@ -1,4 +1,4 @@
-"""A plain restore counted per process (run by tests/process_group.py): the device-to-block
+"""A plain restore counted per process (run by tests/support/process_group.py): the device-to-block
 entries it builds, of the job's devices and of this process's."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, Sharding
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-from tests.mp_scenarios import _global_array, _mismatches
+from tests.support.mp_scenarios import _global_array, _mismatches
 from tpu_ckpt.sharding import _local_indices
 
 

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tests import process_group
+from tests.support import process_group
 from tpu_ckpt.sharding import index_to_slice, local_indices
 from tpu_ckpt.sharding._local_indices import _spec_axes, block_indices
 

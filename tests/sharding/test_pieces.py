@@ -7,7 +7,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-from tests.helpers import axis_types
+from tests.support.helpers import axis_types
 from tpu_ckpt.sharding import LocalPieces, describe_sharding, index_to_slice
 
 

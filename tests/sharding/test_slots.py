@@ -14,7 +14,7 @@ from flax import nnx
 from flax.training import train_state
 
 import tpu_ckpt as tc
-from tests.helpers import manifest
+from tests.support.helpers import manifest
 
 PARAMS = {"Dense_0": {"kernel": jnp.ones((64, 128)), "bias": jnp.zeros(128)}, "scale": jnp.float32(2.0)}
 
@@ -102,7 +102,7 @@ import json, sys
 sys.modules["optax"] = None  # a serving job without optax installed
 import tpu_ckpt as tc
 
-from tests.helpers import read_chars
+from tests.support.helpers import read_chars
 import jax  # imported before counting: tpu_ckpt imports it lazily, during the restore
 
 path, skip = sys.argv[1], sys.argv[2] == "skip"

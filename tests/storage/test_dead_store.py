@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tpu_ckpt as tc
-from tests.object_stores import DROP
+from tests.support.object_stores import DROP
 
 pytestmark = [pytest.mark.emulator]
 

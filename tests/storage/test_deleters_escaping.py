@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import tpu_ckpt as tc
-from tests.object_stores import BUCKET, Bucket
+from tests.support.object_stores import BUCKET, Bucket
 from tpu_ckpt import cli
 
 pytestmark = [pytest.mark.emulator]

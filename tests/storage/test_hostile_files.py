@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import tpu_ckpt as tc
-from tests.helpers import bits, files
+from tests.support.helpers import bits, files
 from tpu_ckpt import storage
 from tpu_ckpt.catalog import verify
 from tpu_ckpt.storage._safe_reads import MAX_WHOLE_FILE_BYTES

@@ -14,9 +14,9 @@ import time
 import pytest
 
 import tpu_ckpt as tc
-from tests.helpers import assert_bit_exact, mixed_state
-from tests.object_stores import Bucket
 from tests.saving.test_save_integrity import Sabotage
+from tests.support.helpers import assert_bit_exact, mixed_state
+from tests.support.object_stores import Bucket
 from tpu_ckpt import catalog, storage
 from tpu_ckpt.cli import main
 from tpu_ckpt.format import STAGING_MARKER, spread, token_of

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import tpu_ckpt as tc
-from tests.object_stores import DROP, FaultyProxy
+from tests.support.object_stores import DROP, FaultyProxy
 from tpu_ckpt import storage
 from tpu_ckpt.settings import Settings
 

@@ -1,4 +1,4 @@
-"""gs:// and s3:// end to end, against real emulators (tests/object_stores.py): save, restore,
+"""gs:// and s3:// end to end, against real emulators (tests/support/object_stores.py): save, restore,
 metadata, the commit marker, corruption, CheckpointManager, async saves, the export script,
 and retries of transient errors. Every test runs once on GCS and once on S3."""
 
@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-from tests.helpers import bits
+from tests.support.helpers import bits
 from tpu_ckpt.format import token_of as format_token_of
 
 pytestmark = [pytest.mark.emulator]

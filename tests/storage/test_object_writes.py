@@ -15,8 +15,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-from tests.helpers import bits
-from tests.object_stores import Bucket
+from tests.support.helpers import bits
+from tests.support.object_stores import Bucket
 from tpu_ckpt import storage
 from tpu_ckpt.format import data_file_bytes
 from tpu_ckpt.saving import plan_save
@@ -170,7 +170,7 @@ def test_a_big_sync_save_holds_a_few_objects_and_writes_none_above_the_bound(s3_
     MiB, whose pieces are more often cut across their rows and made contiguous to be
     written), and 2 GiB takes this 2-core box twice as long (~40 s against moto)."""
     bucket, object_bytes = Bucket(s3_server, f"big-save-{uuid.uuid4().hex[:8]}"), 64 << 20
-    probe = os.path.join(os.path.dirname(os.path.dirname(__file__)), "object_write_probe.py")
+    probe = os.path.join(os.path.dirname(__file__), "object_write_probe.py")
     done = subprocess.run(
         [sys.executable, probe, bucket.url("c"), "1024", str(object_bytes)], capture_output=True, text=True, timeout=300
     )
@@ -195,7 +195,7 @@ def test_host_memory_limit_bounds_a_save_to_an_object_store(s3_server):
     64 MiB: files are cut to a third of the limit's share (each object is held up to three
     times while written: Location.write_copies)."""
     bucket, limit = Bucket(s3_server, f"limited-{uuid.uuid4().hex[:8]}"), 128 << 20
-    probe = os.path.join(os.path.dirname(os.path.dirname(__file__)), "object_write_probe.py")
+    probe = os.path.join(os.path.dirname(__file__), "object_write_probe.py")
     done = subprocess.run(
         [sys.executable, probe, bucket.url("c"), "512", str(Settings().object_bytes), str(limit)],
         capture_output=True, text=True, timeout=300,

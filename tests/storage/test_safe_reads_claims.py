@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import tpu_ckpt as tc
-from tests.helpers import seal, sealed
-from tests.rss import reset_peak, rss
+from tests.support.helpers import seal, sealed
+from tests.support.rss import reset_peak, rss
 from tpu_ckpt import storage
 
 HEADROOM = 64 << 20  # what a refused claim may cost, at most

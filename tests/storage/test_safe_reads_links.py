@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import tpu_ckpt as tc
-from tests.helpers import files, manifest
+from tests.support.helpers import files, manifest
 from tpu_ckpt import storage
 from tpu_ckpt.catalog import verify
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import tpu_ckpt as tc
-from tests import process_group
-from tests.object_stores import Bucket
+from tests.support import process_group
+from tests.support.object_stores import Bucket
 
 pytestmark = [pytest.mark.emulator]
 

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from tests import process_group
-from tests.mp_scenarios import GLOBAL
+from tests.support import process_group
+from tests.support.mp_scenarios import GLOBAL
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

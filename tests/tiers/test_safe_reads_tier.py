@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tpu_ckpt as tc
-from tests.helpers import sealed
+from tests.support.helpers import sealed
 
 TREE = {"w": np.full((8, 4), 3, np.float32), "step": 3}
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import tpu_ckpt as tc
-from tests.helpers import merge_indexes
+from tests.support.helpers import merge_indexes
 from tpu_ckpt import storage
 from tpu_ckpt.errors import CorruptCheckpointError
 from tpu_ckpt.format import (

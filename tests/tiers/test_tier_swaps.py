@@ -4,7 +4,7 @@ step 6, and a stray persistent step (tests/tiers/tier_swap_scenarios.py)."""
 
 import pytest
 
-from tests import process_group
+from tests.support import process_group
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

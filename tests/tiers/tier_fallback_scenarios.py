@@ -1,4 +1,4 @@
-"""Tier restores that fail part-way, run by every process (see tests/process_group.py): each
+"""Tier restores that fail part-way, run by every process (see tests/support/process_group.py): each
 ends, on every process, in the newest persistent step, with a warning naming the failure.
 
 Local steps 1-3 on 4 processes, step 1 also persistent (save_interval_steps=4); then the
@@ -21,7 +21,7 @@ import time
 import jax
 
 import tpu_ckpt as tc
-from tests.mp_scenarios import GLOBAL, _job_mesh, _mismatches, _reversed_mesh, _targets
+from tests.support.mp_scenarios import GLOBAL, _job_mesh, _mismatches, _reversed_mesh, _targets
 from tests.tiers.tier_scenarios import _enter_host, _manager, _state
 from tpu_ckpt import relay
 from tpu_ckpt.tiers import _restore as tier_restore

@@ -1,4 +1,4 @@
-"""Multi-tier CheckpointManager scenarios, run by every process (see tests/process_group.py).
+"""Multi-tier CheckpointManager scenarios, run by every process (see tests/support/process_group.py).
 
 Each process works in its own directory, standing in for its host's local SSD (the local tier
 path "local" is relative, so no process sees another's); the persistent tier is one directory
@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-from tests.mp_scenarios import GLOBAL, _global_array, _job_mesh, _mismatches, _reversed_mesh, _targets
+from tests.support.mp_scenarios import GLOBAL, _global_array, _job_mesh, _mismatches, _reversed_mesh, _targets
 from tpu_ckpt.tiers import _local_steps as local_steps
 from tpu_ckpt.tiers import _upload as uploads
 

@@ -1,4 +1,4 @@
-"""Multislice local tiers, run by every process (see tests/process_group.py): 4 processes as
+"""Multislice local tiers, run by every process (see tests/support/process_group.py): 4 processes as
 2 simulated slices (``TPU_CKPT_SLICES=0,0,1,1``, set by the test: CPU devices report no
 slice), with state sharded inside each slice and replicated across the two, as data
 parallelism across slices lays it out.
@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
-from tests.mp_scenarios import GLOBAL, _global_array, _mismatches, _targets
+from tests.support.mp_scenarios import GLOBAL, _global_array, _mismatches, _targets
 from tests.tiers.tier_fallback_scenarios import _Warnings
 from tests.tiers.tier_scenarios import _enter_host, _watch_opens
 from tpu_ckpt import relay

@@ -1,5 +1,5 @@
 """Local-tier files of one save swapped into another's step, run by every process (see
-tests/process_group.py): a restore never mixes two saves (issue #38).
+tests/support/process_group.py): a restore never mixes two saves (issue #38).
 
 2 processes, each part kept by both hosts (``local_replicas=1``); local steps 5 and 6 on every
 host, steps 1 and 5 also persistent. Then, as ``case`` says, files of local step 5 are copied
@@ -24,7 +24,7 @@ import shutil
 import jax
 
 import tpu_ckpt as tc
-from tests.mp_scenarios import GLOBAL, _job_mesh, _mismatches, _reversed_mesh, _targets
+from tests.support.mp_scenarios import GLOBAL, _job_mesh, _mismatches, _reversed_mesh, _targets
 from tests.tiers.tier_scenarios import _enter_host, _manager, _state
 
 CASES = ("part", "index", "data", "plan", "flipped")

@@ -21,10 +21,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from rss import reset_peak, rss  # noqa: E402  (tests/rss.py: this script's directory)
 
 import tpu_ckpt as tc  # noqa: E402
 from tpu_ckpt.settings import configure, settings  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support"))
+from rss import reset_peak, rss  # noqa: E402  (tests/support/rss.py)
 
 url, megabytes, object_bytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 options = tc.CheckpointOptions(host_memory_limit=int(sys.argv[4]) if len(sys.argv) > 4 else None)

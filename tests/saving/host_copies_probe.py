@@ -18,10 +18,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from rss import reset_peak, rss  # noqa: E402  (tests/rss.py: this script's directory)
 
 import tpu_ckpt as tc  # noqa: E402
 from tpu_ckpt.settings import configure, settings  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support"))
+from rss import reset_peak, rss  # noqa: E402  (tests/support/rss.py)
 
 ASYNC = tc.CheckpointOptions(enable_async=True)
 

@@ -1,8 +1,8 @@
 """Runs a scenario in N real JAX processes (CPU, 4 devices each unless told, gloo collectives).
 
-Each process runs ``tests/mp_worker.py``, which calls ``jax.distributed.initialize`` against
+Each process runs ``tests/support/mp_worker.py``, which calls ``jax.distributed.initialize`` against
 a coordinator on a free loopback port and then the named function of
-``tests/mp_scenarios.py``. Processes are always killed at the end, whatever happens.
+``tests/support/mp_scenarios.py``. Processes are always killed at the end, whatever happens.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def run_script(
         **os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu",
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_process}",
     }
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     procs = [
         subprocess.Popen(
             [sys.executable, str(script), str(port), str(num_processes), str(i), *args],

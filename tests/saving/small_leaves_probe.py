@@ -11,9 +11,11 @@ import sys
 
 import jax
 import numpy as np
-from rss import measured  # tests/rss.py: this script's directory
 
 import tpu_ckpt as tc
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support"))
+from rss import measured  # noqa: E402  (tests/support/rss.py)
 
 directory, leaves, limit = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 tree = {f"l{i:06d}": jax.device_put(np.full(4096, i, np.float32)) for i in range(leaves)}  # 16 KiB each

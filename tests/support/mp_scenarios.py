@@ -1,4 +1,4 @@
-"""Scenarios run by every process of a multi-process test (see tests/process_group.py)."""
+"""Scenarios run by every process of a multi-process test (see tests/support/process_group.py)."""
 
 from __future__ import annotations
 

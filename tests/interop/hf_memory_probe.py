@@ -3,10 +3,10 @@ leaf much bigger than ``host_memory_limit``, in a fresh process (for
 tests/interop/test_huggingface.py).
 
 Prints one JSON line: the leaf's bytes and, for each direction, the peak RSS above the RSS
-before it (tests/rss.py); the export with a transpose, the load onto a sharded target (each
+before it (tests/support/rss.py); the export with a transpose, the load onto a sharded target (each
 device's slice assembled on the host once, so the load's peak counts one slice, not the leaf).
 The leaf is freed once saved and checked shard by shard, so that the probe itself holds one
-copy of it at most: ``python tests/hf_memory_probe.py DIR MEGABYTES LIMIT_BYTES``.
+copy of it at most: ``python tests/interop/hf_memory_probe.py DIR MEGABYTES LIMIT_BYTES``.
 """
 
 import json
@@ -17,9 +17,11 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from rss import measured  # tests/rss.py: this script's directory
 
 import tpu_ckpt as tc
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support"))
+from rss import measured  # noqa: E402  (tests/support/rss.py)
 
 directory, megabytes, limit = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 rows = megabytes * (1 << 20) // 4 // 1024  # an int32 leaf of (rows, 1024): exact values at any size

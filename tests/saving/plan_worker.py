@@ -1,7 +1,7 @@
 """One process of a multi-process planning test: plans a save, then carries it out.
 
 Run by tests/test_save_plan.py through ``multiprocess.run_script`` (it needs JAX's
-distributed runtime, like tests/mp_worker.py, but no scenario of tests/mp_scenarios.py).
+distributed runtime, like tests/support/mp_worker.py, but no scenario of tests/support/mp_scenarios.py).
 Prints ``RESULT <json>``: the data files this process's plan writes (name -> pieces as
 ``[key, slice, nbytes]``) and the log line of the save that carried the plan out.
 """

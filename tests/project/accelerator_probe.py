@@ -12,9 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from rss import measured  # tests/rss.py: this script's directory
 
 import tpu_ckpt as tc
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support"))
+from rss import measured  # noqa: E402  (tests/support/rss.py)
 
 directory, megabytes, limit = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 devices = jax.devices()
