@@ -88,5 +88,8 @@ def control_plane_counts(directory: str) -> dict:
     shared = tc.CheckpointOptions(load_and_broadcast=True, coordination_timeout=60)
     restored, out["shared"] = _counted(lambda: tc.restore(path, targets, options=shared))
     out["shared_mismatches"] = _mismatches(restored, expected)
+    on_host = {"w": np.zeros_like(GLOBAL), "b": np.zeros_like(GLOBAL[:1]), "step": 0}  # numpy targets: the relay's path
+    restored, out["shared_host"] = _counted(lambda: tc.restore(path, on_host, options=shared))
+    out["shared_host_mismatches"] = [key for key, value in expected.items() if not np.array_equal(restored[key], value)]
     return out
 

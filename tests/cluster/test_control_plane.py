@@ -28,6 +28,12 @@ def test_kv_calls_and_connections_per_process_do_not_grow_with_the_process_count
     # holder read from; a merger (at most MAX_SERVERS of them) still reads its range's rows from every holder.
     for res in four:
         assert res["tier"]["opened"] <= (4 - 1) + 2 * (4 - 1), res
+    # Onto numpy targets (the relay's path) every process needs every piece, each read by one of at
+    # most MAX_SERVERS readers: 2 connections to each other reader, all made before the reads, and
+    # the KV calls of one collect of contacts whatever P; the bytes arrive bit for bit.
+    for count, results in ((2, two), (4, four)):
+        assert all(res["shared_host_mismatches"] == [] and res["shared_host"]["opened"] <= 2 * (count - 1) for res in results), results
+    assert max(res["shared_host"]["kv_calls"] for res in four) <= max(res["shared_host"]["kv_calls"] for res in two) + 8, (two, four)
 
 
 def test_the_readers_are_capped_whatever_the_job():
