@@ -80,10 +80,40 @@ def test_serving_export_drops_per_process_values(tmp_path):
     assert set(tc.restore(tmp_path / "s")) == {"w"}
 
 
-def test_the_local_tier_refuses_per_process_values_by_name(tmp_path):
-    with tc.CheckpointManager(tmp_path / "run", local_directory=tmp_path / "local", local_interval_steps=1) as manager:
-        with pytest.raises(ValueError, match=r"'it' is a tc.PerProcess value, which the local tier does not carry"):
-            manager.save(1, {"it": tc.PerProcess(1), "w": np.zeros(2)})
+def test_the_local_tier_carries_per_process_values(tmp_path):
+    """Local steps 1 and 2 (step 1 also uploaded): step 2 comes from the local tier with its value
+    (tests/tiers/test_local_per_process.py: replicas, lost hosts and resharding, 2 processes)."""
+    with tc.CheckpointManager(tmp_path / "run", save_interval_steps=10, local_directory=tmp_path / "local") as manager:
+        for step in (1, 2):
+            manager.save(step, {"it": tc.PerProcess({"step": step, "state": b"s" * step}), "w": np.zeros(2)})
+        manager.wait_until_finished()
+        assert manager.all_steps() == [1] and "values-00000.bin" in os.listdir(tmp_path / "local" / "step_2")
+        assert manager.restore(None, {"it": tc.PerProcess(), "w": np.ones(2)})["it"] == {"step": 2, "state": b"ss"}
+    assert tc.restore(tmp_path / "run" / "step_1")["it"] == {"step": 1, "state": b"s"}
+
+
+@pytest.mark.parametrize("damage", ["another save's token", "a value claimed at 1 TiB", "a 2**62-byte record"])
+def test_a_damaged_local_values_file_falls_back_to_the_persistent_step(tmp_path, caplog, damage):
+    def manager():
+        return tc.CheckpointManager(tmp_path / "run", save_interval_steps=10, local_directory=tmp_path / "local")
+
+    with manager() as first:
+        for step in (1, 2):
+            first.save(step, {"it": tc.PerProcess({"step": step}), "w": np.zeros(2)})
+    path = tmp_path / "local" / "step_2" / "values-00000.bin"
+    data = path.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    record = json.loads(data[8 : 8 + size])
+    if damage == "another save's token":
+        record["token"] = "0" * 28
+    else:
+        record["values"][0][1] = 1 << 40
+    body = json.dumps(record).encode()
+    header = (1 << 62 if damage.startswith("a 2") else len(body)).to_bytes(8, "little")
+    path.write_bytes(header + body + data[8 + size :])
+    with manager() as second:
+        assert second.restore(None, {"it": tc.PerProcess(), "w": np.ones(2)})["it"] == {"step": 1}
+    assert any("CorruptCheckpointError" in r.message and "values-00000.bin" in r.message for r in caplog.records)
 
 
 def test_incremental_saves_carry_per_process_values(tmp_path):

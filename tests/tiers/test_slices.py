@@ -2,10 +2,13 @@
 
 import json
 
+import numpy as np
 import pytest
 
+import tpu_ckpt as tc
 from tpu_ckpt.settings import Settings
 from tpu_ckpt.tiers._choice import Choice, decide
+from tpu_ckpt.tiers._slice_copies import copy_group
 
 
 def _report(*steps) -> str:
@@ -59,3 +62,10 @@ def test_the_range_servers_are_capped_whatever_the_job():
     from tpu_ckpt.tiers._range_merge import leaf_ranges
 
     assert len(leaf_ranges(100_000, min(1536, cluster.MAX_SERVERS))) == cluster.MAX_SERVERS
+
+
+def test_a_tree_with_per_process_values_is_never_saved_as_slice_copies():
+    """Another slice holds no process's own tc.PerProcess value: such a step's parts are replicated."""
+    tree = {"w": np.zeros(4, np.float32), "step": 3}
+    assert copy_group(tree, 0, (0, 0, 1, 1)) == frozenset({0, 1})
+    assert copy_group({**tree, "it": tc.PerProcess({"next_index": 8})}, 0, (0, 0, 1, 1)) is None

@@ -24,7 +24,8 @@ Before each collective every process meets at a key-value barrier (the coordinat
 by ``coordination_timeout``): a process that failed or never arrives is named there, where a
 hung collective would name nobody. What is left (numpy and Python targets, other shardings,
 meshes over some processes only, uneven dimensions, no replica across processes) goes the
-other ways of ``_shared_reads.py``.
+other ways of ``_shared_reads.py``. A tier restore of slice copies where a slice lost its copy
+uses the same path with only a whole slice's processes reading (``split``'s ``readers``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 import jax
 import numpy as np
@@ -92,16 +93,22 @@ def replica_axes(array: ArrayRead) -> tuple[str, ...]:
     return axes if axes and even and _across_processes(mesh, axes) else ()
 
 
-def split(plan: RestorePlan, me: int, count: int) -> tuple[list[FannedLeaf], RestorePlan]:
+def split(
+    plan: RestorePlan, me: int, count: int, readers: Container[int] | None = None
+) -> tuple[list[FannedLeaf], RestorePlan]:
     """The leaves the collective completes (the same on every process) and the plan of the
-    rest. Each piece of a shard is given to one of the shard's processes, balanced by bytes."""
+    rest. Each piece of a shard is given to one of the shard's processes, balanced by bytes;
+    with ``readers``, only to those (a slice whose copy is whole filling one that lost its
+    own: the others read nothing), and a leaf some shard of which none of them holds is left
+    to the rest."""
     balance = WriteBalance()
     fanned = []
     for position, entry in enumerate(plan.leaves):
         axes = replica_axes(entry) if isinstance(entry, ArrayRead) else ()
-        if axes:
+        holders = _holders(entry, readers) if axes else None
+        if holders is not None:
             assert isinstance(entry, ArrayRead)
-            fanned.append(FannedLeaf(position, entry, axes, _my_pieces(entry, balance, me)))
+            fanned.append(FannedLeaf(position, entry, axes, _my_pieces(entry, holders, balance, me)))
     taken = {leaf.position for leaf in fanned}
     if not taken:
         return [], plan
@@ -110,13 +117,26 @@ def split(plan: RestorePlan, me: int, count: int) -> tuple[list[FannedLeaf], Res
     return fanned, dataclasses.replace(plan, leaves=leaves, batches=tuple(batch for batch in kept if batch))
 
 
-def _my_pieces(array: ArrayRead, balance: WriteBalance, me: int) -> dict[SliceSpec, tuple[PieceEntry, ...]]:
-    assert array.sharding is not None
-    mine: dict[SliceSpec, list[PieceEntry]] = {region.slice: [] for region in array.regions}
+def _holders(array: ArrayRead | NoRead, readers: Container[int] | None) -> dict[SliceSpec, list[int]] | None:
+    """The processes that may read each shard of the leaf, of those holding it; None when
+    some shard has none."""
+    assert isinstance(array, ArrayRead) and array.sharding is not None
+    out = {}
     for region, devices in slice_devices(array.leaf.shape, array.sharding, True).items():
-        holders = sorted({device.process_index for device in devices})
+        held = {device.process_index for device in devices}
+        out[region] = sorted(p for p in held if readers is None or p in readers)
+        if not out[region]:
+            return None
+    return out
+
+
+def _my_pieces(
+    array: ArrayRead, holders: dict[SliceSpec, list[int]], balance: WriteBalance, me: int
+) -> dict[SliceSpec, tuple[PieceEntry, ...]]:
+    mine: dict[SliceSpec, list[PieceEntry]] = {region.slice: [] for region in array.regions}
+    for region, processes in holders.items():
         for piece in loaded_overlapping(array.leaf, region):
-            if piece.length > 0 and balance.assign(holders, piece.length) == me:
+            if piece.length > 0 and balance.assign(processes, piece.length) == me:
                 mine[region].append(piece)
     return {region: tuple(pieces) for region, pieces in mine.items()}
 

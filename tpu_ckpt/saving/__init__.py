@@ -15,7 +15,6 @@ from tpu_ckpt.saving._incremental import Incremental
 from tpu_ckpt.saving._plan import (
     SavePlan,
     plan_save,
-    refuse_per_process,
 )
 from tpu_ckpt.saving._save import (
     OwnFiles,
@@ -39,7 +38,6 @@ __all__ = [
     "merge_rows",
     "plan_save",
     "prepare",
-    "refuse_per_process",
     "save",
     "snapshot",
     "write_all",

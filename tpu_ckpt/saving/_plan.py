@@ -212,17 +212,6 @@ def _stored(key: str, leaf: Any) -> tuple[Any, str]:
     return leaf, ""
 
 
-def refuse_per_process(plan: SavePlan, where: str) -> None:
-    """Raises ValueError, naming the key, if the plan holds a ``tc.PerProcess`` leaf: for the
-    saves that do not carry per-process values yet (``where``: which)."""
-    key = next((leaf.key for leaf in plan.manifest.leaves if leaf.kind == PER_PROCESS), None)
-    if key is not None:
-        raise ValueError(
-            f"Leaf {key!r} is a tc.PerProcess value, which {where} does not carry yet; save this tree to the "
-            "persistent tier (a CheckpointManager without local_directory, or tc.save)."
-        )
-
-
 def per_process_value(key: str, leaf: PerProcess, me: int) -> bytes:
     """This process's value of a ``PerProcess`` leaf as stored (``format.encode_value``): taken
     now, so an async save keeps the value it was given even if the caller changes it after."""

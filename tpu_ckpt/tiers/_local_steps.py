@@ -16,7 +16,7 @@ piece. What each host's disk holds:
                                                parts' indexes: ``_part_checks``}
         plan.json                             the save's manifest without pieces (every leaf)
         d<p>-<n>.safetensors, index-<p>.bin   the part of each process p this host holds: its
-                                              own, and those it keeps as a replica
+        (values-<p>.bin: ``_local_values``)   own, and those it keeps as a replica
     <local_directory>/step_<s>.tmp-<hex>/     a local save in progress (or interrupted)
 
 A part's index is what an ordinary save's process leaves for the leader (binary rows,
@@ -50,7 +50,8 @@ from tpu_ckpt.errors import CheckpointError
 from tpu_ckpt.format import PLAN_FILE, TIER_FILE, IndexPlan, encode_index, staged_index_file, written_by
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.runtime import gc_paused
-from tpu_ckpt.saving import WRITER, SavePlan, SaveResult, plan_save, refuse_per_process
+from tpu_ckpt.saving import WRITER, SavePlan, SaveResult, plan_save
+from tpu_ckpt.tiers import _local_values as local_values
 from tpu_ckpt.tiers import _part_checks as part_checks
 from tpu_ckpt.tiers._hosts import job_hosts
 from tpu_ckpt.tiers._placement import check_size
@@ -148,7 +149,6 @@ def save_local(
                 tree, options, process_index=coord.me, process_count=coord.count, metrics=metrics,
                 max_file_bytes=max_file_bytes, group=group,
             )
-            refuse_per_process(plan, "the local tier")
             hosts = job_hosts(coord) if replicas and group is None else None  # no replica on the owner's host
             job = _LocalSave(
                 root, step, plan, coord, replicas, then, options.host_memory_limit, slices=slices, copy=group, hosts=hosts
@@ -280,7 +280,7 @@ class _LocalSave:
         rows = encode_index(index, IndexPlan.of(self.planned))
         for future in (store.write(name, [rows]), store.write(PLAN_FILE, [self.planned.to_json()])):
             future.result()
-        return [*index.files, name]
+        return [*index.files, name, *local_values.write(store, self.planned, self.coord.me, self._token)]
 
     def _replicate(self, staging: str, names: list[str]) -> None:
         """Sends each written file, read back from the page cache, to every replica holder,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -89,7 +89,7 @@ def part_blobs(
 
 def merge_range(
     plan: bytes, blobs: Sequence[tuple[str, bytes]], step: storage.Location, leaves: tuple[int, int] | None = None,
-    table_prefix: str = "",
+    table_prefix: str = "", finish: Callable[[Manifest], Manifest] | None = None,
 ) -> tuple[bytes, dict[str, bytes]]:
     """The merge of the local step ``step``'s leaves ``leaves`` (default: all): its plan (the
     manifest without pieces) and, for every part, the index of its rows of those leaves, into
@@ -97,7 +97,8 @@ def merge_range(
     as a commit makes them (``saving.merge_rows``): every row checked against the plan, each
     leaf's rows sorted and proved to tile it, the tables written from the sorted rows, the
     manifest naming the data files they use. Array operations over the rows, never a Python
-    object per piece (``benchmarks/leader_commit_bench.py --tier``: 13.5 M pieces in seconds)."""
+    object per piece (``benchmarks/leader_commit_bench.py --tier``: 13.5 M pieces in seconds).
+    ``finish``: what the merged manifest still needs (the per-process values' pieces)."""
     planned = decode_manifest(plan, where=step.child(PLAN_FILE), tiled=False)
     first, stop = leaves if leaves is not None else (0, len(planned.leaves))
     rows_plan, sub = IndexPlan.of(planned), dataclasses.replace(planned, leaves=planned.leaves[first:stop])
@@ -105,6 +106,7 @@ def merge_range(
         try:
             rows = [_shifted(decode_index(data, where=step.child(name), plan=rows_plan), first, stop) for name, data in blobs]
             manifest, grids = merge_rows(sub, IndexPlan.of(sub), rows)
+            manifest = manifest if finish is None else finish(manifest)
         except CorruptCheckpointError:
             raise
         except CheckpointError as error:  # each file is intact (its crc32c checked): they are of different saves

@@ -38,6 +38,7 @@ from tpu_ckpt.format import (
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.restoring import restore_from
 from tpu_ckpt.tiers import _local_steps as local_steps
+from tpu_ckpt.tiers import _local_values as local_values
 from tpu_ckpt.tiers import _part_checks as part_checks
 from tpu_ckpt.tiers import _range_merge as range_merge
 from tpu_ckpt.tiers._choice import Choice
@@ -53,14 +54,17 @@ def restore_local(
     step, holders = choice.local_step or 0, choice.holders
     owners, members = choice.reads(coord.me, coord.count)
     own = storage.Store(storage.Location(local_steps.step_dir(root, step)))
-    store = _Parts(own, {owner: holders[owner] for owner in owners}, coord)
+    store = _Parts(own, {owner: holders[owner] for owner in owners}, coord, choice.token)
     with contextlib.ExitStack() as serving:  # servers stop first, then the stores close
         serving.callback(store.close)
         try:
             mine = [o for o, h in holders.items() if h == coord.me]
             data, planned, ranges = _plan_and_serve(coord, store, own, mine, len(members), choice, serving)
             manifest = _agreed_manifest(coord, store, data, planned, owners, members[: len(ranges)], ranges, serving)
-            tree, _, nbytes = restore_from(OpenCheckpoint(store, manifest), target, options, None, None)
+            readers = _fill_from(choice, coord.count)
+            tree, _, nbytes = restore_from(
+                OpenCheckpoint(store, manifest), target, options, None, coord if readers else None, readers=readers
+            )
             coord.barrier("restored")  # serves until everyone has what it needs
         except BaseException as error:
             coord.report_failure(error)
@@ -68,6 +72,16 @@ def restore_local(
                 coord.raise_if_another_failed("restore", grace=2.0)
             raise
     return tree, nbytes
+
+
+def _fill_from(choice: Choice, count: int) -> frozenset[int] | None:
+    """Of slice copies where some process's slice lost its copy, the first whole copy's
+    processes: they read, and one collective over the mesh's replica axes fills everyone
+    (``restoring/_fanout.py``; a leaf it cannot serve goes over the relay as before). None
+    (each slice reads its own copy, or there are no copies) otherwise."""
+    if not choice.copies or all(any(p in copy for copy in choice.copies) for p in range(count)):
+        return None
+    return frozenset(choice.copies[0])
 
 
 def _plan_and_serve(
@@ -162,7 +176,10 @@ def _merged_range(
     if len(read) < len(blobs):
         missing = next(name for name, data in found.items() if data is None)
         raise CorruptCheckpointError(f"{store.location.child(missing)} is missing", file=store.location.url)
-    body, tables = range_merge.merge_range(plan, read, store.location, ranges[index], table_prefix=f"r{index:05d}-")
+    body, tables = range_merge.merge_range(
+        plan, read, store.location, ranges[index], table_prefix=f"r{index:05d}-",
+        finish=lambda merged: local_values.with_values(store, merged, store.token),  # the per-process values' pieces
+    )
     source = _InMemory(store.location, {MANIFEST_FILE: body, **tables})
     if coord.count == 1:
         return source, None
@@ -254,7 +271,7 @@ class _Parts(_Routed):
     """The files of one local step across the job: each read goes to the process that
     serves its part (``Choice.holders``), this one's disk or a peer's relay."""
 
-    def __init__(self, own: storage.Backend, holders: dict[int, int], coord: cluster.Coordinator):
+    def __init__(self, own: storage.Backend, holders: dict[int, int], coord: cluster.Coordinator, token: str):
         self.location = own.location
         self._own = own
         self._holders = holders
@@ -263,6 +280,7 @@ class _Parts(_Routed):
         self._peers: dict[int, relay.RelayStore] = {}
         self._lock = threading.Lock()
         self.contacts: dict[int, str] = {}  # the holders' servers (``cluster.contacts``)
+        self.token = token  # the save being restored (``Choice.token``): its values files must name it
 
     def hold(self, blobs: dict[str, bytes]) -> _Layered:
         """This host's files from now on: its disk, and ``blobs`` (its parts' rows cut by

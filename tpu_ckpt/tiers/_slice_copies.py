@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 
+from tpu_ckpt.format import PerProcess
 from tpu_ckpt.settings import settings
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ def copy_group(tree: Any, me: int, slices: Sequence[int | None]) -> frozenset[in
     count = len(set(slices))
     seen = set()
     for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, PerProcess):
+            return None  # a process's own value is in no other slice's copy: its part is replicated
         if not isinstance(leaf, jax.Array):
             continue  # a host value: the first process of each group writes it
         layout = (leaf.sharding, tuple(leaf.shape))

@@ -41,6 +41,7 @@ from tpu_ckpt.format import (
 from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.saving import OwnFiles, SaveJob, SavePlan, prepare
 from tpu_ckpt.tiers import _local_steps as local_steps
+from tpu_ckpt.tiers import _local_values as local_values
 from tpu_ckpt.tiers import _part_checks as part_checks
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ class Upload:
         try:
             source = local_steps.step_dir(root, self.step)
             data, where = _read(source, PLAN_FILE)
-            plan = decode_manifest(data, where=where, tiled=False)
+            plan = local_values.own_values(source, decode_manifest(data, where=where, tiled=False), coord.me)
             parts = part_checks.check_step(source, self.step, None, data)  # the plan and index of this save
             index = _uploaded(source, _own_index(source, plan, coord.me, parts, self.step))
             staging = prepare(self.final, coord, 0, self.options.coordination_timeout, relayed=False)
