@@ -10,19 +10,20 @@ bound in total bytes: safetensors header and alignment padding included.
 
 Pieces are packed in order and, where one does not fit in the room left, cut into
 sub-blocks along their axes exactly as ``MaxShardSizePolicy`` cuts them (its packer,
-``policies.pack``). A restore reads any tiling of a leaf, so nothing about the format
+``policies.Packer``). A restore reads any tiling of a leaf, so nothing about the format
 changes: the files are only smaller and more numerous.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-from tpu_ckpt.format import PlannedPiece, dtype_name, file_size
-from tpu_ckpt.sharding._pieces import ShardableTensor, host_view, planned
-from tpu_ckpt.sharding._policies import pack
+from tpu_ckpt.format import PlannedPiece, SliceSpec, dtype_name, file_size
+from tpu_ckpt.sharding._pieces import ShardableTensor, host_view
+from tpu_ckpt.sharding._policies import Packer
 
 HEADER_ROOM = 1 << 20
 """The most bytes of a bounded file kept for its header and padding when pieces are packed:
@@ -46,8 +47,8 @@ def bounded(
             out.append(pieces)
             continue
         budget = max_bytes - min(HEADER_ROOM, max_bytes // 16)
-        for shard in pack(_shardable(pieces, shapes), budget, view=host_view):
-            out.extend(_halved(planned(shard), max_bytes))
+        for packed in _FilePacker(budget, shapes).pack_pieces(pieces):
+            out.extend(_halved(packed, max_bytes))
     return out
 
 
@@ -56,11 +57,38 @@ def file_bytes(pieces: Sequence[PlannedPiece]) -> int:
     return file_size((p.key, p.slice, dtype_name(p.data.dtype), tuple(p.data.shape), p.nbytes) for p in pieces)
 
 
-def _shardable(pieces: Sequence[PlannedPiece], shapes: Mapping[str, tuple[int, ...]]) -> Iterator[ShardableTensor]:
-    """The pieces as the packer takes them, one at a time (not one object per piece of the
-    file at once): each keeps its device array (the packer views the buffer of a piece only
-    when it cuts it)."""
-    return (ShardableTensor(p.data, p.key, p.slice, shapes[p.key], np.dtype(p.data.dtype)) for p in pieces)
+class _FilePacker(Packer):
+    """``MaxShardSizePolicy``'s packing (``policies.Packer``), its shards kept as lists of
+    pieces in writing order: a piece that fits whole goes in as the object it is, so that a
+    file of many small pieces is packed with no new object per piece (a shard's
+    ``{key: {slice: array}}`` and the pieces made from it cost ~0.3 KB a piece). A piece
+    that must be cut goes through the packer, which views its buffer only then. A file's
+    pieces of one leaf are consecutive, so the order is the shards' (grouped by key)."""
+
+    def __init__(self, max_bytes: int, shapes: Mapping[str, tuple[int, ...]]):
+        super().__init__(max_bytes, host_view)
+        self.shapes = shapes
+        self.files: list[list[PlannedPiece]] = [[]]
+        self.large_files: list[list[PlannedPiece]] = []
+
+    def pack_pieces(self, pieces: Iterable[PlannedPiece]) -> list[list[PlannedPiece]]:
+        for p in pieces:
+            if p.slice and p.nbytes <= self.remaining:  # the packer's block that fits whole
+                self.files[-1].append(p)
+                self.remaining -= p.nbytes
+            else:
+                self._pack_one(ShardableTensor(p.data, p.key, p.slice, self.shapes[p.key], np.dtype(p.data.dtype)))
+        return [f for f in self.files if f] + self.large_files
+
+    def _open_shard(self) -> None:
+        self.files.append([])
+        self.remaining = self.max_shard_size
+
+    def _put(self, key: str, spec: SliceSpec, tensor: Any) -> None:
+        self.files[-1].append(PlannedPiece(key, spec, tensor, int(tensor.nbytes)))
+
+    def _put_large(self, key: str, spec: SliceSpec, tensor: Any) -> None:
+        self.large_files.append([PlannedPiece(key, spec, tensor, int(tensor.nbytes))])
 
 
 def _halved(pieces: list[PlannedPiece], max_bytes: int) -> list[list[PlannedPiece]]:

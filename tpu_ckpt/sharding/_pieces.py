@@ -208,6 +208,7 @@ class LocalPieces:
         self.pieces: list[PlannedPiece] = []
         self.devices: list[Any] = []
         self._leaves: dict[str, tuple[tuple[int, ...], np.dtype, bool]] = {}  # shape, dtype, is_slot
+        self._kinds: dict[tuple[tuple[int, ...], np.dtype, bool], tuple[tuple[int, ...], np.dtype, bool]] = {}
         self._balances: dict[tuple[int, ...], WriteBalance] = {}  # per set of holders (``_my_blocks``)
         self._layouts: dict[Any, _Layout] = {}
         self.on_device = False  # whether a piece is in an accelerator's memory (``data_writes.fetch_started``)
@@ -218,7 +219,7 @@ class LocalPieces:
         the same without talking."""
         if not isinstance(leaf, jax.Array):
             array = np.asarray(leaf)
-            self._leaves[key] = (tuple(array.shape), array.dtype, is_slot)
+            self._remember(key, tuple(array.shape), array.dtype, is_slot)
             if self.process_index == (0 if self.group is None else min(self.group)):
                 self.pieces.append(PlannedPiece(key, full_slice(array.shape), array, array.nbytes))
                 self.devices.append(None)
@@ -228,7 +229,7 @@ class LocalPieces:
                              "the step returned, not those it was given")
         shape = tuple(leaf.shape)
         dtype = np.dtype(leaf.dtype)
-        self._leaves[key] = (shape, dtype, is_slot)
+        self._remember(key, shape, dtype, is_slot)
         layout = self._layouts.get((leaf.sharding, shape))
         if layout is None:
             layout = self._layouts[leaf.sharding, shape] = _Layout.of(leaf)
@@ -247,6 +248,12 @@ class LocalPieces:
                 elements = volume(part)
             pieces.append(PlannedPiece(key, part, data, elements * itemsize))
             devices.append(device)
+
+    def _remember(self, key: str, shape: tuple[int, ...], dtype: np.dtype, is_slot: bool) -> None:
+        """Keeps a leaf's shape, dtype and slot flag for ``shardable``, one tuple per distinct
+        three (a state may have a million leaves of a few kinds)."""
+        kind = (shape, dtype, is_slot)
+        self._leaves[key] = self._kinds.setdefault(kind, kind)
 
     def shardable(self) -> list[ShardableTensor]:
         """The pieces as a sharding callback takes them."""

@@ -122,19 +122,19 @@ class MaxShardSizePolicy(ShardingCallback):
         return pack(shardable_tensors, self.max_shard_size)
 
 
-def pack(pieces: Iterable[ShardableTensor], max_bytes: int, view: Callable[[Any], Any] | None = None) -> list[Shard]:
+def pack(pieces: Iterable[ShardableTensor], max_bytes: int) -> list[Shard]:
     """``pieces`` in shards of at most ``max_bytes`` element bytes, packed and cut as
-    ``MaxShardSizePolicy`` does; also how a save cuts data files to an object store's object
-    size (``sharding/_bounded_files.py``), which passes ``view``: what a piece's tensor is sliced
-    through when it is cut (a numpy view of a CPU buffer), taken only for the pieces cut."""
-    return _Packer(max_bytes, view).pack(pieces)
+    ``MaxShardSizePolicy`` does (a save cutting data files to an object store's object size
+    packs the same way through a ``Packer`` of its own: ``sharding/_bounded_files.py``)."""
+    return Packer(max_bytes).pack(pieces)
 
 
-class _Packer:
+class Packer:
     """The state of one ``MaxShardSizePolicy`` call (TF's ``MaxShardSizePartitioner``).
 
     Kept out of the policy object so that the policy's hash and any concurrent calls are not
-    affected by a call in progress.
+    affected by a call in progress. ``view``: what a piece's tensor is sliced through when it
+    is cut (a numpy view of a CPU buffer), taken only for the pieces cut.
     """
 
     def __init__(self, max_shard_size: int, view: Callable[[Any], Any] | None = None):
@@ -146,26 +146,36 @@ class _Packer:
 
     def pack(self, pieces: Iterable[ShardableTensor]) -> list[Shard]:
         for piece in pieces:
-            if piece.slice_spec == ():
-                self._pack_scalar(piece)
-            else:
-                start = tuple(a for a, _ in piece.slice_spec)
-                self._pack_block(piece, start, piece.slice_shape)
+            self._pack_one(piece)
         return [shard for shard in self.shards if shard] + self.large
+
+    def _pack_one(self, piece: ShardableTensor) -> None:
+        if piece.slice_spec == ():
+            self._pack_scalar(piece)
+        else:
+            self._pack_block(piece, tuple(a for a, _ in piece.slice_spec), piece.slice_shape)
 
     def _open_shard(self) -> None:
         self.shards.append({})
         self.remaining = self.max_shard_size
 
+    def _put(self, key: str, spec: SliceSpec, tensor: Any) -> None:
+        """Adds a block to the current shard (a subclass may keep shards in another form)."""
+        _put(self.shards[-1], key, spec, tensor)
+
+    def _put_large(self, key: str, spec: SliceSpec, tensor: Any) -> None:
+        """Adds a block bigger than the limit, in a shard of its own after all the others."""
+        self.large.append({key: {spec: tensor}})
+
     def _pack_scalar(self, piece: ShardableTensor) -> None:
         """TF's scalar rule: whole into the current shard, a fresh one, or alone if over the limit."""
         nbytes = np.dtype(piece.dtype).itemsize
         if nbytes > self.max_shard_size:
-            self.large.append({piece.checkpoint_key: {(): piece.tensor}})
+            self._put_large(piece.checkpoint_key, (), piece.tensor)
             return
         if nbytes > self.remaining:
             self._open_shard()
-        _put(self.shards[-1], piece.checkpoint_key, (), piece.tensor)
+        self._put(piece.checkpoint_key, (), piece.tensor)
         self.remaining -= nbytes
 
     def _pack_block(self, piece: ShardableTensor, start: tuple[int, ...], shape: tuple[int, ...]) -> None:
@@ -184,7 +194,7 @@ class _Packer:
                 self._open_shard()
             elif math.prod(shape) == 1:
                 # A single element larger than the whole limit: the only allowed overflow.
-                self.large.append({piece.checkpoint_key: dict([self._cut(piece, start, shape)])})
+                self._put_large(piece.checkpoint_key, *self._cut(piece, start, shape))
                 return
             else:
                 # TF loops forever here: no slab fits even an empty shard. Pack a unit slab the
@@ -192,12 +202,12 @@ class _Packer:
                 axis = next(a for a, n in enumerate(shape) if n > 1)
                 self._pack_block(piece, start, _with_extent(shape, axis, 1))
                 start, shape = _rest(start, shape, axis, 1)
-        _put(self.shards[-1], piece.checkpoint_key, *self._cut(piece, start, shape))
+        self._put(piece.checkpoint_key, *self._cut(piece, start, shape))
         self.remaining -= math.prod(shape) * esize
 
     def _add_slab(self, piece: ShardableTensor, start: tuple[int, ...], shape: tuple[int, ...], esize: int) -> None:
         """TF's ``_add_partition``: a slab that fits; a shard filled exactly is closed at once."""
-        _put(self.shards[-1], piece.checkpoint_key, *self._cut(piece, start, shape))
+        self._put(piece.checkpoint_key, *self._cut(piece, start, shape))
         self.remaining -= math.prod(shape) * esize
         if self.remaining == 0:
             self._open_shard()
