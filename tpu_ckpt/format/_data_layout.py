@@ -51,9 +51,11 @@ class _Header:
     safetensors allows no holes between tensors.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool = True) -> None:
         self.metadata: dict[str, str] = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}
-        self.entries: list[str] = []
+        self.entries: list[str] = []  # kept only with ``keep``: ``file_size`` counts them alone
+        self.keep = keep
+        self.entry_bytes = 0  # the entries' text, each with its comma
         self.starts: list[int] = []  # each tensor's first byte, counted from the end of the header
         self.data_bytes = 0
 
@@ -64,21 +66,34 @@ class _Header:
         at = self.data_bytes
         pad = -at % ALIGNMENT
         if pad:
-            self.entries.append(f'"__pad_{len(self.starts)}":{{"dtype":"U8","shape":[{pad}],"data_offsets":[{at},{at + pad}]}}')
+            self._entry(f'"__pad_{len(self.starts)}":{{"dtype":"U8","shape":[{pad}],"data_offsets":[{at},{at + pad}]}}')
             at += pad
         code = kind.code
         if code is None:  # no safetensors code: raw bytes, the dtype kept in the metadata
             self.metadata[json.loads(f'{quoted}[{span}]"')] = kind.dtype
             code, dims = "U8", str(nbytes)
-        self.entries.append(f'{quoted}[{span}]":{{"dtype":"{code}","shape":[{dims}],"data_offsets":[{at},{at + nbytes}]}}')
+        self._entry(f'{quoted}[{span}]":{{"dtype":"{code}","shape":[{dims}],"data_offsets":[{at},{at + nbytes}]}}')
         self.starts.append(at)
         self.data_bytes = at + nbytes
         return pad
 
+    def _entry(self, text: str) -> None:
+        """One tensor's entry (ASCII: keys are JSON-escaped): kept, or only counted."""
+        if self.keep:
+            self.entries.append(text)
+        self.entry_bytes += len(text) + 1
+
+    def size(self) -> int:
+        """The bytes ``encoded`` gives, without joining the entries."""
+        unpadded = len(self._head()) + self.entry_bytes + 1  # + the closing brace
+        return 8 + unpadded + (-(8 + unpadded) % ALIGNMENT)
+
+    def _head(self) -> str:
+        return json.dumps({"__metadata__": self.metadata}, separators=(",", ":"))[:-1]
+
     def encoded(self) -> bytes:
         """The header as written: its length (u64), the JSON, spaces up to the alignment."""
-        head = json.dumps({"__metadata__": self.metadata}, separators=(",", ":"))[:-1]
-        raw = (",".join([head, *self.entries]) + "}").encode()
+        raw = (",".join([self._head(), *self.entries]) + "}").encode()
         raw += b" " * (-(8 + len(raw)) % ALIGNMENT)
         return len(raw).to_bytes(8, "little") + raw
 
@@ -97,10 +112,10 @@ class _PieceKind(NamedTuple):
 def file_size(pieces: Iterable[tuple[str, SliceSpec, str, tuple[int, ...], int]]) -> int:
     """The size of the data file of ``(key, slice, dtype name, shape, nbytes)`` pieces as
     ``data_file_bytes`` lays it out, header and padding included, without their bytes."""
-    header = _Header()
+    header = _Header(keep=False)  # each entry counted and dropped: a file may hold a million pieces
     for key, spec, dtype, shape, nbytes in pieces:
         header.add(json.dumps(key)[:-1], slice_text(spec), _PieceKind.of(dtype), ",".join(map(str, shape)), nbytes)
-    return len(header.encoded()) + header.data_bytes
+    return header.size() + header.data_bytes
 
 
 SMALL_PIECE = 16 << 10

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -41,6 +41,15 @@ MAX_TABLE_ROWS = 1 << 22  # a new table starts past this many rows (64 MiB); a l
 
 
 # -- writing ----------------------------------------------------------------------------
+
+
+class GridSource(Protocol):
+    """Per leaf, its cut points and rows when the caller has them (a list, or the leader's
+    merge: ``saving.Grids``), each taken once and then set to None."""
+
+    def __getitem__(self, number: int) -> Any: ...
+
+    def __setitem__(self, number: int, value: None) -> None: ...
 
 
 def grid_of(shape: tuple[int, ...], pieces: Sequence[PieceEntry]) -> slices.Grid | None:
@@ -74,7 +83,7 @@ def _axis_json(cuts: Sequence[int] | np.ndarray, dim: int) -> int | list[int]:
 
 
 def encode_manifest(
-    manifest: Manifest, grids: list[Any] | None = None, table_prefix: str = ""
+    manifest: Manifest, grids: GridSource | None = None, table_prefix: str = ""
 ) -> tuple[bytes, dict[str, bytes]]:
     """The sealed format 2 manifest of ``manifest``, and its piece tables by file name (the
     twin of ``decode_manifest``): the tables go first, the manifest (the commit) last. Leaves
@@ -89,12 +98,14 @@ def encode_manifest(
     return b"".join(sealed_parts(parts)), tables
 
 
-def _unsealed(manifest: Manifest, grids: list[Any] | None, table_prefix: str) -> tuple[list[Any], dict[str, bytes]]:
+def _unsealed(manifest: Manifest, grids: GridSource | None, table_prefix: str) -> tuple[list[Any], dict[str, bytes]]:
     """:func:`encode_manifest`'s manifest as buffers, neither joined nor sealed (one copy of
-    the leaves' entries: a list of them, joined, would be two), and its tables."""
+    the leaves' entries: a list of them, joined, would be two), and its tables. The entries
+    go in chunks of about ``_CHUNK`` bytes: one growing buffer is copied as it grows, so a
+    manifest of many leaves was briefly twice its size."""
     file_index = {name: i for i, name in enumerate(manifest.files)}
     tables: list[bytearray] = []
-    entries = bytearray()
+    chunks = [bytearray()]
     for number, leaf in enumerate(manifest.leaves):
         given = grids[number] if grids is not None else None
         if grids is not None:
@@ -109,8 +120,10 @@ def _unsealed(manifest: Manifest, grids: list[Any] | None, table_prefix: str) ->
             doc["grid"] = [_axis_json(c, n) for c, n in zip(cuts, leaf.shape)]
             doc["table"] = [len(tables) - 1, len(tables[-1]) // ROW_BYTES, len(rows), crc32c(data)]
             tables[-1] += data
-        entries += json.dumps(doc, separators=_COMPACT).encode()
-        entries += b","
+        if len(chunks[-1]) >= _CHUNK:
+            chunks.append(bytearray())
+        chunks[-1] += json.dumps(doc, separators=_COMPACT).encode()
+        chunks[-1] += b","
     names = [table_file(i, table_prefix) for i in range(len(tables))]
     head = {
         "format": FORMAT_NAME,
@@ -123,15 +136,17 @@ def _unsealed(manifest: Manifest, grids: list[Any] | None, table_prefix: str) ->
     tail = {name: value for name, value in (("source", manifest.source), ("metrics", manifest.metrics)) if value is not None}
     end = "," + json.dumps(tail, separators=_COMPACT)[1:] if tail else "}"
     start = json.dumps(head, separators=_COMPACT)[:-1] + ',"leaves":['
-    return [start.encode(), memoryview(entries)[:-1], ("]" + end).encode()], {n: bytes(t) for n, t in zip(names, tables)}
+    entries = [*chunks[:-1], memoryview(chunks[-1])[:-1]]  # less the last comma
+    return [start.encode(), *entries, ("]" + end).encode()], {n: bytes(t) for n, t in zip(names, tables)}
 
 
 _COMPACT = (",", ":")
+_CHUNK = 1 << 20
 
 
 def write(
     store: Any, manifest: Manifest, manifest_file: str, check: Callable[[dict[str, int]], None] | None = None,
-    grids: list[Any] | None = None, table_prefix: str = "",
+    grids: GridSource | None = None, table_prefix: str = "",
     commit: Callable[[str, bytes], None] | None = None,
 ) -> None:
     """Writes ``manifest``'s piece tables, then (once they are durable, and ``check`` of

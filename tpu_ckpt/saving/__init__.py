@@ -5,7 +5,10 @@ from tpu_ckpt.saving._background import (
     WRITER,
     SaveResult,
 )
-from tpu_ckpt.saving._commit import merge_rows
+from tpu_ckpt.saving._commit import (
+    Grids,
+    merge_rows,
+)
 from tpu_ckpt.saving._data_writes import (
     Writes,
     snapshot,
@@ -26,6 +29,7 @@ from tpu_ckpt.saving._staging import prepare
 from tpu_ckpt.saving._stream_write import StreamWriter
 
 __all__ = [
+    "Grids",
     "Incremental",
     "OwnFiles",
     "SaveJob",

@@ -36,7 +36,7 @@ from tpu_ckpt.format import (
     grids_shared,
     staged_index_file,
 )
-from tpu_ckpt.saving import merge_rows
+from tpu_ckpt.saving import Grids, merge_rows
 from tpu_ckpt.tiers import _part_checks as part_checks
 
 _BLOB = re.compile(r"rows-(\d{5,9})-(\d{5,9})\.bin")
@@ -144,19 +144,18 @@ def _shifted(rows: IndexRows, first: int, stop: int) -> IndexRows:
     return dataclasses.replace(rows, groups=groups)
 
 
-def _files_used(manifest: Manifest, grids: list[Any]) -> tuple[Manifest, list[Any]]:
+def _files_used(manifest: Manifest, grids: Grids) -> tuple[Manifest, Grids]:
     """``manifest`` naming only the data files its pieces use (a range's rows use a few of
     the job's files), its grids' rows renumbered to match."""
     names = list(manifest.files)
-    used = {names[n] for grid in grids if grid is not None for n in np.unique(grid[1]["file"]).tolist()}
+    used = {names[n] for table in grids.tables() for n in np.unique(table["file"]).tolist()}
     used.update(piece.file for leaf in manifest.leaves for piece in leaf.pieces)
     kept = sorted(used)
     position = {name: n for n, name in enumerate(names)}
     number = np.zeros(len(names), np.uint32)
     number[[position[name] for name in kept]] = np.arange(len(kept), dtype=np.uint32)
-    for grid in grids:
-        if grid is not None:
-            grid[1]["file"] = number[grid[1]["file"]]
+    for table in grids.tables():
+        table["file"] = number[table["file"]]
     return dataclasses.replace(manifest, files={name: manifest.files[name] for name in kept}), grids
 
 
