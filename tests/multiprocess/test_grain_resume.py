@@ -5,7 +5,8 @@
   for bit, with the same PRNG stream and the same trained state;
 - resumed by 1 and by 4 processes with the reshard function docs/per_process.md gives for
   index-based sampling, every record of the epoch is trained on exactly once (the trained
-  state counts each record it saw), and the PRNG stream goes on where it stopped.
+  state counts each record it saw), and the PRNG stream goes on where it stopped;
+- the same job run by 4 processes and killed, resumed by 2: the same.
 
 The scenarios run in every process (tests/support/mp_worker.py imports this module after
 ``jax.distributed.initialize``); each process has one CPU device.
@@ -141,6 +142,11 @@ def uninterrupted_then_killed(directory: str) -> dict:
     return train(killed, str(KILL_AT))
 
 
+def killed_by_four(directory: str) -> dict:
+    """The same job with 4 processes (3 steps of 8 records), killed at step 2 (this returns nothing)."""
+    return train(os.path.join(directory, "killed"), "2")
+
+
 def _succeeded(results: list[process_group.ProcessResult]) -> list[dict]:
     for r in results:
         assert r.returncode == 0 and r.result is not None, r.output[-4000:]
@@ -193,4 +199,21 @@ def test_killed_grain_job_resharded_sees_every_record_once(killed_job, tmp_path,
     read_after = sorted(x for r in resumed for line in r["log"] for x in line["batch"])
     read_before = sorted(x for w in whole for line in w["log"][:start] for x in line["batch"])
     assert sorted(read_before + read_after) == list(range(RECORDS))
+    assert resumed[0]["log"][0]["key"] == whole[0]["log"][start]["key"]  # the PRNG stream goes on
+
+
+def test_a_grain_job_killed_with_four_processes_resumes_with_two(killed_job, tmp_path):
+    """4 -> 2: the 4-process run's records per step differ from the 2-process run's, so the
+    check is the trained state's count of each record (saved with the weights) and the PRNG
+    stream, which is one key per step whatever the process count."""
+    whole, _ = killed_job
+    results = process_group.run(
+        "multiprocess.test_grain_resume.killed_by_four", 4, str(tmp_path), timeout=300, devices_per_process=1
+    )
+    for r in results:
+        assert r.returncode == -signal.SIGKILL and r.result is None, r.output[-4000:]
+    resumed = _resume(tmp_path / "killed", tmp_path, 2)
+    start = resumed[0]["resumed_from"]
+    assert 1 <= start <= 2, start  # a step of the 4-process run, so the values were resharded 4 -> 2
+    assert all(r["seen"] == [1] * RECORDS for r in resumed), resumed[0]["seen"]  # each record trained once
     assert resumed[0]["log"][0]["key"] == whole[0]["log"][start]["key"]  # the PRNG stream goes on
