@@ -5,16 +5,16 @@ from tpu_ckpt.saving._background import (
     WRITER,
     SaveResult,
 )
-from tpu_ckpt.saving._commit import (
-    Grids,
-    merge_rows,
-)
 from tpu_ckpt.saving._data_writes import (
     Writes,
     snapshot,
     write_all,
 )
 from tpu_ckpt.saving._incremental import Incremental
+from tpu_ckpt.saving._merge import (
+    Grids,
+    merge_rows,
+)
 from tpu_ckpt.saving._plan import (
     SavePlan,
     plan_save,
