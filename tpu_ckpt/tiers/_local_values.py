@@ -95,6 +95,10 @@ def own_values(source: str, plan: Manifest, me: int) -> Manifest:
     local = storage.Store(storage.Location(source))
     with local:
         start, places = _record(local, me, token, len(per_process))
+        size = storage.file_size(local.location, name) or 0  # a local step: on this host's disk
+        if any(start + offset + length > size for offset, length, _ in places):
+            where = local.location.child(name)
+            raise CorruptCheckpointError(f"{where}: a value is claimed past the file's {size} bytes", file=where)
         leaves = list(plan.leaves)
         for n, (offset, length, crc) in zip(per_process, places):
             value = local.read(name, start + offset, [length]).result()[0].tobytes()
