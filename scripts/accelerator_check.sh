@@ -18,7 +18,7 @@ export JAX_PLATFORMS=""   # tests/conftest.py picks CPU unless told otherwise: a
   echo "== transfer floor"
   timeout 120 "$PY" benchmarks/transfer_floor.py --megabytes 1024 --reps 5 || status=1
   echo "== accelerator tier"
-  timeout 300 "$PY" -m pytest -q -p no:cacheprovider -m accelerator tests/project/test_accelerator.py -rs || status=1
+  timeout 300 "$PY" -m pytest -q -p no:cacheprovider -m accelerator tests/project/test_accelerator.py tests/saving/test_host_copies.py -rs || status=1
   echo "== benchmark: lm"
   timeout 240 "$PY" benchmarks/benchmark.py --workload lm --scale 0.5 --reps 2 || status=1
   echo "== exit $status"

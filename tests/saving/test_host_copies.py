@@ -47,6 +47,20 @@ def test_a_cpu_buffer_is_copied_once():
     np.testing.assert_array_equal(host, np.arange(1000))
 
 
+@pytest.mark.accelerator
+@pytest.mark.skipif(jax.default_backend() == "cpu", reason="needs a TPU or GPU (scripts/accelerator_check.sh runs it)")
+def test_off_cpu_the_fetched_host_value_is_the_snapshot():
+    """Off CPU every fetch is a copy JAX made, whether or not it caches it as ``_npy_value``
+    (jax 0.11 on a GPU does not): the snapshot is that copy, not a second one."""
+    expected = np.arange(1 << 16, dtype=np.float32).reshape(256, 256)
+    x = jax.device_put(expected, jax.devices()[0])
+    handle = fetch_started(x)
+    host = _private_host_value(handle)
+    assert np.shares_memory(host, np.asarray(handle))  # no second host copy
+    x.delete()
+    np.testing.assert_array_equal(host, expected)
+
+
 def test_each_file_is_let_go_once_written(tmp_path):
     """Each file's host bytes are freed once it is written, while the store is still open
     (an idle IO thread keeps nothing of its last job)."""

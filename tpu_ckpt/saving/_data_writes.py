@@ -137,19 +137,25 @@ def _private_host_value(handle: Any, into: np.ndarray | None = None) -> np.ndarr
     """The value of ``handle`` (from ``fetch_started``) in host memory that nothing else
     writes or frees, made without a second host copy: ``into`` when given.
 
-    Off CPU that is the copy JAX fetched: ``ArrayImpl._value`` caches a host value as
-    ``_npy_value`` only when it copied (``_single_device_array_to_np_array_did_copy``),
-    read-only, in memory that donating or deleting the device buffer leaves alone. On CPU
-    numpy views the device buffer itself (and a numpy piece is the caller's own array), so
-    that is copied once.
+    That is the copy JAX fetched where it made one: ``ArrayImpl._value`` caches a host
+    value as ``_npy_value`` only when it copied (``_single_device_array_to_np_array_did_copy``),
+    read-only, in memory that donating or deleting the device buffer leaves alone; and off
+    CPU every fetch is such a copy, also where JAX caches none (jax 0.11 on a GPU hands back
+    a view of its own host value, kept alive by the array's base; copying it again held
+    three host copies of a piece at once). On CPU numpy views the device buffer itself (and
+    a numpy piece is the caller's own array), so that is copied once.
     """
     host = np.asarray(handle)
-    if isinstance(handle, jax.Array) and getattr(handle, "_npy_value", None) is host:
+    if isinstance(handle, jax.Array) and (getattr(handle, "_npy_value", None) is host or not _on_cpu(handle)):
         return host
     if into is not None:
         np.copyto(into, host)
         return into
     return np.array(host, copy=True)
+
+
+def _on_cpu(array: jax.Array) -> bool:
+    return all(device.platform == "cpu" for device in array.devices())
 
 
 def write_all(writes: Writes, files: collections.deque[DataFile], *, recycle: bool = False) -> Manifest:
