@@ -106,8 +106,13 @@ CLI_WALL_TARGET_S = 0.3  # `tpu-ckpt inspect` on a quiet machine: no JAX, ml_dty
 
 
 def mesh(shape):
-    """A ('data', 'model') mesh over the same 8 devices, so restores can change its shape."""
-    return Mesh(np.array(jax.devices()).reshape(shape), ("data", "model"))
+    """A ('data', 'model') mesh over the same 8 devices, so restores can change its shape. On
+    an accelerator with another device count (one GPU), all of them as (n, 1) for the save's
+    mesh and (1, n) for the other."""
+    devices = np.array(jax.devices())
+    if devices.size != np.prod(shape):
+        shape = (devices.size, 1) if shape == SAVE_MESH else (1, devices.size)
+    return Mesh(devices.reshape(shape), ("data", "model"))
 
 
 def sharding_for(m, shape):
