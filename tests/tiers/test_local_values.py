@@ -37,3 +37,10 @@ def test_a_value_claimed_past_the_file_is_refused_naming_it(tmp_path, claim):
     path.write_bytes(len(body).to_bytes(8, "little") + body + data[8 + size :])
     with pytest.raises(tc.CorruptCheckpointError, match=r"values-00000\.bin: a value is claimed past the file"):
         own_values(str(step_dir), plan, 0)
+
+
+def test_a_tier_json_without_a_token_is_refused_naming_it(tmp_path):
+    step_dir, plan = _local_step(tmp_path)
+    (step_dir / "tier.json").write_text("[1, 2]")  # JSON, but not the record a local save writes
+    with pytest.raises(tc.CorruptCheckpointError, match=r"tier\.json names no save token"):
+        own_values(str(step_dir), plan, 0)

@@ -39,7 +39,7 @@ from tpu_ckpt.format import (
 from tpu_ckpt.saving import _commit as commit
 from tpu_ckpt.saving._plan import DataFile
 from tpu_ckpt.settings import settings
-from tpu_ckpt.sharding import on_one_cpu
+from tpu_ckpt.sharding import on_cpu, on_one_cpu
 
 
 class _Spares:
@@ -146,16 +146,12 @@ def _private_host_value(handle: Any, into: np.ndarray | None = None) -> np.ndarr
     a numpy piece is the caller's own array), so that is copied once.
     """
     host = np.asarray(handle)
-    if isinstance(handle, jax.Array) and (getattr(handle, "_npy_value", None) is host or not _on_cpu(handle)):
+    if isinstance(handle, jax.Array) and (getattr(handle, "_npy_value", None) is host or not on_cpu(handle)):
         return host
     if into is not None:
         np.copyto(into, host)
         return into
     return np.array(host, copy=True)
-
-
-def _on_cpu(array: jax.Array) -> bool:
-    return all(device.platform == "cpu" for device in array.devices())
 
 
 def write_all(writes: Writes, files: collections.deque[DataFile], *, recycle: bool = False) -> Manifest:

@@ -40,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from tpu_ckpt.sharding import on_cpu
+
 _SAMPLE = 64  # elements of a host piece compared before it is hashed
 _SAMPLED = 1 << 20  # the smallest piece left unhashed when its sample changed
 _CHUNK = 16 << 20  # bytes hashed by one thread at a time
@@ -120,7 +122,7 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
 def _on_device(data: Any) -> bool:
     """Whether ``data`` is fingerprinted by the device scheme: a jax.Array not on a CPU
     (whose buffer the host reads in place), of a dtype whose elements are whole bytes."""
-    if not isinstance(data, jax.Array) or next(iter(data.devices())).platform == "cpu":
+    if not isinstance(data, jax.Array) or on_cpu(data):
         return False  # on a CPU, BLAKE2b of the buffer in place is faster than XLA's program (~2x)
     dtype = np.dtype(data.dtype)
     if data.size * max(1, dtype.itemsize // 4) >= 2**32:  # positions are 32-bit

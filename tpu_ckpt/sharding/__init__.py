@@ -10,6 +10,7 @@ from tpu_ckpt.sharding._pieces import (
     WriteBalance,
     describe_sharding,
     index_to_slice,
+    on_cpu,
     on_one_cpu,
     planned,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "describe_sharding",
     "index_to_slice",
     "local_indices",
+    "on_cpu",
     "on_one_cpu",
     "planned",
     "slot_keys",

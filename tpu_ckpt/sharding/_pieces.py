@@ -264,13 +264,15 @@ class LocalPieces:
         ]
 
 
+def on_cpu(data: Any) -> bool:
+    """Whether ``data`` is a ``jax.Array`` on CPUs only (host memory; a fetch from a TPU or
+    GPU is a copy of JAX's own)."""
+    return isinstance(data, jax.Array) and all(device.platform == "cpu" for device in data.devices())
+
+
 def on_one_cpu(data: Any) -> bool:
-    """Whether ``data`` is a ``jax.Array`` on a single CPU device, whose buffer is host
-    memory that numpy views without a copy."""
-    if not isinstance(data, jax.Array):
-        return False
-    devices = data.devices()
-    return len(devices) == 1 and next(iter(devices)).platform == "cpu"
+    """Whether ``data`` is a ``jax.Array`` on a single CPU device, whose buffer numpy views."""
+    return on_cpu(data) and len(data.devices()) == 1
 
 
 def host_view(data: Any) -> Any:

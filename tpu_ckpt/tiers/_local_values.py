@@ -91,7 +91,11 @@ def own_values(source: str, plan: Manifest, me: int) -> Manifest:
     per_process = [n for n, leaf in enumerate(plan.leaves) if leaf.kind == PER_PROCESS]
     if not per_process:
         return plan
-    name, token = values_file_name(me), json.loads(storage.read_whole(source, TIER_FILE) or b"{}").get("token", "")
+    name, info = values_file_name(me), storage.read_json(source, TIER_FILE, 1 << 16)
+    token = info.get("token") if isinstance(info, dict) else None
+    if not isinstance(token, str):
+        where = storage.Location(source).child(TIER_FILE)
+        raise CorruptCheckpointError(f"{where} names no save token: its values cannot be tied to it", file=where)
     local = storage.Store(storage.Location(source))
     with local:
         start, places = _record(local, me, token, len(per_process))
