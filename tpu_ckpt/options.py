@@ -250,7 +250,8 @@ def _check_flag(name: str, value: Any) -> Any:
     if isinstance(value, _Default):
         return value
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"CheckpointOptions {name} must be True or False, got {value!r} of type {type(value).__name__}.")
+        kind = type(value).__name__
+        raise TypeError(f"CheckpointOptions {name} must be True or False, got {value!r} of type {kind}.")
     return bool(value)
 
 
@@ -260,7 +261,8 @@ def _same_policy(a: ShardingCallback, b: ShardingCallback) -> bool:
     if a is b or a == b:
         return True
     config = getattr(a, "__dict__", None)
-    return type(a) is type(b) and a.description == b.description and config is not None and config == getattr(b, "__dict__", None)
+    same_kind = type(a) is type(b) and a.description == b.description
+    return same_kind and config is not None and config == getattr(b, "__dict__", None)
 
 
 def parse_io_device(value: Any) -> int | None:
@@ -331,7 +333,8 @@ def _check_sharding_callback(callback: Any) -> ShardingCallback:
 
 def _check_timeout(timeout: Any) -> float:
     if isinstance(timeout, (bool, np.bool_)) or not isinstance(timeout, numbers.Real):
-        raise TypeError(f"coordination_timeout must be a number of seconds, got {timeout!r} of type {type(timeout).__name__}")
+        kind = type(timeout).__name__
+        raise TypeError(f"coordination_timeout must be a number of seconds, got {timeout!r} of type {kind}")
     seconds = float(timeout)
     if not (seconds > 0 and math.isfinite(seconds)):
         raise ValueError(f"coordination_timeout must be a positive, finite number of seconds, got {timeout!r}")
@@ -346,7 +349,8 @@ def _check_memory_limit(limit: Any) -> int | None:
     if limit is None:
         return None
     if isinstance(limit, (bool, np.bool_)) or not isinstance(limit, numbers.Integral):
-        raise TypeError(f"host_memory_limit must be None or a number of bytes (int), got {limit!r} of type {type(limit).__name__}")
+        kind = type(limit).__name__
+        raise TypeError(f"host_memory_limit must be None or a number of bytes (int), got {limit!r} of type {kind}")
     if limit < MIN_HOST_MEMORY_LIMIT:
         raise ValueError(f"host_memory_limit must be at least {MIN_HOST_MEMORY_LIMIT} bytes (16 MiB), got {limit}")
     return int(limit)

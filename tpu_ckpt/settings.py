@@ -106,7 +106,10 @@ class Settings:
         if self.relay_ports is not None:
             first, last = self.relay_ports
             if not 0 < first <= last < 1 << 16:
-                raise ValueError(f"Settings.relay_ports (TPU_CKPT_RELAY_PORTS) must be two ports, first <= last, got {self.relay_ports!r}")
+                raise ValueError(
+                    "Settings.relay_ports (TPU_CKPT_RELAY_PORTS) must be two ports, first <= last, "
+                    f"got {self.relay_ports!r}"
+                )
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] = os.environ) -> Settings:
@@ -122,7 +125,8 @@ class Settings:
                 "TPU_CKPT_OBJECT_RETRY_SECONDS", environ, cls.object_retry_seconds, "a number of seconds"
             ),
             object_requests_per_second=_number(
-                "TPU_CKPT_OBJECT_REQUESTS_PER_SECOND", environ, cls.object_requests_per_second, "a number of requests a second"
+                "TPU_CKPT_OBJECT_REQUESTS_PER_SECOND", environ, cls.object_requests_per_second,
+                "a number of requests a second",
             ),
         )
 

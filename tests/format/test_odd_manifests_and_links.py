@@ -13,7 +13,7 @@ import pytest
 import tpu_ckpt as tc
 from tests.support.helpers import as_format_1_2, manifest, write_manifest
 from tpu_ckpt.catalog import verify
-from tpu_ckpt.format import _decode as decode
+from tpu_ckpt.format import _decode_json as decode_json
 
 TREE = {"w": np.arange(16, dtype=np.float32), "b": np.ones(3, np.int32)}
 
@@ -127,4 +127,4 @@ def test_what_a_manifest_takes_decoded_is_known_before_it_is_parsed(unit):
         taken = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert taken <= decode._decoded_bytes(body) <= 2 * taken
+    assert taken <= decode_json._decoded_bytes(body) <= 2 * taken

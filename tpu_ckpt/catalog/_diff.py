@@ -82,7 +82,9 @@ def diff(
 
 def _structure(key: str, a: LeafEntry | None, b: LeafEntry | None) -> list[Change]:
     if a is None or b is None:
-        return [Change("added", key, after=_describe(b))] if a is None else [Change("removed", key, before=_describe(a))]
+        if a is None:
+            return [Change("added", key, after=_describe(b))]
+        return [Change("removed", key, before=_describe(a))]
     if a.kind != b.kind:
         return [Change("kind", key, _describe(a), _describe(b))]
     if a.kind == "value":
@@ -137,7 +139,9 @@ def _data_changes(
             done += nbytes
             report(done, total)
         if differing:
-            changes.append(Change("data", a.key, differing=differing, elements=math.prod(a.shape), max_abs_diff=largest))
+            changes.append(
+                Change("data", a.key, differing=differing, elements=math.prod(a.shape), max_abs_diff=largest)
+            )
     return changes
 
 
@@ -186,7 +190,8 @@ def _differences(mine: np.ndarray, theirs: np.ndarray, dtype_name: str) -> tuple
 
 def _start(store: storage.ReadableStore, key: str, piece: PieceEntry) -> concurrent.futures.Future:
     read = Read.of(key, piece)
-    return store.read(piece.file, piece.offset, [piece.length], then=functools.partial(check_crcs, store.location.child(read.file), read))
+    check = functools.partial(check_crcs, store.location.child(read.file), read)
+    return store.read(piece.file, piece.offset, [piece.length], then=check)
 
 
 def _array(future: concurrent.futures.Future, key: str, piece: PieceEntry, raw: np.dtype) -> np.ndarray:

@@ -254,10 +254,16 @@ def list_run(loc: storage.Location) -> Listing:
         return Listing({}, [])
     with os.scandir(root) as entries:  # files directly in the directory are not checkpoints
         names = {e.name for e in entries if e.is_dir(follow_symlinks=False)}
-    wanted = {n for n in names if OWN_LEFTOVER.fullmatch(n) or (len(INTEGER.findall(n)) == 1 and not STAGING_DIRECTORY.fullmatch(n))}
+    wanted = {
+        n for n in names
+        if OWN_LEFTOVER.fullmatch(n) or (len(INTEGER.findall(n)) == 1 and not STAGING_DIRECTORY.fullmatch(n))
+    }
     with_manifest = {n for n in wanted if os.path.isfile(os.path.join(root, n, MANIFEST_FILE))}
     retired = {n for n in wanted - with_manifest if os.path.isfile(os.path.join(root, n, REFERENCED_FILE))}
-    marked = {n for n in with_manifest if STAGING_DIRECTORY.fullmatch(n) and os.path.isfile(os.path.join(root, n, STAGING_MARKER))}
+    marked = {
+        n for n in with_manifest
+        if STAGING_DIRECTORY.fullmatch(n) and os.path.isfile(os.path.join(root, n, STAGING_MARKER))
+    }
     return _with_busy(loc, _sort(names - retired, with_manifest, _staged(loc, marked), retired))
 
 
@@ -265,7 +271,9 @@ def _with_busy(loc: storage.Location, listing: Listing, under: dict[str, set[str
     """``listing`` with its busy leftovers: a read of each marker of each leftover (there are
     few), found in ``under`` (its files by subdirectory, when listed)."""
     now = time.time()
-    held = {name: _held_until(loc, name, None if under is None else under.get(name, set())) for name in listing.leftovers}
+    held = {
+        name: _held_until(loc, name, None if under is None else under.get(name, set())) for name in listing.leftovers
+    }
     return dataclasses.replace(listing, busy=[n for n, until in held.items() if until is not None and now < until])
 
 

@@ -72,7 +72,9 @@ class OpenCheckpoint(Generic[S]):
 
 
 @overload
-def open_checkpoint(where: str | os.PathLike[str] | storage.Location, *, threads: int | None = None) -> OpenCheckpoint[storage.Backend]: ...
+def open_checkpoint(
+    where: str | os.PathLike[str] | storage.Location, *, threads: int | None = None
+) -> OpenCheckpoint[storage.Backend]: ...
 @overload
 def open_checkpoint(where: R, *, threads: int | None = None) -> OpenCheckpoint[R]: ...
 def open_checkpoint(

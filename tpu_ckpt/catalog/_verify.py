@@ -1,11 +1,10 @@
 """verify(): read every byte of a checkpoint and report everything that is wrong with it.
 
-A restore stops at the first bad piece; a verifier is asked "is this checkpoint sound, and
-if not, what exactly is broken", so it collects every problem: an uncommitted, unreadable or
-inconsistent manifest (the checks of ``format/_decode.py``, exactly those a restore makes), missing
-and truncated data files, and every piece whose crc32c does not match. Reads go through storage.Store in coalesced ranges (as a
-restore's), a bounded number of bytes in flight, with the checksums computed in the IO
-threads so they run in parallel.
+A restore stops at the first bad piece; a verifier is asked "is this checkpoint sound, and if not, what exactly is
+broken", so it collects every problem: an uncommitted, unreadable or inconsistent manifest (the checks of
+``format/_decode.py``, exactly those a restore makes), missing and truncated data files, and every piece whose crc32c
+does not match. Reads go through storage.Store in coalesced ranges (as a restore's), a bounded number of bytes in
+flight, with the checksums computed in the IO threads so they run in parallel.
 """
 
 from __future__ import annotations
@@ -111,7 +110,8 @@ def _verified(checkpoint: OpenCheckpoint[storage.Backend], progress: Callable[[i
     pieces = [(leaf.key, p) for leaf in manifest.leaves for p in leaf.pieces]
     absent = _missing_files(checkpoint.store, manifest)
     problems += [
-        Problem("missing", loc.child(file), _keys_in(pieces, file), "data file does not exist") for file in sorted(absent)
+        Problem("missing", loc.child(file), _keys_in(pieces, file), "data file does not exist")
+        for file in sorted(absent)
     ]
     reads = coalesce((key, p) for key, p in pieces if p.file not in absent)
     problems += _check_pieces(checkpoint.store, reads, progress)
@@ -223,7 +223,8 @@ def _per_piece(store: storage.CheckpointStore, read: Read) -> list[Problem]:
             problems.append(_crc_problem(store, key, p))
         except CorruptCheckpointError as e:
             if "truncated" in str(e):
-                problems.append(Problem("truncated", store.location.child(p.file), (key,), "the file ends before its pieces do"))
+                where = store.location.child(p.file)
+                problems.append(Problem("truncated", where, (key,), "the file ends before its pieces do"))
             else:  # not a regular file, a link out of the checkpoint: its own words say what it is
                 problems.append(Problem("unreadable", store.location.child(p.file), (key,), str(e)))
         except (CheckpointError, OSError) as e:

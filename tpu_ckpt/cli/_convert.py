@@ -110,14 +110,16 @@ def add_import_orbax(commands: Any) -> None:
         "CheckpointManager directory SRC (steps 0/, 10/, ... holding an item such as default/) into a "
         "tpu_ckpt CheckpointManager directory DST (step_0/, step_10/, ...); steps already in DST are "
         "skipped. A step's JSON items (ocp.args.JsonSave: a data iterator's state, a config) come too: the tree "
-        "is then the step's items by name ({'state': ..., 'config': ...}). Leaves are read in batches of at most --max-batch-bytes of arrays (a larger leaf alone), "
-        "each written before the next is read. Needs orbax-checkpoint: pip install orbax-checkpoint (tpu_ckpt's [flax] and [orbax] extras bring it).",
+        "is then the step's items by name ({'state': ..., 'config': ...}). Leaves are read in batches of at most "
+        "--max-batch-bytes of arrays (a larger leaf alone), each written before the next is read. Needs "
+        "orbax-checkpoint: pip install orbax-checkpoint (tpu_ckpt's [flax] and [orbax] extras bring it).",
         "0 converted; 2 SRC holds no Orbax checkpoint or a damaged one, DST exists, or Orbax is not installed.",
     )
     p.add_argument("src", metavar="SRC", help="an Orbax checkpoint, step or CheckpointManager directory")
     p.add_argument("dst", metavar="DST", help="the tpu_ckpt checkpoint, or CheckpointManager directory, to write")
     p.add_argument("--item", default=None, help="the item to convert when a step holds several (e.g. state)")
-    p.add_argument("--max-batch-bytes", type=int, default=1 << 30, metavar="BYTES", help="arrays held at once (default 1 GiB)")
+    p.add_argument("--max-batch-bytes", type=int, default=1 << 30, metavar="BYTES",
+                   help="arrays held at once (default 1 GiB)")
     p.set_defaults(run=_import_orbax)
 
 
@@ -137,7 +139,8 @@ def _import_orbax(args: argparse.Namespace) -> int:
         else:
             print(f"wrote {r.dst}: {r.leaves} leaves, {cli_format.size(r.nbytes)} read in {len(r.batches)} "
                   f"batches of at most {cli_format.size(r.peak_batch_bytes)}")
-    print(f"converted {cli_format.plural(sum(not r.skipped for r in reports), 'checkpoint')} in {time.perf_counter() - started:.2f}s")
+    converted = cli_format.plural(sum(not r.skipped for r in reports), "checkpoint")
+    print(f"converted {converted} in {time.perf_counter() - started:.2f}s")
     return 0
 
 

@@ -31,7 +31,8 @@ def global_flags() -> argparse.ArgumentParser:
     after it (`tpu-ckpt verify -v X`). Unset, they are left out of the namespace (SUPPRESS):
     a command's parser must not overwrite what was given before the command."""
     flags = argparse.ArgumentParser(add_help=False)
-    flags.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log what the library does")
+    flags.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                       help="log what the library does")
     flags.add_argument("--version", action="version", version=f"{PROG} {tpu_ckpt.__version__}")
     return flags
 

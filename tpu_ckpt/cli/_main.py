@@ -4,9 +4,9 @@ The commands but export, import-orbax and export-orbax only read (gc also delete
 so they need no accelerator and no JAX devices, and they never import JAX: they start in a
 fraction of a second. Only those three, which restore and save arrays, import it (and Orbax),
 and plan, which builds its target's shardings on CPU devices.
-This module parses and dispatches; cli/_read.py, cli/_convert.py and cli/_plan.py hold the commands and
-cli/_format.py what they share. They are the only modules of the package that print; the
-work is done by catalog/_listing.py, catalog/_verify.py, catalog/_diff.py, interop/_export.py, interop/_orbax.py and restoring/_check.py, which report
+This module parses and dispatches; cli/_read.py, cli/_convert.py and cli/_plan.py hold the commands and cli/_format.py
+what they share. They are the only modules of the package that print; the work is done by catalog/_listing.py,
+catalog/_verify.py, catalog/_diff.py, interop/_export.py, interop/_orbax.py and restoring/_check.py, which report
 through return values and logging.
 """
 
@@ -36,7 +36,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs one command; returns the exit status (see ``tpu-ckpt --help``)."""
     args = _parser().parse_args(argv)
     for stream in (sys.stdout, sys.stderr):
-        if isinstance(stream, io.TextIOWrapper):  # a key Python holds but UTF-8 cannot (a lone surrogate) prints escaped
+        # a key Python holds but UTF-8 cannot (a lone surrogate) prints escaped
+        if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(errors="backslashreplace")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:

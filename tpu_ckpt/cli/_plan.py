@@ -53,7 +53,8 @@ def add_plan(commands: Any) -> None:
     p.add_argument("--skip-slot-variables", action="store_true", help="as CheckpointOptions(skip_slot_variables=True)")
     p.add_argument("--devices-per-process", type=int, default=None, metavar="N",
                    help="count devices 0..N-1 as process 0, N..2N-1 as process 1, ...: a multi-host job's reads")
-    p.add_argument("--throughput", type=float, default=1000.0, metavar="MB/S", help="one process's read rate (default 1000)")
+    p.add_argument("--throughput", type=float, default=1000.0, metavar="MB/S",
+                   help="one process's read rate (default 1000)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(run=_plan)
 
@@ -69,7 +70,8 @@ def _plan(args: argparse.Namespace) -> int:
     from tpu_ckpt.restoring import check_restore
 
     report = check_restore(
-        args.ckpt, target, subtree=args.subtree, options=CheckpointOptions(skip_slot_variables=args.skip_slot_variables),
+        args.ckpt, target, subtree=args.subtree,
+        options=CheckpointOptions(skip_slot_variables=args.skip_slot_variables),
         bytes_per_second=args.throughput * 1e6, devices_per_process=args.devices_per_process,
     )
     print(json.dumps(report.to_json(), indent=2) if args.json else report.describe())
@@ -96,7 +98,8 @@ def _template(ckpt: str, subtree: str | None) -> dict[str, Any]:
         key = leaf.key[len(prefix) + 1:] if prefix else leaf.key
         if leaf.kind == "array":
             on_mesh = bool(meshes) and sharding.get("mesh") == meshes[0]
-            doc["leaves"][key] = {"shape": list(leaf.shape), "dtype": leaf.dtype, "spec": sharding["spec"] if on_mesh else []}
+            spec = sharding["spec"] if on_mesh else []
+            doc["leaves"][key] = {"shape": list(leaf.shape), "dtype": leaf.dtype, "spec": spec}
         elif leaf.kind == "value" and isinstance(leaf.value, (bool, int, float)):
             doc["leaves"][key] = leaf.value
     return doc
@@ -108,7 +111,8 @@ def _target_from(path: str) -> Any:
     doc = _target_file(path)
     _use_cpu_devices(math.prod(doc["mesh"].values()), path)
     return unflatten_nested(
-        ([("dict", k) for k in key.split("/")], _leaf(path, key, value, doc["mesh"])) for key, value in doc["leaves"].items()
+        ([("dict", k) for k in key.split("/")], _leaf(path, key, value, doc["mesh"]))
+        for key, value in doc["leaves"].items()
     )
 
 

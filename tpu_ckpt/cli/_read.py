@@ -46,14 +46,18 @@ def _ls(args: argparse.Namespace) -> int:
     if not args.json:
         now = time.time()
         rows = [
-            [cli_format.or_dash(e.step), e.name, _state(e), cli_format.or_dash(e.nbytes, cli_format.size), str(e.files), cli_format.or_dash(e.mtime, lambda t: cli_format.age(now - t))]
+            [
+                cli_format.or_dash(e.step), e.name, _state(e), cli_format.or_dash(e.nbytes, cli_format.size),
+                str(e.files), cli_format.or_dash(e.mtime, lambda t: cli_format.age(now - t)),
+            ]
             for e in entries
         ]
         header = ["STEP", "NAME", "STATE", "SIZE", "FILES", "AGE"]
         if any(e.metrics for e in entries):  # saved with metrics=...: the column best-k retention ranks by
             header.append("METRICS")
             for row, e in zip(rows, entries):
-                row.append(" ".join(f"{k}={v if isinstance(v, int) else format(v, '.6g')}" for k, v in (e.metrics or {}).items()) or "-")
+                metrics = (e.metrics or {}).items()
+                row.append(" ".join(f"{k}={v if isinstance(v, int) else format(v, '.6g')}" for k, v in metrics) or "-")
         print(cli_format.table([header, *rows], right={0, 3, 4, 5}))
         for e in entries:
             if e.error:
@@ -104,7 +108,8 @@ def _inspect(args: argparse.Namespace) -> int:
         if not steps:
             raise
         loc = storage.Location(loc.child(steps[max(steps)]))
-        print(f"{cli_format.PROG}: {args.path} is a directory of checkpoints; showing the latest, {loc.url}", file=sys.stderr)
+        print(f"{cli_format.PROG}: {args.path} is a directory of checkpoints; showing the latest, {loc.url}",
+              file=sys.stderr)
         manifest = cli_format.manifest_of(loc)
     if args.json:
         print(json.dumps(_inspect_json(loc.url, manifest), indent=2))
@@ -132,7 +137,9 @@ def _leaf_row(leaf: LeafEntry) -> list[str]:
         return [leaf.key, "", type(leaf.value).__name__, f"= {leaf.value!r}", "", ""]
     if leaf.kind != "array":  # per-process: a value of each process
         sizes = [p.length for p in leaf.pieces]
-        return [leaf.key, "", "per-process", f"{cli_format.plural(len(sizes), 'process')}, largest {cli_format.size(max(sizes, default=0))}", "", cli_format.size(sum(sizes))]
+        largest = cli_format.size(max(sizes, default=0))
+        described = f"{cli_format.plural(len(sizes), 'process')}, largest {largest}"
+        return [leaf.key, "", "per-process", described, "", cli_format.size(sum(sizes))]
     slot = "yes" if leaf.is_slot else "no"
     dtype = f"{leaf.dtype} ({leaf.logical})" if leaf.logical else leaf.dtype
     return [leaf.key, str(list(leaf.shape)), dtype, sharding_text(leaf.sharding), slot, cli_format.size(leaf.nbytes)]
@@ -158,7 +165,8 @@ def _leaf_json(leaf: LeafEntry) -> dict[str, Any]:
     if leaf.kind == "value":
         return {"key": leaf.key, "kind": "value", "value": leaf.value}
     if leaf.kind != "array":
-        return {"key": leaf.key, "kind": leaf.kind, "process_count": len(leaf.pieces), "sizes": [p.length for p in leaf.pieces]}
+        sizes = [p.length for p in leaf.pieces]
+        return {"key": leaf.key, "kind": leaf.kind, "process_count": len(leaf.pieces), "sizes": sizes}
     doc = {
         "key": leaf.key, "kind": "array", "shape": list(leaf.shape), "dtype": leaf.dtype,
         "sharding": leaf.sharding, "is_slot": leaf.is_slot, "nbytes": leaf.nbytes,
@@ -191,7 +199,8 @@ def _verify(args: argparse.Namespace) -> int:
     location = storage.location(args.path)
     failed = [name for name in names if not _verify_one(location.child(name))]
     if failed:
-        print(f"FAILED: {len(failed)} of {cli_format.plural(len(names), 'checkpoint')} in {args.path}: {', '.join(failed)}")
+        checked = cli_format.plural(len(names), "checkpoint")
+        print(f"FAILED: {len(failed)} of {checked} in {args.path}: {', '.join(failed)}")
         return 1
     print(f"ok: all {cli_format.plural(len(names), 'checkpoint')} in {args.path}")
     return 0
@@ -310,7 +319,8 @@ def _gc_within_grace(args: argparse.Namespace) -> int:
         elif e.name in removable:
             print(f"kept {e.name} (a save started or committed it since it was listed)")
         else:
-            print(f"kept {e.name} (a save that may still be running; removable in {cli_format.age((e.held_until or now) - now)})")
+            wait = cli_format.age((e.held_until or now) - now)
+            print(f"kept {e.name} (a save that may still be running; removable in {wait})")
     _gc_strays(args, strays, now)
     return 0
 
@@ -323,8 +333,10 @@ def _gc_strays(args: argparse.Namespace, strays: list[catalog.Strays], now: floa
     for s in strays:
         what = f"{cli_format.plural(len(s.files), 'stray object')} in {s.name}"
         if s in removed:
-            print(f"{verb} {what} (written by {'saves' if len(s.tokens) > 1 else 'a save'} {', '.join(s.tokens)} that never committed it)")
+            saves = "saves" if len(s.tokens) > 1 else "a save"
+            print(f"{verb} {what} (written by {saves} {', '.join(s.tokens)} that never committed it)")
         elif s in removable:
             print(f"kept {what} (the checkpoint changed since it was listed)")
         else:
-            print(f"kept {what} (a save that may still be running; removable in {cli_format.age((s.held_until or now) - now)})")
+            wait = cli_format.age((s.held_until or now) - now)
+            print(f"kept {what} (a save that may still be running; removable in {wait})")

@@ -206,7 +206,8 @@ class Coordinator:
         commit (see :meth:`abandoned`)."""
         if self._client is None:
             return
-        report: dict[str, Any] = {"message": f"{type(error).__name__}: {error}", "abandoned": abandoned, "type": type(error).__name__}
+        kind = type(error).__name__
+        report: dict[str, Any] = {"message": f"{kind}: {error}", "abandoned": abandoned, "type": kind}
         if isinstance(error, CoordinationTimeoutError):  # others waiting there learn who is late
             report.update(stage=error.stage, missing=error.missing)
         try:
@@ -309,7 +310,8 @@ class Coordinator:
             note = latest
             if time.monotonic() >= deadline:
                 break
-            logger.info("tpu_ckpt: %s: process %s is still working (%s); waiting on", self.what, sender, latest.split(" ", 1)[1])
+            doing = latest.split(" ", 1)[1]
+            logger.info("tpu_ckpt: %s: process %s is still working (%s); waiting on", self.what, sender, doing)
         self._last_note = "" if note is None else f"; it was last {note.split(' ', 1)[1]}"
         if time.monotonic() >= deadline:
             self._last_note += f"; no wait lasts more than {MAX_WAIT_TIMEOUTS} x coordination_timeout, progress or not"
@@ -326,7 +328,8 @@ class Coordinator:
     def _timeout_error(self, stage: str, missing: list[int], finder: str) -> CoordinationTimeoutError:
         return CoordinationTimeoutError(
             f"{self.what}: processes {missing} did not reach stage '{stage}' within "
-            f"coordination_timeout={self.timeout:g}s ({finder}this is process {self.me} of {self.count}{self._last_note}). "
+            f"coordination_timeout={self.timeout:g}s ({finder}this is process {self.me} of "
+            f"{self.count}{self._last_note}). "
             "Check those hosts' logs; raise coordination_timeout if they are merely slow.",
             stage=stage,
             missing=missing,

@@ -42,7 +42,9 @@ def unproved(final: storage.Location, count: int) -> bool:
     return final.is_local and count > 1 and _parent(final) not in _proved
 
 
-def prove_staging(coord: distributed.Coordinator, final: storage.Location, staging: storage.Location, leader: int) -> None:
+def prove_staging(
+    coord: distributed.Coordinator, final: storage.Location, staging: storage.Location, leader: int
+) -> None:
     """Every process of a save, after the leader created ``staging`` and before anyone
     writes: raises on every process if one cannot see it.
 
@@ -64,7 +66,9 @@ def prove_staging(coord: distributed.Coordinator, final: storage.Location, stagi
         _proved.add(_parent(final))
 
 
-def read_manifest_everywhere(coord: distributed.Coordinator, loc: storage.Location, read: Callable[[storage.Location], T]) -> T:
+def read_manifest_everywhere(
+    coord: distributed.Coordinator, loc: storage.Location, read: Callable[[storage.Location], T]
+) -> T:
     """Every process of a coordinated restore reading the manifest itself (``read``: opening
     the checkpoint): on a local path,
     if some processes find the checkpoint and others do not (which a missing checkpoint

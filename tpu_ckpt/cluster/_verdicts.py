@@ -11,7 +11,9 @@ from collections.abc import Callable
 from tpu_ckpt.cluster._coordinator import Coordinator
 
 
-def agreed_verdict(coord: Coordinator, stage: str, view: str, judge: Callable[[dict[int, str]], str], leader: int = 0) -> str:
+def agreed_verdict(
+    coord: Coordinator, stage: str, view: str, judge: Callable[[dict[int, str]], str], leader: int = 0
+) -> str:
     """``judge`` (on ``leader``) of every process's ``view`` at ``stage``, on every process; ''
     when all is well. The others hear it from the leader, so a process that arrives after the
     leader gave up waiting still hears why, rather than judging alone."""

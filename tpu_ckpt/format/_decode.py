@@ -19,7 +19,6 @@ except that a process's pieces need not tile a leaf (``complete=False``).
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from collections.abc import Sequence
@@ -29,12 +28,12 @@ from tpu_ckpt.errors import CorruptCheckpointError, FormatVersionError
 from tpu_ckpt.format import _keys as keys
 from tpu_ckpt.format import _piece_table as piece_table
 from tpu_ckpt.format import _slices as slices
+from tpu_ckpt.format._decode_json import parse_json
 from tpu_ckpt.format._decode_layout import (
     check_byte_ranges as check_byte_ranges,  # restore and verify import it from here
 )
 from tpu_ckpt.format._decode_layout import check_layout
 from tpu_ckpt.format._manifest import (
-    FORMAT_NAME,
     FORMAT_VERSION,
     MAX_INT,
     MAX_METRICS,
@@ -62,7 +61,7 @@ def decode_manifest(
     Format 2: a gridded leaf's pieces are read from ``tables`` when first used, and checked
     then (``format/_piece_table.py``); without ``tables`` only its shape, dtype and grid are known."""
     body, sealed = unseal(data, where=where)
-    doc = _parse_json(body, where)
+    doc = parse_json(body, where)
     version = _version(doc, where)
     if not sealed and version >= _FIRST_SEALED:
         raise CorruptCheckpointError(
@@ -73,48 +72,6 @@ def decode_manifest(
     manifest = _Decoder(where, complete, tables).manifest(doc, ".".join(map(str, version)))
     check_layout(manifest, where, complete and tiled, paths=complete)
     return manifest
-
-
-def _parse_json(body: bytes, where: str) -> dict[str, Any]:
-    need = _decoded_bytes(body)
-    if need > _available_memory():
-        raise _too_big(where, need)
-    try:
-        doc = json.loads(body)
-    except (ValueError, RecursionError) as e:  # RecursionError: nesting too deep to be ours
-        raise CorruptCheckpointError(f"{where}: manifest is not valid JSON ({str(e)[:200]})", file=where) from None
-    except MemoryError:  # a memory limit (ulimit -v) below what the host has free
-        raise _too_big(where, need) from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-        raise CorruptCheckpointError(f"{where}: not a tpu_ckpt manifest", file=where)
-    return doc
-
-
-def _decoded_bytes(body: bytes) -> int:
-    """What json.loads holds for ``body``, at least (measured, CPython 3.11): a list and its
-    place in its parent 64 bytes, a small object 200, each further value (a comma) a place
-    and, unless a small int, its object, 44, and a string ~56 (two quotes). So what a
-    manifest will take is known before it is parsed: 200 MB of ``[],`` take over 4 GB, of
-    ``{"a":1},`` 5 GB, of ``"ab",`` 2.6 GB, whatever its brackets."""
-    return 64 * body.count(b"[") + 200 * body.count(b"{") + 44 * body.count(b",") + 28 * body.count(b'"')
-
-
-def _available_memory() -> int:
-    """The host's free memory (MemAvailable), or no bound where it cannot be read."""
-    try:
-        with open("/proc/meminfo", "rb") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(b"MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return MAX_INT
-
-
-def _too_big(where: str, need: int) -> CorruptCheckpointError:
-    return CorruptCheckpointError(
-        f"{where}: decoding this manifest would take about {need / 1e9:.1f} GB of memory or more, more than "
-        "this process can have: it is not a manifest tpu_ckpt wrote, or it is one for a far larger host. "
-        "Restore another checkpoint, or restore it where more memory is free.",
-        file=where,
-    )
 
 
 def _version(doc: dict[str, Any], where: str) -> tuple[int, int]:
@@ -179,7 +136,8 @@ class _Decoder:
         tables = self.files(doc.get("tables", []), "tables")
         for name, size in tables.items():
             if size % piece_table.ROW_BYTES:
-                raise self.fail("tables", f"gives {name} {size} bytes, not a whole number of {piece_table.ROW_BYTES}-byte rows")
+                rows = f"{piece_table.ROW_BYTES}-byte rows"
+                raise self.fail("tables", f"gives {name} {size} bytes, not a whole number of {rows}")
         self.tables = list(tables.items())
         raw_leaves = self.array(doc.get("leaves"), "leaves")
         leaves = tuple(self.leaf(d, f"leaves[{i}]", names, len(raw_leaves)) for i, d in enumerate(raw_leaves))
@@ -208,7 +166,8 @@ class _Decoder:
         parts = path.split("/")
         if len(parts) != 2 or parts[0] != ".." or parts[1] in ("", ".", "..") or not parts[1].isprintable():
             raise self.fail("source.path", f"must name a sibling checkpoint as '../<name>', got {path!r}")
-        return {"path": path, "manifest_crc32c": self.integer(value.get("manifest_crc32c"), "source.manifest_crc32c", 0xFFFFFFFF)}
+        crc = self.integer(value.get("manifest_crc32c"), "source.manifest_crc32c", 0xFFFFFFFF)
+        return {"path": path, "manifest_crc32c": crc}
 
     def metrics(self, value: Any) -> dict[str, float | int] | None:
         """Numbers by name; ``ls`` shows them and retention ranks steps by them."""
@@ -226,7 +185,8 @@ class _Decoder:
             raise self.fail(field, f"must be an object, got {_short(doc)}")
         key = self.string(doc.get("key"), f"{field}.key")
         field = f"{field} (key {_short(key)})"
-        path = [self.path_entry(e, f"{field}.path[{j}]", leaf_count) for j, e in enumerate(self.array(doc.get("path"), f"{field}.path"))]
+        raw_path = self.array(doc.get("path"), f"{field}.path")
+        path = [self.path_entry(e, f"{field}.path[{j}]", leaf_count) for j, e in enumerate(raw_path)]
         if (path or self.complete) and keys.join(path) != key:
             raise self.fail(f"{field}.key", f"{key!r} does not match its path {path}")
         kind = doc.get("kind")
@@ -237,7 +197,8 @@ class _Decoder:
             return LeafEntry(key, path, "value", value=value)
         if kind == PER_PROCESS:  # one piece per process (``check_layout`` counts them)
             raw = self.array(doc.get("pieces"), f"{field}.pieces")
-            return LeafEntry(key, path, kind, pieces=tuple(self.piece(p, f"{field}.pieces[{j}]", None, 0, files) for j, p in enumerate(raw)))
+            pieces = tuple(self.piece(p, f"{field}.pieces[{j}]", None, 0, files) for j, p in enumerate(raw))
+            return LeafEntry(key, path, kind, pieces=pieces)
         if kind != "array":
             raise self.fail(f"{field}.kind", f"must be 'array', 'value' or 'per_process', got {_short(kind)}")
         if "table" in doc and self.complete:
@@ -268,7 +229,8 @@ class _Decoder:
             )
         else:
             pieces = tuple(self.piece(p, f"{field}.pieces[{j}]", shape, itemsize, files) for j, p in enumerate(raw))
-        return LeafEntry(key, path, "array", shape, dtype, doc["is_slot"], sharding, pieces, logical=self.logical(doc, field, dtype, shape))
+        logical = self.logical(doc, field, dtype, shape)
+        return LeafEntry(key, path, "array", shape, dtype, doc["is_slot"], sharding, pieces, logical=logical)
 
     def logical(self, doc: dict[str, Any], field: str, dtype: str, shape: tuple[int, ...]) -> str:
         """What an array leaf is restored as (format 2.1): bytes (uint8, one axis) or a typed PRNG key of
@@ -279,7 +241,8 @@ class _Decoder:
             return logical
         if impl is not None and impl.isidentifier() and dtype == "uint32" and shape:
             return logical
-        raise self.fail(f"{field}.logical", f"must be 'bytes' (uint8[n]) or 'prng_key:<impl>' (uint32), got {_short(logical)}")
+        wanted = "'bytes' (uint8[n]) or 'prng_key:<impl>' (uint32)"
+        raise self.fail(f"{field}.logical", f"must be {wanted}, got {_short(logical)}")
 
     def sharding(self, value: Any, field: str) -> dict[str, Any] | None:
         """How a leaf was saved sharded, as ``pieces.describe_sharding`` writes it: a
@@ -296,7 +259,9 @@ class _Decoder:
         if type(mesh) is not dict or not all(type(n) is int and 0 < n <= 1 << 31 for n in mesh.values()):
             raise self.fail(f"{field}.mesh", f"must map axis names to sizes, got {_short(mesh)}")
         for entry in spec:
-            if not (entry is None or type(entry) is str or (type(entry) is list and all(type(a) is str for a in entry))):
+            if not (
+                entry is None or type(entry) is str or (type(entry) is list and all(type(a) is str for a in entry))
+            ):
                 raise self.fail(f"{field}.spec", f"must list null, axis names or lists of them, got {_short(spec)}")
         return value
 
@@ -352,7 +317,8 @@ class _Decoder:
         file = self.integer(file, f"{field} (file index)", len(files) - 1)
         length = self.integer(length, f"{field} (length)")
         if shape is not None and length != slices.volume(spec) * itemsize:
-            raise self.fail(field, f"has length {length}, but its slice {list(spec)} holds {slices.volume(spec) * itemsize} bytes")
+            held = slices.volume(spec) * itemsize
+            raise self.fail(field, f"has length {length}, but its slice {list(spec)} holds {held} bytes")
         crc = self.integer(crc, f"{field} (crc32c)", 0xFFFFFFFF)
         if length == 0 and crc != 0:
             raise self.fail(field, "is empty but has a non-zero crc32c")

@@ -22,20 +22,25 @@ def check_layout(manifest: Manifest, where: str, complete: bool, paths: bool = T
             raise CorruptCheckpointError(f"{where}: data file name {name!r} {problem}", file=where)
     _check_keys(manifest, where, paths)
     for leaf in manifest.leaves if complete else ():
-        if leaf.kind == PER_PROCESS and [p.slice for p in leaf.pieces] != [((i, i + 1),) for i in range(manifest.process_count)]:
+        one_each = [((i, i + 1),) for i in range(manifest.process_count)]
+        if leaf.kind == PER_PROCESS and [p.slice for p in leaf.pieces] != one_each:
             raise CorruptCheckpointError(
                 f"{where}: per-process key {leaf.key!r} does not hold exactly one value for each of the "
-                f"{manifest.process_count} processes that saved it ({len(leaf.pieces)} found)", key=leaf.key, file=where,
+                f"{manifest.process_count} processes that saved it ({len(leaf.pieces)} found)",
+                key=leaf.key, file=where,
             )
     check_byte_ranges(manifest, where, loaded_only=True)
     with slices.grids_shared():  # leaves of one layout share their grid
         for leaf in manifest.leaves if complete else ():
             if isinstance(leaf.pieces, piece_table.LazyPieces):
                 continue  # a grid's cells tile the leaf by construction (checked on load)
-            problem = slices.tiling_problem(leaf.shape, [p.slice for p in leaf.pieces]) if leaf.kind == "array" else None
+            problem = (
+                slices.tiling_problem(leaf.shape, [p.slice for p in leaf.pieces]) if leaf.kind == "array" else None
+            )
             if problem:
                 raise CorruptCheckpointError(
-                    f"{where}: the pieces of key {leaf.key!r} do not tile its shape: {problem}", key=leaf.key, file=where
+                    f"{where}: the pieces of key {leaf.key!r} do not tile its shape: {problem}",
+                    key=leaf.key, file=where,
                 )
 
 
@@ -72,7 +77,8 @@ def check_byte_ranges(manifest: Manifest, where: str, *, loaded_only: bool = Fal
         ranges.sort()
         size = manifest.files[file]
         if ranges[-1][1] > size or any(a[1] > b[0] for a, b in zip(ranges, ranges[1:])):
-            bad = next((r for r in ranges if r[1] > size), None) or next(a for a, b in zip(ranges, ranges[1:]) if a[1] > b[0])
+            past_end = next((r for r in ranges if r[1] > size), None)
+            bad = past_end or next(a for a, b in zip(ranges, ranges[1:]) if a[1] > b[0])
             raise CorruptCheckpointError(
                 f"{where}: a piece of key {bad[2]!r} at bytes [{bad[0]}, {bad[1]}) of {file} overlaps another "
                 f"piece or runs past the file's {size} bytes",

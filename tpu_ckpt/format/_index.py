@@ -67,7 +67,9 @@ class IndexPlan:
         dims = np.zeros((len(keys), max(int(ranks.max(initial=0)), 1)), np.int64)
         for n, leaf in enumerate(planned.leaves):
             dims[n, : len(leaf.shape)] = leaf.shape
-        itemsizes = np.array([dtype_itemsize(leaf.dtype) if a else 0 for leaf, a in zip(planned.leaves, arrays)], np.int64)
+        itemsizes = np.array(
+            [dtype_itemsize(leaf.dtype) if a else 0 for leaf, a in zip(planned.leaves, arrays)], np.int64
+        )
         digest = crc32c(json.dumps(keys).encode())
         return IndexPlan(keys, digest, ranks, dims, itemsizes)
 
@@ -95,7 +97,8 @@ def encode_index(index: Manifest, plan: IndexPlan) -> bytes:
     for leaf in index.leaves:
         number = _number(plan, leaf.key)
         for p in leaf.pieces:
-            by_rank.setdefault(len(p.slice), []).append((number, number_of_file[p.file], p.offset, p.length, p.crc32c, p.slice))
+            row = (number, number_of_file[p.file], p.offset, p.length, p.crc32c, p.slice)
+            by_rank.setdefault(len(p.slice), []).append(row)
     return encode_rows(plan, list(index.files.items()), {rank: _rows(rank, by_rank[rank]) for rank in by_rank})
 
 
@@ -149,7 +152,8 @@ def index_manifest(rows: IndexRows, plan: IndexPlan) -> Manifest:
         spans = np.stack([group["start"], group["stop"]], axis=-1).tolist()  # [row][axis][start, stop]
         columns = zip(*(group[field].tolist() for field in ("leaf", "file", "offset", "length", "crc32c")))
         for (leaf, file, offset, length, crc), span in zip(columns, spans):
-            pieces.setdefault(leaf, []).append(PieceEntry(tuple(map(tuple, span)), rows.names[file], offset, length, crc))
+            piece = PieceEntry(tuple(map(tuple, span)), rows.names[file], offset, length, crc)
+            pieces.setdefault(leaf, []).append(piece)
     leaves = tuple(LeafEntry(plan.keys[n], [], "array", pieces=tuple(p)) for n, p in sorted(pieces.items()))
     return Manifest(leaves, dict(zip(rows.names, rows.sizes.tolist())), 0, "")
 
@@ -218,7 +222,10 @@ def _header(text: bytes, where: str, plan: IndexPlan) -> tuple[list[str], np.nda
     files = _pairs(doc.get("files"), "files", where)
     names = [name for name, _ in files]
     for name in names:
-        problem = "is not a string" if type(name) is not str else decode_layout._file_name_problem(name, None, references=True)
+        problem = (
+            "is not a string" if type(name) is not str
+            else decode_layout._file_name_problem(name, None, references=True)
+        )
         if problem is None and names.count(name) > 1:
             problem = "is listed twice"
         if problem is not None:
@@ -228,7 +235,8 @@ def _header(text: bytes, where: str, plan: IndexPlan) -> tuple[list[str], np.nda
         raise _corrupt(where, "gives a data file a size that is not an integer in [0, 2^63)")
     counts = _pairs(doc.get("groups"), "groups", where)
     ranks = [rank for rank, _ in counts]
-    if any(type(v) is not int or not 0 <= v <= MAX_INT for pair in counts for v in pair) or max(ranks, default=0) > MAX_RANK:
+    bad_count = any(type(v) is not int or not 0 <= v <= MAX_INT for pair in counts for v in pair)
+    if bad_count or max(ranks, default=0) > MAX_RANK:
         raise _corrupt(where, f"has a group of rows whose rank is outside [0, {MAX_RANK}] or whose count is no integer")
     if ranks != sorted(set(ranks)):
         raise _corrupt(where, "does not list its groups of rows by rising rank, once each")
@@ -246,7 +254,8 @@ def _check_rows(rows: np.ndarray, rank: int, sizes: np.ndarray, plan: IndexPlan,
     bytes lie inside the leaf and the file, its length that of its slice."""
     leaf = rows["leaf"].astype(np.int64)
     _first_bad(leaf >= len(plan.keys), rows, where, f"names a leaf past the tree's {len(plan.keys)}")
-    _first_bad(plan.ranks[leaf] != rank, rows, where, f"gives a slice of {rank} dimensions to a leaf of another rank", plan)
+    other_rank = f"gives a slice of {rank} dimensions to a leaf of another rank"
+    _first_bad(plan.ranks[leaf] != rank, rows, where, other_rank, plan)
     _first_bad(rows["file"] >= len(sizes), rows, where, f"names a data file past the index's {len(sizes)}", plan)
     offset, length = rows["offset"], rows["length"]
     _first_bad((offset > MAX_INT) | (length > MAX_INT), rows, where, "holds an offset or length past 2^63", plan)
@@ -275,7 +284,9 @@ def _check_disjoint(groups: Sequence[np.ndarray], names: list[str], where: str) 
     """No two pieces share a byte of a data file (each is checked against its own crc32c)."""
     if not groups:
         return
-    file, offset, length = (np.concatenate([g[field] for g in groups]).astype(np.int64) for field in ("file", "offset", "length"))
+    file, offset, length = (
+        np.concatenate([g[field] for g in groups]).astype(np.int64) for field in ("file", "offset", "length")
+    )
     keep = length > 0
     file, offset, length = file[keep], offset[keep], length[keep]
     order = np.lexsort((offset, file))

@@ -174,7 +174,9 @@ def unflatten_nested(items: Iterable[tuple[list[PathEntry], Any]]) -> Any:
         for depth, entry in enumerate(entries[:-1]):
             node = node.setdefault(entry, _Node())
             if not isinstance(node, _Node):
-                raise ValueError(f"key {join(entries[: depth + 1])!r} is both a leaf and a subtree (of {join(entries)!r})")
+                raise ValueError(
+                    f"key {join(entries[: depth + 1])!r} is both a leaf and a subtree (of {join(entries)!r})"
+                )
         if isinstance(node.get(entries[-1]), _Node):
             raise ValueError(f"key {join(entries)!r} is both a leaf and a subtree")
         node[entries[-1]] = value

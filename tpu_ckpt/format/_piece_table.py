@@ -133,7 +133,9 @@ def _unsealed(manifest: Manifest, grids: GridSource | None, table_prefix: str) -
         "files": [[name, size] for name, size in manifest.files.items()],
         "tables": [[name, len(table)] for name, table in zip(names, tables)],
     }
-    tail = {name: value for name, value in (("source", manifest.source), ("metrics", manifest.metrics)) if value is not None}
+    tail = {
+        name: value for name, value in (("source", manifest.source), ("metrics", manifest.metrics)) if value is not None
+    }
     end = "," + json.dumps(tail, separators=_COMPACT)[1:] if tail else "}"
     start = json.dumps(head, separators=_COMPACT)[:-1] + ',"leaves":['
     entries = [*chunks[:-1], memoryview(chunks[-1])[:-1]]  # less the last comma
@@ -183,7 +185,9 @@ def lazy_pieces(
     for d, (axis, n) in enumerate(zip(raw, shape)):
         if type(axis) is int:  # a step: cuts 0, step, 2 step, ..., n (expanded on load)
             if not 1 <= axis <= n:
-                raise decoder.fail(f"{field}.grid[{d}]", f"must be a step in [1, {n}] or a list of cut points, got {_short(axis)}")
+                raise decoder.fail(
+                    f"{field}.grid[{d}]", f"must be a step in [1, {n}] or a list of cut points, got {_short(axis)}"
+                )
             grid.append(axis)
             cells.append(-(-n // axis))
             continue
@@ -196,7 +200,9 @@ def lazy_pieces(
         raise decoder.fail(f"{field}.table (count)", f"is {count}, but the grid has {math.prod(cells)} cells")
     name, size = tables[t]
     if row + count > size // ROW_BYTES:
-        raise decoder.fail(f"{field}.table", f"names rows {row}..{row + count - 1}, past the {size // ROW_BYTES} rows of {name}")
+        raise decoder.fail(
+            f"{field}.table", f"names rows {row}..{row + count - 1}, past the {size // ROW_BYTES} rows of {name}"
+        )
     if math.prod(shape) * itemsize > MAX_INT:
         raise decoder.fail(f"{field}.shape", "holds more than 2^63 bytes")
     return LazyPieces(TableRef(key=key, table=name, size=size, row=row, count=count, crc=crc, grid=grid, shape=shape,

@@ -122,7 +122,9 @@ def _grid(shape: tuple[int, ...], slices: tuple[SliceSpec, ...]) -> Grid | None:
     return cuts, cells
 
 
-def tiling_problem(shape: Sequence[int], slices: Sequence[SliceSpec], max_grid_cells: int = MAX_GRID_CELLS) -> str | None:
+def tiling_problem(
+    shape: Sequence[int], slices: Sequence[SliceSpec], max_grid_cells: int = MAX_GRID_CELLS
+) -> str | None:
     """Why ``slices`` do not tile an array of ``shape`` exactly (a gap, an overlap, a block
     outside the array), or None when they do.
 
@@ -171,7 +173,9 @@ def _is_grid(shape: Sequence[int], blocks: Sequence[SliceSpec]) -> bool:
     return cells == len(blocks)
 
 
-def cover(piece: SliceSpec, slices: Sequence[SliceSpec], max_grid_cells: int = MAX_GRID_CELLS) -> tuple[Overlap | None, bool]:
+def cover(
+    piece: SliceSpec, slices: Sequence[SliceSpec], max_grid_cells: int = MAX_GRID_CELLS
+) -> tuple[Overlap | None, bool]:
     """``(two overlapping slices or None, whether part of piece is left uncovered)``.
 
     All ``slices`` lie inside ``piece`` and are distinct, so a scalar piece is covered exactly

@@ -1,14 +1,12 @@
 """Reading format 2's piece tables: a gridded leaf's rows, whole or only the cells asked for.
 
-Row ``i`` of a leaf is grid cell ``i`` in C order (``format/_piece_table.py``), so the rows that hold
-a slice follow from the grid alone: a restoring process reads the rows of the cells its own
-devices need (``load_rows``), in runs of neighbouring rows, and builds pieces for those
-only, where reading the whole leaf would cost every host the whole pod's rows. A leaf read
-whole is checked against its crc32c in the manifest; rows read by the cell (a part of a
-leaf: the crc32c covers all its rows) are checked row by row (file index, bytes inside the
-file, no two sharing a byte), and each piece's bytes against the crc32c in its row when
-read. Planning then looks pieces up in what was loaded, with no IO (``loaded_overlapping``).
-Rows read whole are kept as columns, checked a run of leaves at a time, and pieces built from
+Row ``i`` of a leaf is grid cell ``i`` in C order (``format/_piece_table.py``), so the rows that hold a slice follow
+from the grid alone: a restoring process reads the rows of the cells its own devices need (``load_rows``), in runs of
+neighbouring rows, and builds pieces for those only, where reading the whole leaf would cost every host the whole pod's
+rows. A leaf read whole is checked against its crc32c in the manifest; rows read by the cell (a part of a leaf: the
+crc32c covers all its rows) are checked row by row (file index, bytes inside the file, no two sharing a byte), and each
+piece's bytes against the crc32c in its row when read. Planning then looks pieces up in what was loaded, with no IO
+(``loaded_overlapping``). Rows read whole are kept as columns, checked a run of leaves at a time, and pieces built from
 them only when asked for: ``check_restore`` counts a pod's million in numpy (``piece_columns``).
 """
 
@@ -63,7 +61,8 @@ class LazyPieces(Sequence[PieceEntry]):
 
     @property
     def _counts(self) -> list[int]:  # every axis's cell count, from the manifest's grid (no cut list is expanded)
-        return [-(-n // axis) if isinstance(axis, int) else len(axis) - 1 for axis, n in zip(self._ref.grid, self._ref.shape)]
+        grid = zip(self._ref.grid, self._ref.shape)
+        return [-(-n // axis) if isinstance(axis, int) else len(axis) - 1 for axis, n in grid]
 
     @property
     def layout(self) -> tuple[Any, ...]:
@@ -134,7 +133,8 @@ class LazyPieces(Sequence[PieceEntry]):
         try:
             return [self._cells[c] for c in cells]
         except KeyError:
-            raise CheckpointError(f"internal: the rows of key {self._ref.key!r} holding {list(want)} were not loaded") from None
+            missing = f"the rows of key {self._ref.key!r} holding {list(want)}"
+            raise CheckpointError(f"internal: {missing} were not loaded") from None
 
     def missing(self, wants: Iterable[SliceSpec]) -> list[_Span]:
         """The spans of rows not loaded yet that hold ``wants``: the whole leaf when every
@@ -260,7 +260,8 @@ def piece_columns(leaf: LeafEntry) -> tuple[Sequence[str], np.ndarray, np.ndarra
     names = list(dict.fromkeys(p.file for p in found))
     index = {name: i for i, name in enumerate(names)}
     files = np.array([index[p.file] for p in found], dtype=np.int64)
-    return names, files, np.array([p.offset for p in found], dtype=np.int64), np.array([p.length for p in found], dtype=np.int64)
+    offsets = np.array([p.offset for p in found], dtype=np.int64)
+    return names, files, offsets, np.array([p.length for p in found], dtype=np.int64)
 
 
 def piece_layout(leaf: LeafEntry) -> Any:
@@ -277,19 +278,20 @@ def piece_cells(leaf: LeafEntry, wants: Sequence[SliceSpec]) -> list[tuple[list[
         found = [pieces.cells(want) for want in wants]
         return [(cells, pieces.cell_slice(cells[0]) if cells else None) for cells in found]
     index = {id(p): i for i, p in enumerate(pieces)}
-    return [([index[id(p)] for p in hold], hold[0].slice if hold else None) for hold in (overlapping(leaf, w) for w in wants)]
+    holders = (overlapping(leaf, w) for w in wants)
+    return [([index[id(p)] for p in hold], hold[0].slice if hold else None) for hold in holders]
 
 
 def load_rows(wants: Iterable[tuple[LeafEntry, Iterable[SliceSpec]]], threads: int) -> None:
     """Reads the rows of the cells of each leaf holding any element of its slices, not yet
     read, in runs (:func:`_runs`), ``threads`` runs at a time, and builds their pieces only."""
-    _read([span for leaf, slices in wants if isinstance(leaf.pieces, LazyPieces) for span in leaf.pieces.missing(slices)], threads)
+    lazy = [(leaf.pieces, slices) for leaf, slices in wants if isinstance(leaf.pieces, LazyPieces)]
+    _read([span for pieces, slices in lazy for span in pieces.missing(slices)], threads)
 
 
 def prefetch(leaves: Sequence[LeafEntry], threads: int) -> None:
-    """Reads every row of ``leaves`` not yet read, in runs (on an object store each is a
-    request: a full restore's thousands of leaves, one at a time, would cost as many round
-    trips). Raises the first leaf's error."""
+    """Reads every row of ``leaves`` not yet read, in runs (on an object store each is a request: a full restore's
+    thousands of leaves, one at a time, would cost as many round trips). Raises the first leaf's error."""
     lazy = [leaf.pieces for leaf in leaves if isinstance(leaf.pieces, LazyPieces) and not leaf.pieces.loaded]
     _read([_Span(pieces, 0, len(pieces)) for pieces in lazy], threads)
 
@@ -309,10 +311,9 @@ def _runs(spans: Sequence[_Span]) -> list[list[_Span]]:
     """The spans as runs of one table each, read with one request per run rather than one
     per leaf (a tree of many small leaves has a row or two per leaf, side by side).
 
-    A span joins the run before it when the rows between them are no more than its own, so
-    what a run reads beyond its spans' rows is at most their own bytes (a restore of a few
-    leaves, or of a process's cells, reads at most twice their rows, never the table), and
-    a run stays within ``RUN_BYTES``."""
+    A span joins the run before it when the rows between them are no more than its own, so what a run reads beyond its
+    spans' rows is at most their own bytes (a restore of a few leaves, or of a process's cells, reads at most twice
+    their rows, never the table), and a run stays within ``RUN_BYTES``."""
     by_table: dict[tuple[int, str], list[_Span]] = {}
     for span in spans:
         by_table.setdefault((id(span.pieces._ref.source), span.pieces._ref.table), []).append(span)
@@ -338,18 +339,21 @@ def _load_run(run: Sequence[_Span]) -> None:
     whole = [span for span in run if span.first == 0 and span.length == span.pieces._ref.count]
     found = None
     if len(whole) > 1:  # checked together, in one numpy pass; else (or if one fails) leaf by leaf
-        found = table_rows.whole_columns(data, [(s.pieces._ref, functools.partial(s.pieces._bounds, 0, s.length), s.row - start) for s in whole])
+        refs = [(s.pieces._ref, functools.partial(s.pieces._bounds, 0, s.length), s.row - start) for s in whole]
+        found = table_rows.whole_columns(data, refs)
     for span, columns in zip(whole, found or ()):
         span.pieces._keep(columns)
     kept = {id(span) for span in whole} if found is not None else set()
     view = memoryview(data)
     for span in run:
         if id(span) not in kept:
-            span.pieces._fill(span.first, span.length, view[(span.row - start) * ROW_BYTES : (span.row - start + span.length) * ROW_BYTES])
+            at = span.row - start
+            span.pieces._fill(span.first, span.length, view[at * ROW_BYTES : (at + span.length) * ROW_BYTES])
 
 
 def _read_rows(ref: TableRef, start: int, count: int) -> bytes:
     """Rows ``start`` to ``start + count`` of the table holding ``ref``'s rows."""
     if ref.source is None:
-        raise CheckpointError(f"the pieces of key {ref.key!r} are in {ref.table}, and this manifest was read without its tables")
+        raise CheckpointError(f"the pieces of key {ref.key!r} are in {ref.table}, "
+                              "and this manifest was read without its tables")
     return bytes(ref.source.read(ref.table, start * ROW_BYTES, count * ROW_BYTES))

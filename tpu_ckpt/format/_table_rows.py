@@ -143,7 +143,8 @@ def whole_columns(data: bytes, leaves: Sequence[tuple[TableRef, Callable[[], Bou
     out, at = [], 0
     crcs = rows["crc32c"]
     for ref, (starts, stops_, cell_bytes) in zip(refs, bounds):
-        out.append(Columns(0, files[at : at + ref.count], offsets[at : at + ref.count], cell_bytes, crcs[at : at + ref.count], starts, stops_))
+        part = slice(at, at + ref.count)
+        out.append(Columns(0, files[part], offsets[part], cell_bytes, crcs[part], starts, stops_))
         at += ref.count
     return out
 
@@ -196,5 +197,7 @@ def entries(ref: TableRef, columns: Columns) -> tuple[PieceEntry, ...]:
     slices = zip(*bounds) if bounds else [()] * len(columns.files)
     return tuple(
         PieceEntry(tuple(spec), names[fi], off, ln, crc)
-        for spec, fi, off, ln, crc in zip(slices, columns.files.tolist(), columns.offsets.tolist(), columns.lengths.tolist(), columns.crcs.tolist())
+        for spec, fi, off, ln, crc in zip(
+            slices, columns.files.tolist(), columns.offsets.tolist(), columns.lengths.tolist(), columns.crcs.tolist()
+        )
     )

@@ -52,7 +52,10 @@ class PerProcess:
 
     def __init__(self, value: Any = None, *, reshard: Reshard | None = None):
         if reshard is not None and not callable(reshard):
-            raise TypeError(f"PerProcess(reshard=...) takes a function (saved_values, process_index, process_count), got {reshard!r}")
+            raise TypeError(
+                "PerProcess(reshard=...) takes a function (saved_values, process_index, process_count), "
+                f"got {reshard!r}"
+            )
         self.value = value
         self.reshard = reshard
 
@@ -92,7 +95,8 @@ def encode_value(value: Any, key: str, process: int) -> bytes:
     except (TypeError, ValueError) as e:
         raise TypeError(
             f"PerProcess leaf {key!r} on process {process} {e}; a per-process value holds JSON-like Python data "
-            "(dict, list, tuple, bool, int, float, str, None), bytes and numpy arrays (a jax.Array is a leaf of its own)."
+            "(dict, list, tuple, bool, int, float, str, None), bytes and numpy arrays "
+            "(a jax.Array is a leaf of its own)."
         ) from None
     return b"".join([_HEADER.pack(len(header)), header, *buffers])
 
@@ -109,7 +113,9 @@ def decode_value(data: np.ndarray | bytes, where: str, key: str) -> Any:
     view = memoryview(data if isinstance(data, bytes) else np.ascontiguousarray(data, np.uint8).tobytes())
 
     def fail(problem: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{where}: the per-process value of key {key!r} is damaged: {problem}", key=key, file=where)
+        return CorruptCheckpointError(
+            f"{where}: the per-process value of key {key!r} is damaged: {problem}", key=key, file=where
+        )
 
     if len(view) < _HEADER.size or _HEADER.unpack_from(view)[0] > len(view) - _HEADER.size:
         raise fail("its header runs past its bytes")
@@ -150,7 +156,10 @@ class _Decoder:
         return item[0]
 
     def raw(self, offset: Any, length: Any) -> memoryview:
-        if type(offset) is not int or type(length) is not int or not 0 <= offset <= offset + length <= len(self.body) or length < 0:
+        if (
+            type(offset) is not int or type(length) is not int
+            or not 0 <= offset <= offset + length <= len(self.body) or length < 0
+        ):
             raise self.fail(f"bytes [{offset}, +{length}) lie outside its {len(self.body)} bytes")
         return self.body[offset:offset + length]
 

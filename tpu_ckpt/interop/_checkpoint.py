@@ -144,7 +144,9 @@ class Checkpoint:
         self._last_save = result
         return result.path
 
-    def _load(self, save_path: str | os.PathLike[str], options: CheckpointOptions | None, *, with_counter: bool) -> Checkpoint:
+    def _load(
+        self, save_path: str | os.PathLike[str], options: CheckpointOptions | None, *, with_counter: bool
+    ) -> Checkpoint:
         target = dict(self._trees)
         if with_counter:
             target[_COUNTER] = self.save_counter

@@ -71,8 +71,8 @@ def export_for_serving(
       subtree: the key path to export.
       dtype: casts float leaves (e.g. ``"bfloat16"``); ``None`` keeps them.
       layout: ``"tpu_ckpt"`` (a checkpoint) or ``"huggingface"`` (for serving stacks, the Hub).
-      names: huggingface only: ``None`` joins the key path below ``subtree`` by ``.``; a dict
-        or function from key path (``params/Dense_0/kernel``) to a name, ``None`` or ``{"name": ..., "transpose": True}``.
+      names: huggingface only: ``None`` joins the key path below ``subtree`` by ``.``; a dict or function from key path
+        (``params/Dense_0/kernel``) to a name, ``None`` or ``{"name": ..., "transpose": True}``.
       max_shard_size: re-cuts the data files (:class:`MaxShardSizePolicy`); for the
         huggingface layout the most data bytes of one file, an int or ``"5GB"`` (the default).
       link: write only a manifest referring to ``src``'s data files (local paths only;
@@ -91,31 +91,33 @@ def export_for_serving(
       CheckpointNotFoundError: nothing is committed at ``src``.
       CorruptCheckpointError: a data file of ``src`` is missing or fails its checksum.
     """
-    _check_layout(layout, names, link)
+    _check_arguments(layout, names, link, rewrite=dtype is not None or max_shard_size is not None)
     if link:
-        if dtype is not None or max_shard_size is not None:
-            raise ValueError(
-                "link=True reuses the source's data files as they are, so it cannot also change "
-                "the dtype or the shard size; drop --link, or drop --dtype/--max-shard-size."
-            )
         return _link(storage.location(src), storage.location(dst), subtree)
     cast = np.dtype(dtype) if dtype is not None else None
     if cast is not None and not jnp.issubdtype(cast, jnp.floating):
         raise ValueError(f"dtype must be a float type (e.g. bfloat16), got {cast}")
     if layout == "huggingface":
-        return export_huggingface(src, dst, subtree, cast, names, max_shard_size, options or CheckpointOptions(), progress)
+        return export_huggingface(
+            src, dst, subtree, cast, names, max_shard_size, options or CheckpointOptions(), progress
+        )
     params = _read_params(src, subtree, cast, progress)
     policy = MaxShardSizePolicy(parse_size(max_shard_size)) if max_shard_size is not None else None
     return save(dst, params, options=CheckpointOptions(sharding_callback=policy)).wait()
 
 
-def _check_layout(layout: str, names: Names, link: bool) -> None:
+def _check_arguments(layout: str, names: Names, link: bool, rewrite: bool) -> None:
     if layout not in ("tpu_ckpt", "huggingface"):
         raise ValueError(f"layout must be 'tpu_ckpt' or 'huggingface', got {layout!r}")
     if layout == "tpu_ckpt" and names is not None:
         raise ValueError("names apply to layout='huggingface' only: a tpu_ckpt export keeps the key paths")
     if link and layout != "tpu_ckpt":
         raise ValueError("link=True needs layout='tpu_ckpt': the huggingface layout is always a copy")
+    if link and rewrite:
+        raise ValueError(
+            "link=True reuses the source's data files as they are, so it cannot also change "
+            "the dtype or the shard size; drop --link, or drop --dtype/--max-shard-size."
+        )
 
 
 def _read_params(

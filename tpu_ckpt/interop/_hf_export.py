@@ -1,13 +1,12 @@
 """export_for_serving(layout="huggingface"): a checkpoint's params as the files a serving
 stack reads, written from every process with no consolidation pass.
 
-Every process plans the same export from the manifest (tensor names, ``_hf_layout``'s
-shard files) and takes the files given to it (balanced by bytes). It reads each piece of
-their tensors from the checkpoint once, a block of its rows at a time, checking the piece's
-crc32c across its blocks, and writes each block where it lies in the file, as the row-major
-runs of bytes it covers there (``storage.FileWriter``: at offsets, on a local disk), so a
-tensor, or a piece, bigger than ``host_memory_limit`` is never whole in memory. When every process has written its files,
-process 0 writes the index, the commit: a reader that finds it finds every file complete.
+Every process plans the same export from the manifest (tensor names, ``_hf_layout``'s shard files) and takes the files
+given to it (balanced by bytes). It reads each piece of their tensors from the checkpoint once, a block of its rows at a
+time, checking the piece's crc32c across its blocks, and writes each block where it lies in the file, as the row-major
+runs of bytes it covers there (``storage.FileWriter``: at offsets, on a local disk), so a tensor, or a piece, bigger
+than ``host_memory_limit`` is never whole in memory. When every process has written its files, process 0 writes the
+index, the commit: a reader that finds it finds every file complete.
 """
 
 from __future__ import annotations
@@ -75,7 +74,10 @@ def export_huggingface(
     """See ``export_for_serving``; returns ``dst``'s URL."""
     final = storage.location(dst)
     max_size = layout.DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else layout.parse_size(max_shard_size)
-    with open_checkpoint(src) as checkpoint, cluster.Coordinator(f"export {final.url}", options.coordination_timeout) as coord:
+    with (
+        open_checkpoint(src) as checkpoint,
+        cluster.Coordinator(f"export {final.url}", options.coordination_timeout) as coord,
+    ):
         try:
             outputs = plan_outputs(checkpoint, subtree, cast, names)
             shards = layout.split_shards([o.tensor for o in outputs], max_size)
@@ -177,11 +179,10 @@ Step = tuple[int, LeafEntry, list[PieceEntry], SliceSpec]  # a block: its leaf's
 def _blocks(
     checkpoint: OpenCheckpoint, leaves: Sequence[LeafEntry], block_bytes: int
 ) -> Iterator[tuple[int, SliceSpec, np.ndarray]]:
-    """The leaves as blocks of whole rows, ``(leaf index, global slice, array)``, each
-    assembled from the rows of the pieces it overlaps; every piece is read once, in row
-    order, the next ``READ_AHEAD`` blocks' reads (of the next leaves, after a leaf's last)
-    in flight while this one is built and the one before written. A piece's crc32c is checked across its blocks, at its last row; a
-    mismatch fails the export before its file is committed."""
+    """The leaves as blocks of whole rows, ``(leaf index, global slice, array)``, each assembled from the rows of the
+    pieces it overlaps; every piece is read once, in row order, the next ``READ_AHEAD`` blocks' reads (of the next
+    leaves, after a leaf's last) in flight while this one is built and the one before written. A piece's crc32c is
+    checked across its blocks, at its last row; a mismatch fails the export before its file is committed."""
     checkpoint.load([(leaf, [full_slice(leaf.shape)]) for leaf in leaves])
     if checkpoint.manifest.tables:  # format 2: the pieces loaded share no byte (as a restore checks)
         check_byte_ranges(checkpoint.manifest, checkpoint.where, loaded_only=True)
@@ -266,7 +267,8 @@ def _start_reads(
         row = piece.length // max(1, extent(piece.slice)[0]) if span else piece.length
         start, stop = (part[0][0] - first, part[0][1] - first) if span else (0, 1)
         check = functools.partial(_check_whole, checkpoint, leaf, piece) if part == piece.slice else None
-        reads.append((piece, part, checkpoint.store.read(piece.file, piece.offset + start * row, [(stop - start) * row], check)))
+        read = checkpoint.store.read(piece.file, piece.offset + start * row, [(stop - start) * row], check)
+        reads.append((piece, part, read))
     return reads
 
 

@@ -117,7 +117,9 @@ def _catalog(store: storage.Backend, folder: storage.Location, only: str | None)
         for entry in _header(store, folder, file):
             if entries.setdefault(entry.tensor.name, entry) is not entry:
                 where = folder.child(file)
-                raise CorruptCheckpointError(f"{where} and {entries[entry.tensor.name].file} both hold tensor {entry.tensor.name!r}", file=where)
+                raise CorruptCheckpointError(
+                    f"{where} and {entries[entry.tensor.name].file} both hold tensor {entry.tensor.name!r}", file=where
+                )
     for name, file in (weight_map or {}).items():
         if name not in entries or entries[name].file != file:
             where = folder.child(layout.INDEX_FILE)
@@ -139,7 +141,9 @@ def _header(store: storage.Backend, folder: storage.Location, file: str) -> list
     return layout.decode_header(raw.tobytes(), size, file, where)
 
 
-def _check(triples: Sequence[tuple[str, Any, Any]], found: Sequence[Named | None], entries: dict[str, layout.Entry], url: str) -> None:
+def _check(
+    triples: Sequence[tuple[str, Any, Any]], found: Sequence[Named | None], entries: dict[str, layout.Entry], url: str
+) -> None:
     problems = []
     for (key, _, leaf), named in zip(triples, found):
         if named is None:
@@ -164,7 +168,8 @@ def _check(triples: Sequence[tuple[str, Any, Any]], found: Sequence[Named | None
 def _load_leaf(store: storage.Backend, entry: layout.Entry, named: Named, leaf: Any, batch: int) -> Any:
     dtype, shape = np.dtype(leaf.dtype), tuple(leaf.shape)
     if isinstance(leaf, np.ndarray):
-        return _converted(_read_slices(store, entry, named.transpose, [full_slice(shape)], batch)[0], named.transpose, dtype)
+        whole = _read_slices(store, entry, named.transpose, [full_slice(shape)], batch)[0]
+        return _converted(whole, named.transpose, dtype)
     sharding = leaf.sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     by_slice: dict[SliceSpec, list[jax.Device]] = {}
     for device, index in sharding.addressable_devices_indices_map(shape).items():
@@ -206,7 +211,8 @@ def _read_slices(
             elif overlap is not None:
                 host = hosts[i]
                 if host is None:
-                    host = hosts[i] = storage.aligned_empty(volume(spec) * saved.itemsize).view(saved).reshape(extent(spec))
+                    empty = storage.aligned_empty(volume(spec) * saved.itemsize)
+                    host = hosts[i] = empty.view(saved).reshape(extent(spec))
                 host[relative(overlap, spec)] = data[relative(overlap, part)]
     return [np.empty(extent(s), saved) if h is None else h for s, h in zip(stored, hosts)]  # None: an empty slice
 

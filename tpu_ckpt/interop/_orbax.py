@@ -1,12 +1,10 @@
 """import_orbax() and export_orbax(): moving checkpoints between Orbax and tpu_ckpt.
 
-A team with a year of Orbax checkpoints needs them to move, and one trying tpu_ckpt needs a
-way back. Orbax is read and written through its own public API (``PyTreeCheckpointer``,
-``StandardCheckpointer``, ``CheckpointManager``), never by parsing its files, so whatever
-layout it used (OCDBT or not, zarr3 or not) is its business. What Orbax would trust and
-should not, a FIFO, a link out, a 4 TiB array declared in a damaged ``.zarray``, is refused
-before Orbax reads it, and what it raises on a damaged file becomes our typed error
-(``interop/_orbax_checks.py``).
+A team with a year of Orbax checkpoints needs them to move, and one trying tpu_ckpt needs a way back. Orbax is read and
+written through its own public API (``PyTreeCheckpointer``, ``StandardCheckpointer``, ``CheckpointManager``), never by
+parsing its files, so whatever layout it used (OCDBT or not, zarr3 or not) is its business. What Orbax would trust and
+should not, a FIFO, a link out, a 4 TiB array declared in a damaged ``.zarray``, is refused before Orbax reads it, and
+what it raises on a damaged file becomes our typed error (``interop/_orbax_checks.py``).
 
 An import streams: the leaves are read from Orbax a batch at a time (at most
 ``max_batch_bytes`` of arrays, a larger leaf alone), each batch written as one data file of
@@ -128,7 +126,8 @@ def import_orbax(
             logger.info("tpu_ckpt: step %d is already in %s; skipped", step, dst)
             reports.append(ImportReport(str(path), target_path, step, skipped=True))
             continue
-        reports.append(_convert(ocp, _item(path, item), target_path, step, items=orbax_items.json_items(ocp, path), **options))
+        reports.append(_convert(ocp, _item(path, item), target_path, step,
+                                items=orbax_items.json_items(ocp, path), **options))
     return reports
 
 
@@ -199,7 +198,8 @@ def _orbax() -> tuple[Any, Any]:
         from etils import epath
     except ImportError as e:
         raise ImportError(
-            f"Orbax interop needs orbax-checkpoint, which is not installed ({e}): pip install orbax-checkpoint (tpu_ckpt's [flax] and [orbax] extras bring it)"
+            f"Orbax interop needs orbax-checkpoint, which is not installed ({e}): pip install orbax-checkpoint "
+            "(tpu_ckpt's [flax] and [orbax] extras bring it)"
         ) from e
     return ocp, epath
 
@@ -211,8 +211,8 @@ def _orbax_path(epath: Any, path: str | os.PathLike[str]) -> Any:
 
 
 def _convert(
-    ocp: Any, path: Any, dst: Any, step: int | None, *, max_batch_bytes: int, is_slot: SlotPredicate | None, target: Any,
-    items: dict[str, Any] | None = None,
+    ocp: Any, path: Any, dst: Any, step: int | None, *, max_batch_bytes: int, is_slot: SlotPredicate | None,
+    target: Any, items: dict[str, Any] | None = None,
 ) -> ImportReport:
     """Converts PyTree item ``path``, with the JSON ``items`` of its step (``_orbax_items``)."""
     root = os.fspath(path)
@@ -252,9 +252,8 @@ def _convert(
 
 
 def _is_array(ocp: Any, meta: Any) -> bool:
-    """Orbax's arrays (numpy and jax) become array leaves; its scalars (Python numbers,
-    which it restores as such), strings and Nones become saved values, as ``tc.save`` of
-    the restored tree would store them."""
+    """Orbax's arrays (numpy and jax) become array leaves; its scalars (Python numbers, which it restores as such),
+    strings and Nones become saved values, as ``tc.save`` of the restored tree would store them."""
     return isinstance(meta, ocp.metadata.ArrayMetadata) and not isinstance(meta, ocp.metadata.ScalarMetadata)
 
 
@@ -288,9 +287,8 @@ def _sharding(meta: Any) -> dict[str, Any] | None:
 
 
 def _read_named(checkpointer: Any, path: Any, tree: Any, wanted: set[str], ocp: Any) -> dict[str, Any]:
-    """:func:`_read`, whose errors name the leaf that cannot be read: a batch that fails is
-    read again in halves, down to the failing leaf (on the error path only: at most twice
-    the batch, and never more memory than it)."""
+    """:func:`_read`, whose errors name the leaf that cannot be read: a batch that fails is read again in halves, down
+    to the failing leaf (on the error path only: at most twice the batch, and never more memory than it)."""
     ordered = sorted(wanted)
     try:
         with orbax_checks.orbax_errors(os.fspath(path), ordered):
@@ -345,11 +343,13 @@ def _item(step: Any, name: str | None) -> Any:
     items = sorted(child.name for child in step.iterdir() if child.is_dir() and _is_pytree(child))
     if name is not None:
         if name not in items:
-            raise CheckpointNotFoundError(f"{step} holds no Orbax PyTree item {name!r}; it holds {items}", file=str(step))
+            raise CheckpointNotFoundError(f"{step} holds no Orbax PyTree item {name!r}; it holds {items}",
+                                          file=str(step))
         return step / name
     if len(items) != 1:
         found = f"several ({', '.join(items)}): choose one with item=... (--item)" if items else "none"
-        raise CheckpointNotFoundError(f"{step} is no Orbax PyTree checkpoint, and its PyTree items are {found}", file=str(step))
+        raise CheckpointNotFoundError(f"{step} is no Orbax PyTree checkpoint, and its PyTree items are {found}",
+                                      file=str(step))
     return step / items[0]
 
 

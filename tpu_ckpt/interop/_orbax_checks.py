@@ -54,7 +54,8 @@ def check_files(root: str) -> None:
             relative = os.path.relpath(os.path.join(directory, name), root)
             os.close(storage.open_confined(root, relative))  # refuses links out, FIFOs, devices
             if name in ZARR_JSON_FILES:
-                _check_zarr_json(root, storage.read_whole(root, relative, MAX_ZARR_JSON_BYTES), os.path.join(root, relative))
+                data = storage.read_whole(root, relative, MAX_ZARR_JSON_BYTES)
+                _check_zarr_json(root, data, os.path.join(root, relative))
     if os.path.isfile(os.path.join(root, "manifest.ocdbt")):
         _check_ocdbt(root)
 
@@ -62,8 +63,11 @@ def check_files(root: str) -> None:
 def _check_ocdbt(root: str) -> None:
     """The zarr metadata stored in the OCDBT database, which no walk sees."""
     with orbax_errors(root):
-        kv = ts.KvStore.open({"driver": "ocdbt", "base": {"driver": "file", "path": root.rstrip(os.sep) + os.sep}}).result()
-        names = [key for key in kv.list().result() if key.rsplit(b"/", 1)[-1].decode(errors="replace") in ZARR_JSON_FILES]
+        base = {"driver": "file", "path": root.rstrip(os.sep) + os.sep}
+        kv = ts.KvStore.open({"driver": "ocdbt", "base": base}).result()
+        names = [
+            key for key in kv.list().result() if key.rsplit(b"/", 1)[-1].decode(errors="replace") in ZARR_JSON_FILES
+        ]
         reads = [kv.read(key) for key in names]
         for key, read in zip(names, reads):
             _check_zarr_json(root, read.result().value, f"{key.decode(errors='replace')!r} in {root}/manifest.ocdbt")
@@ -94,7 +98,8 @@ def _check_directory_link(root: str, path: str) -> None:
     resolved, inside = os.path.realpath(path), os.path.realpath(root)
     if not resolved.startswith(inside.rstrip(os.sep) + os.sep):
         raise CorruptCheckpointError(
-            f"{path} leads, through a symbolic link, to {resolved}, outside Orbax checkpoint {root}. {_restore_hint(root)}",
+            f"{path} leads, through a symbolic link, to {resolved}, outside Orbax checkpoint {root}. "
+            f"{_restore_hint(root)}",
             file=path,
         )
 

@@ -64,7 +64,9 @@ def refuse_orbax_keywords(call: str, keywords: Mapping[str, Any], missing: bool 
         if missing:
             raise TypeError(f"CheckpointManager.{call.split('(')[0]}() needs the tree to save: manager.{call}.")
         return
-    hint = f" Orbax's args=ocp.args.Standard...(x) is a plain argument here: manager.{call}." if "args" in keywords else ""
+    hint = ""
+    if "args" in keywords:
+        hint = f" Orbax's args=ocp.args.Standard...(x) is a plain argument here: manager.{call}."
     names = ", ".join(sorted(keywords))
     raise TypeError(f"CheckpointManager.{call.split('(')[0]}() got unexpected keyword arguments: {names}.{hint}")
 
@@ -85,4 +87,6 @@ def manager_options(options: Any) -> CheckpointOptions:
             "keep_checkpoint_every_n_hours=..., best_fn=..., best_mode=...); asynchronous saves are "
             "options=tpu_ckpt.CheckpointOptions(enable_async=True)."
         )
-    raise TypeError(f"CheckpointManager(options=...) takes a tpu_ckpt.CheckpointOptions, not {type(options).__name__}.{hint}")
+    raise TypeError(
+        f"CheckpointManager(options=...) takes a tpu_ckpt.CheckpointOptions, not {type(options).__name__}.{hint}"
+    )

@@ -12,7 +12,9 @@ from tpu_ckpt.catalog import Listing, list_run
 from tpu_ckpt.storage import Location
 
 
-def list_on_leader(loc: Location, leader: int, timeout: float, lister: Callable[[Location], Listing] = list_run) -> Listing:
+def list_on_leader(
+    loc: Location, leader: int, timeout: float, lister: Callable[[Location], Listing] = list_run
+) -> Listing:
     """What ``loc`` holds, as process ``leader`` sees it (collective).
 
     The leader lists and tells the others, which never list storage: one listing per call

@@ -54,7 +54,9 @@ class Checks:
         """The steps of ``committed`` but the damaged ones above the newest intact one (collective)."""
         return sorted(set(committed) - set(self.damaged(committed, timeout)))
 
-    def latest(self, committed: dict[int, str], timeout: float, tier: Callable[[dict[int, str]], int | None] | None) -> int | None:
+    def latest(
+        self, committed: dict[int, str], timeout: float, tier: Callable[[dict[int, str]], int | None] | None
+    ) -> int | None:
         """The step a restore of the newest takes (collective): of ``committed``, or of the
         tier's choice (``tier``: the step it would take from a listing), whose persistent
         steps are checked only when it would take one of them."""

@@ -1,10 +1,9 @@
 """CheckpointManager: numbered checkpoints of a training loop in one directory.
 
-A loop calls ``save(step, tree)`` every step. The manager writes a checkpoint when its
-save rules say so (manager/_cadence.py: TensorFlow's interval, Orbax's multiples, or continuous
-saving). It keeps the newest ``max_to_keep`` checkpoints, one every
-``keep_checkpoint_every_n_hours``, and the ``keep_best`` best by a metric (manager/_retention.py), and
-it tells the loop when the job is being preempted.
+A loop calls ``save(step, tree)`` every step. The manager writes a checkpoint when its save rules say so
+(manager/_cadence.py: TensorFlow's interval, Orbax's multiples, or continuous saving). It keeps the newest
+``max_to_keep`` checkpoints, one every ``keep_checkpoint_every_n_hours``, and the ``keep_best`` best by a metric
+(manager/_retention.py), and it tells the loop when the job is being preempted.
 
 The directory is the source of truth: one ``step_<n>`` per committed checkpoint, committed
 once its manifest exists (see storage/_stores.py), and no state file, so a new manager (after a
@@ -14,9 +13,8 @@ file and the checkpoints disagreeing. Metrics live in each step's manifest for t
 Retention and the removal of uncommitted leftovers run as a write callback of each save, after
 its commit, on the leader (which alone lists the directory, once per manager call: ``_list``).
 
-With ``local_directory`` a second, local tier saves often to each host's own disk and the
-persistent steps are uploaded from it in the background (``tiers/_local_tier.py``); a restore takes the
-newest step either tier holds whole.
+With ``local_directory`` a second, local tier saves often to each host's own disk and the persistent steps are uploaded
+from it in the background (``tiers/_local_tier.py``); a restore takes the newest step either tier holds whole.
 """
 
 from __future__ import annotations
@@ -49,19 +47,15 @@ class CheckpointManager:
     """Saves numbered checkpoints into one directory, prunes old ones, and detects preemption.
 
     Args:
-      directory: where the ``step_<n>`` checkpoints live. A local path, or a
-        ``memory://``, ``gs://`` or ``s3://`` URL.
+      directory: where the ``step_<n>`` checkpoints live. A local path, or a ``memory://``, ``gs://`` or ``s3://`` URL.
       max_to_keep: how many of the newest checkpoints to keep. ``None`` keeps all of them.
-      keep_checkpoint_every_n_hours: also keep, forever, each checkpoint that leaves the
-        newest ``max_to_keep`` at least this many hours after the last one kept this way
-        (TF's rule), by manifest mtimes: local directories only (copy with ``cp -p``). The
-        clock starts at creation on an empty directory (as in TF), else at the oldest step.
-      save_interval_steps: ``save`` writes only when ``step`` is at least this many steps
-        past the last step this manager saved or restored (TF's ``checkpoint_interval``).
-        A manager's first save is always due, as in TF.
-      save_on_multiples: instead, write the steps that are multiples of
-        ``save_interval_steps`` (Orbax's rule: 0, 10, 20, ...), past the last step saved
-        or restored. A job interrupted at a multiple then loses no step.
+      keep_checkpoint_every_n_hours: also keep, forever, each checkpoint that leaves the newest ``max_to_keep`` at least
+        this many hours after the last one kept this way (TF's rule), by manifest mtimes: local directories only (copy
+        with ``cp -p``). The clock starts at creation on an empty directory (as in TF), else at the oldest step.
+      save_interval_steps: ``save`` writes only when ``step`` is at least this many steps past the last step this
+        manager saved or restored (TF's ``checkpoint_interval``). A manager's first save is always due, as in TF.
+      save_on_multiples: instead, write the steps that are multiples of ``save_interval_steps`` (Orbax's rule: 0, 10,
+        20, ...), past the last step saved or restored. A job interrupted at a multiple then loses no step.
       save_interval_seconds: continuous saving (Orbax's ``ContinuousCheckpointingPolicy``):
         also require that this manager's last save has finished (no longer writing in the
         background) and at least this many seconds have passed since it started, or since
@@ -71,7 +65,8 @@ class CheckpointManager:
       best_mode: ``"max"`` (the highest score is best) or ``"min"``.
       options: the :class:`CheckpointOptions` of every save, and the default for ``restore``.
       local_directory: a path on each host's own disk (local SSD, RAM disk), the local tier, where each process saves
-        its own pieces; persistent steps are uploaded to ``directory`` from those files in the background (tiers/_local_tier.py).
+        its own pieces; persistent steps are uploaded to ``directory`` from those files in the background
+        (tiers/_local_tier.py).
       local_interval_steps: the local tier saves every this many steps (and every persistent one).
       local_max_to_keep: how many of its newest local steps each host keeps.
       local_replicas: how many other hosts get a copy of each process's local pieces.
@@ -132,21 +127,24 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
-    def save(self, step: int, tree: Any = NO_TREE, *, metrics: Mapping[str, Any] | None = None, force: bool = False, **orbax: Any) -> bool:
+    def save(
+        self, step: int, tree: Any = NO_TREE, *, metrics: Mapping[str, Any] | None = None, force: bool = False,
+        **orbax: Any,
+    ) -> bool:
         """Saves ``tree`` as step ``step`` if :meth:`should_save` says so, or if ``force`` is set.
 
-        ``metrics`` (name -> number, e.g. ``{"loss": loss}``) are stored in the step's
-        manifest: ``tpu-ckpt ls`` shows them, and ``keep_best`` ranks steps by them.
-        Returns whether a save was started. With asynchronous options the save is started
-        but not yet committed; it is committed once :meth:`wait_until_finished` returns.
-        A save first waits for the one before it and raises that one's failure, if any.
-        After a restart, resume with :meth:`restore`. That also sets the step from which
-        the interval counts. With ``local_directory`` a step is saved locally when either
-        tier is due, and uploaded to ``directory`` in the background when the persistent
-        tier is (see tiers/_local_tier.py); ``force`` saves to both.
+        ``metrics`` (name -> number, e.g. ``{"loss": loss}``) are stored in the step's manifest: ``tpu-ckpt ls`` shows
+        them, and ``keep_best`` ranks steps by them. Returns whether a save was started. With asynchronous options the
+        save is started but not yet committed; it is committed once :meth:`wait_until_finished` returns. A save first
+        waits for the one before it and raises that one's failure, if any. After a restart, resume with :meth:`restore`.
+        That also sets the step from which the interval counts. With ``local_directory`` a step is saved locally when
+        either tier is due, and uploaded to ``directory`` in the background when the persistent tier is (see
+        tiers/_local_tier.py); ``force`` saves to both.
 
         Raises:
           CheckpointExistsError: step ``step`` is already committed (nothing is ever overwritten).
@@ -186,19 +184,21 @@ class CheckpointManager:
         name = f"step_{step}"
         references.before_save(self._incremental, listing, self._location.child(name))  # never into a retired step
         if name in listing.leftovers and cluster.process_index() == self._leader():
-            # An interrupted save of this step: in a local save's way; an object store's, in its grace period, may be a zombie writing.
-            remove_leftover(self._location, name, "an uncommitted leftover of an earlier save of this step", even_busy=self._location.is_local)
+            # An interrupted save of this step: in a local save's way; an object store's, in its grace period, may be a
+            # zombie writing.
+            why = "an uncommitted leftover of an earlier save of this step"
+            remove_leftover(self._location, name, why, even_busy=self._location.is_local)
         if cluster.process_index() == self._leader():
             self._run.started(name)
         retain = functools.partial(self._after_commit, step, name, score, listing)
-        return self._location.child(name), self._options.replace(write_callbacks=(*self._options.write_callbacks, retain))
+        options = self._options.replace(write_callbacks=(*self._options.write_callbacks, retain))
+        return self._location.child(name), options
 
     def should_save(self, step: int) -> bool:
         """Whether :meth:`save` would write ``step`` now (without ``force``): see manager/_cadence.py.
 
-        With ``save_interval_seconds`` in a multi-process job this is collective (the io
-        process decides for all, as the others' clocks and background writes differ), so
-        every process must call it, or ``save``, at the same steps.
+        With ``save_interval_seconds`` in a multi-process job this is collective (the io process decides for all, as the
+        others' clocks and background writes differ), so every process must call it, or ``save``, at the same steps.
         """
         step = check_step(step, "should_save(step)")
         if not self._cadence.steps_due(step):
@@ -208,7 +208,8 @@ class CheckpointManager:
         in_flight = self._pending is not None and not self._pending.done()
         if cluster.process_count() == 1:
             return self._cadence.time_due(in_flight)
-        with cluster.Coordinator(f"should_save({step}) in {self.directory}", self._options.coordination_timeout) as coord:
+        what = f"should_save({step}) in {self.directory}"
+        with cluster.Coordinator(what, self._options.coordination_timeout) as coord:
             if coord.me != self._leader():
                 return coord.receive("due", self._leader()) == "yes"
             due = self._cadence.time_due(in_flight)
@@ -223,16 +224,14 @@ class CheckpointManager:
         ``options`` (default: the manager's); see :func:`tpu_ckpt.restore`. ``restore(target)``,
         Orbax's habit, is ``restore(None, target)``: a first argument that is no integer is the target.
 
-        The latest step's manifest is checked first (its seal, crc32c, and fields): if it fails,
-        the restore raises ``CorruptCheckpointError`` naming the step, unless ``fallback`` is
-        set: then each step failing its check is skipped, with a warning naming it, and the
-        newest intact step is restored (what :meth:`latest_step` names).
+        The latest step's manifest is checked first (its seal, crc32c, and fields): if it fails, the restore raises
+        ``CorruptCheckpointError`` naming the step, unless ``fallback`` is set: then each step failing its check is
+        skipped, with a warning naming it, and the newest intact step is restored (what :meth:`latest_step` names).
 
-        With ``local_directory``: from the local tier when every process's part of the step is
-        on some live host (its own disk or a replica) and ``directory`` has no newer step; else
-        from ``directory``. First waits for a save in flight, and raises its failure like
-        :meth:`wait_until_finished`. The restored step then counts as the last saved step for
-        the save rules, as after TF's ``restore_or_initialize``.
+        With ``local_directory``: from the local tier when every process's part of the step is on some live host (its
+        own disk or a replica) and ``directory`` has no newer step; else from ``directory``. First waits for a save in
+        flight, and raises its failure like :meth:`wait_until_finished`. The restored step then counts as the last saved
+        step for the save rules, as after TF's ``restore_or_initialize``.
 
         Raises:
           CheckpointNotFoundError: no committed checkpoint, or none for ``step``.
@@ -243,7 +242,10 @@ class CheckpointManager:
         self.wait_until_finished()
         committed = self._list().committed
         options = options if options is not None else self._options
-        tier = None if self._tier is None else functools.partial(self._tier.restore, step=step, target=target, options=options)
+        tier = (
+            None if self._tier is None
+            else functools.partial(self._tier.restore, step=step, target=target, options=options)
+        )
         found = self._checks.restorable(self.directory, committed, step, fallback, options.coordination_timeout, tier)
         if isinstance(found, tiers.FromLocal):
             step, tree = found
@@ -290,19 +292,17 @@ class CheckpointManager:
     def reload(self) -> None:
         """Lists ``directory`` anew (collective), as after steps were deleted by other means.
 
-        On an object store the leader lists every object of the run once and then keeps the
-        listing up to date with its own saves and removals (see manager/_run_directory.py);
-        what others changed since is seen after this."""
+        On an object store the leader lists every object of the run once and then keeps the listing up to date with its
+        own saves and removals (see manager/_run_directory.py); what others changed since is seen after this."""
         self._run.reload(self._options.coordination_timeout)
 
     def reached_preemption(self, step: int) -> bool:
         """Whether the job is being preempted and ``step`` is where every process saves and exits.
 
         Under JAX's distributed runtime this is JAX's preemption sync point
-        (``multihost_utils.reached_preemption_sync_point``). The processes agree on the
-        step, and every process must call this at every step. In a single-process run it is
-        True once the process has received SIGTERM; the first call (on the main thread)
-        installs a handler recording it, which :meth:`close` removes. A typical loop::
+        (``multihost_utils.reached_preemption_sync_point``). The processes agree on the step, and every process must
+        call this at every step. In a single-process run it is True once the process has received SIGTERM; the first
+        call (on the main thread) installs a handler recording it, which :meth:`close` removes. A typical loop::
 
             if manager.reached_preemption(step):
                 manager.save(step, state, force=True)
@@ -318,9 +318,11 @@ class CheckpointManager:
             return
         self._scores[name] = score
         self._run.committed(name)
-        self._run.remove((n, "an uncommitted leftover", False) for n in before.leftovers if n != name and n not in before.busy)
+        leftovers = [n for n in before.leftovers if n != name and n not in before.busy]
+        self._run.remove((n, "an uncommitted leftover", False) for n in leftovers)
         why = f"retention ({self._retention.rules})"
-        self._run.submit(functools.partial(references.retain, self._run, functools.partial(self._expired, step, name), why))
+        expired = functools.partial(self._expired, step, name)
+        self._run.submit(functools.partial(references.retain, self._run, expired, why))
         if not self._options.enable_async:
             self._run.settle()  # a synchronous save returns with the directory as retention leaves it
 
@@ -340,7 +342,8 @@ class CheckpointManager:
     def _score(self, name: str, step: int) -> float | None:
         """A step's ``best_fn`` score, read once (``retention.saved_score``)."""
         if name not in self._scores:
-            self._scores[name] = retention.saved_score(self._retention, storage.Location(self._location.child(name)), step)
+            where = storage.Location(self._location.child(name))
+            self._scores[name] = retention.saved_score(self._retention, where, step)
         return self._scores[name]
 
     def _commit_time(self, name: str) -> float:

@@ -51,7 +51,9 @@ class Retention:
         best_fn: Any,
         best_mode: Any,
     ) -> Retention:
-        if max_to_keep is not None and (isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep <= 0):
+        if max_to_keep is not None and (
+            isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep <= 0
+        ):
             raise ValueError(f"Expected a positive integer or `None` for `max_to_keep`, got {max_to_keep!r}.")
         _check_best(max_to_keep, keep_best, best_fn, best_mode)
         return cls(max_to_keep, _check_hours(every_n_hours, loc), keep_best, best_fn, best_mode)
@@ -59,7 +61,10 @@ class Retention:
     @property
     def rules(self) -> str:
         """The rules, as removals' log lines name them."""
-        return f"max_to_keep={self.max_to_keep}, keep_checkpoint_every_n_hours={self.every_n_hours}, keep_best={self.keep_best}"
+        return (
+            f"max_to_keep={self.max_to_keep}, keep_checkpoint_every_n_hours={self.every_n_hours}, "
+            f"keep_best={self.keep_best}"
+        )
 
     @property
     def ranks(self) -> bool:
@@ -89,7 +94,9 @@ class Retention:
         best = self._best(committed, score) if self.ranks else set()
         return [s for s in old if s not in best]
 
-    def _not_preserved(self, old: list[int], hours: float, commit_time: Callable[[int], float], preserved_since: float) -> list[int]:
+    def _not_preserved(
+        self, old: list[int], hours: float, commit_time: Callable[[int], float], preserved_since: float
+    ) -> list[int]:
         """TF's ``_sweep``: walking the steps older than the newest ``max_to_keep``, keeps one
         whenever ``hours`` (``every_n_hours``) have passed since the last one kept. Those kept stay older
         than the newest, so every sweep walks them again and keeps them again."""

@@ -110,7 +110,8 @@ class RelayStore(PooledStore, storage.CheckpointStore):
             conn.settimeout(limit)
             conn.connect(target)
         except OSError as e:
-            raise relay_wire.RelayUnreachableError(self._unreachable(address, host, limit, e), file=self.location.url) from e
+            why = self._unreachable(address, host, limit, e)
+            raise relay_wire.RelayUnreachableError(why, file=self.location.url) from e
         conn.settimeout(self._timeout)
         return conn
 

@@ -1,19 +1,16 @@
 """The relay's server: the process that opens storage serves it to the others (``relay/_client.py``).
 
-Even a peer holding the operation's secret reaches only what its operation needs, and cannot
-exhaust the server: a server serves only the files its operation registered (a restore: the
-manifest and the data files it lists) and accepts only the names the operation's other
-processes write (a save: their data files and index); every length on the wire is bounded
-before anything is allocated (``relay_wire``'s limits; a read names one span of its file,
-inside the file's registered size, never a list of pieces to keep track of), and a write's
-bytes are allocated as they arrive. At most ``(peers + 1) * relay_connections``
-authenticated connections (a setting) are served at once, and one silent for the idle
-timeout is closed; a client reconnects before using a connection idle for half of it.
+Even a peer holding the operation's secret reaches only what its operation needs, and cannot exhaust the server: a
+server serves only the files its operation registered (a restore: the manifest and the data files it lists) and accepts
+only the names the operation's other processes write (a save: their data files and index); every length on the wire is
+bounded before anything is allocated (``relay_wire``'s limits; a read names one span of its file, inside the file's
+registered size, never a list of pieces to keep track of), and a write's bytes are allocated as they arrive. At most
+``(peers + 1) * relay_connections`` authenticated connections (a setting) are served at once, and one silent for the
+idle timeout is closed; a client reconnects before using a connection idle for half of it.
 
-A connection that has not yet sent the secret does not count against that cap: it must
-complete its hello within a short deadline (a whole, which a peer trickling a byte at a
-time cannot stretch), and at most ``_MAX_HANDSHAKES`` wait for theirs, the oldest dropped
-for a newcomer, so strays, scanners or a flood keep no process of the job out. A refused
+A connection that has not yet sent the secret does not count against that cap: it must complete its hello within a short
+deadline (a whole, which a peer trickling a byte at a time cannot stretch), and at most ``_MAX_HANDSHAKES`` wait for
+theirs, the oldest dropped for a newcomer, so strays, scanners or a flood keep no process of the job out. A refused
 request gets a :class:`~tpu_ckpt.relay._wire.RelayRequestError` naming the file.
 """
 
@@ -45,14 +42,12 @@ _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")  # one file in th
 class RelayServer:
     """Serves one storage location (a checkpoint or its staging area) to the other processes.
 
-    ``serves`` maps the files peers may read to their size (None: read whole only), and
-    ``accepts`` says which plain file names they may write; ``shared`` answers
-    load_and_broadcast's piece requests, checking them against its plan. ``peers`` is the
-    number of processes that connect, which bounds the connections served at once;
+    ``serves`` maps the files peers may read to their size (None: read whole only), and ``accepts`` says which plain
+    file names they may write; ``shared`` answers load_and_broadcast's piece requests, checking them against its plan.
+    ``peers`` is the number of processes that connect, which bounds the connections served at once;
     ``handshake_timeout`` how long a new connection has to send the secret.
 
-    Errors raised while serving go back to the caller, which re-raises them as the same
-    ``CheckpointError`` subclass.
+    Errors raised while serving go back to the caller, which re-raises them as the same ``CheckpointError`` subclass.
     """
 
     def __init__(
@@ -73,10 +68,12 @@ class RelayServer:
         self._shared = shared  # load_and_broadcast: (file, offset, requester) -> the piece's bytes
         knobs = settings()
         self._max_connections = (peers + 1) * knobs.relay_connections  # room for one stray or reconnecting peer
-        self._write_slots = threading.BoundedSemaphore(knobs.relay_writes_in_flight if write_slots is None else write_slots)
+        slots = knobs.relay_writes_in_flight if write_slots is None else write_slots
+        self._write_slots = threading.BoundedSemaphore(slots)
         self._heartbeat = knobs.relay_heartbeat_seconds if heartbeat is None else heartbeat
         self._buffer_bytes = knobs.relay_socket_buffer_bytes
-        self._listener = relay_wire.listen(host, self._max_connections + _MAX_HANDSHAKES, self._buffer_bytes, store.location.url)
+        self._listener = relay_wire.listen(host, self._max_connections + _MAX_HANDSHAKES, self._buffer_bytes,
+                                           store.location.url)
         port = self._listener.getsockname()[1]
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self._lock = threading.Lock()
@@ -119,11 +116,13 @@ class RelayServer:
                 if not full:
                     self._make_room(peer)
                     deadline = time.monotonic() + self._handshake
-                    handler = threading.Thread(target=self._serve, args=(conn, deadline), name="tpu_ckpt relay", daemon=True)
+                    handler = threading.Thread(target=self._serve, args=(conn, deadline), name="tpu_ckpt relay",
+                                               daemon=True)
                     self._handlers[conn] = handler
                     self._pending[conn] = None
             if full:
-                logger.warning("tpu_ckpt: refused a relay connection from %s: %d already open", peer, self._max_connections)
+                logger.warning("tpu_ckpt: refused a relay connection from %s: %d already open",
+                               peer, self._max_connections)
                 conn.setblocking(False)  # the acceptor never waits on one peer
                 _refuse(conn, self._full())
                 conn.close()
@@ -138,7 +137,8 @@ class RelayServer:
             return
         oldest = next(iter(self._pending))
         del self._pending[oldest]
-        logger.warning("tpu_ckpt: dropped the oldest of %d relay connections awaiting their hello, for one from %s", _MAX_HANDSHAKES, peer)
+        logger.warning("tpu_ckpt: dropped the oldest of %d relay connections awaiting their hello, for one from %s",
+                       _MAX_HANDSHAKES, peer)
         _shutdown(oldest)
 
     def _full(self) -> relay_wire.RelayRequestError:
@@ -174,7 +174,8 @@ class RelayServer:
             logger.info("tpu_ckpt: a relay connection closed before its hello")
             return False
         except (OSError, ValueError) as e:  # TimeoutError is an OSError
-            logger.warning("tpu_ckpt: dropped a relay connection without a readable hello within %gs: %s", self._handshake, e)
+            logger.warning("tpu_ckpt: dropped a relay connection without a readable hello within %gs: %s",
+                           self._handshake, e)
             return False
         if size or not secrets.compare_digest(str(hello.get("secret")).encode(), self.secret.encode()):
             logger.warning("tpu_ckpt: dropped a relay connection without the operation's secret")
@@ -245,12 +246,13 @@ class RelayServer:
         if not (_PLAIN_NAME.fullmatch(name) and ".." not in name and self._accepts(name)):
             raise self._refusal(f"a write of {name!r}, which this operation does not accept", name)
         if size > relay_wire.MAX_FILE_BYTES:
-            raise self._refusal(f"a write of {size} bytes to {name!r}; at most {relay_wire.MAX_FILE_BYTES} go through the relay", name)
+            raise self._refusal(
+                f"a write of {size} bytes to {name!r}; at most {relay_wire.MAX_FILE_BYTES} go through the relay", name
+            )
 
     def _check_read(self, op: str, name: str, request: dict[str, Any]) -> None:
-        """Read names need only be registered: the operation took them from a manifest it
-        reads itself, and a linked checkpoint's data files lie in another directory
-        (``../step_100/...``)."""
+        """Read names need only be registered: the operation took them from a manifest it reads itself, and a linked
+        checkpoint's data files lie in another directory (``../step_100/...``)."""
         if name not in self._serves:
             raise self._refusal(f"a read of {name!r}, which this operation does not serve", name)
         if op == "read":
@@ -285,7 +287,8 @@ class RelayServer:
             finally:
                 self._write_slots.release()
         elif op == "read":
-            answer = _outcome(lambda: ({}, self.store.read(name, request["start"], [request["length"]]).result()), where)
+            answer = _outcome(lambda: ({}, self.store.read(name, request["start"], [request["length"]]).result()),
+                              where)
         elif op == "read_file":
             answer = _outcome(lambda: self._read_file(name), where)
         else:
@@ -340,8 +343,6 @@ def _outcome(serve: Callable[[], tuple[dict[str, Any], list[Any]]], where: str) 
             e = errors.CheckpointError(f"{where}: {type(e).__name__}: {e}", file=where)
         return {"error": relay_wire.error_to_json(e)}, []
     return {"ok": True, **extra}, payload
-
-
 
 
 def _refuse(conn: socket.socket, error: relay_wire.RelayRequestError) -> None:

@@ -29,7 +29,8 @@ import numpy as np
 from tpu_ckpt import errors, storage
 from tpu_ckpt.settings import settings
 
-MAX_REQUEST_BYTES = 64 << 10  # one request's JSON: a file name and a few numbers (a read sends its span, not its pieces)
+# one request's JSON: a file name and a few numbers (a read sends its span, not its pieces)
+MAX_REQUEST_BYTES = 64 << 10
 MAX_MESSAGE_BYTES = 1 << 20  # one answer's JSON: an error's report at most
 MAX_FILE_BYTES = 1 << 40  # one file written, or read whole, through the relay
 _HEADER = struct.Struct("!QQ")
@@ -108,7 +109,9 @@ def tune(conn: socket.socket, buffer_bytes: int) -> None:
     if buffer_bytes:
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
-        granted = conn.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF), conn.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        granted = (
+            conn.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF), conn.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        )
         _report_buffers(buffer_bytes, *granted)
 
 
@@ -266,4 +269,8 @@ def error_from_json(data: Any) -> errors.CheckpointError:
     ):
         cls = errors.CheckpointError
     key, file = data.get("key"), data.get("file")
-    return cls(str(data.get("message")), key=key if isinstance(key, str) else None, file=file if isinstance(file, str) else None)
+    return cls(
+        str(data.get("message")),
+        key=key if isinstance(key, str) else None,
+        file=file if isinstance(file, str) else None,
+    )

@@ -65,18 +65,22 @@ def abstract_target(path: str | os.PathLike[str], mesh: Mesh | None = None, *, s
 def _saved_mesh(leaves: list[LeafEntry]) -> Mesh:
     """The saved mesh's axis sizes over ``jax.devices()``; one axis over them all when no
     leaf was saved on a NamedSharding."""
-    named = next((leaf.sharding for leaf in leaves if leaf.kind == "array" and (leaf.sharding or {}).get("type") == "NamedSharding"), None)
+    arrays = (leaf for leaf in leaves if leaf.kind == "array")
+    named = next((leaf.sharding for leaf in arrays if (leaf.sharding or {}).get("type") == "NamedSharding"), None)
     devices = jax.devices()
     if named is None:
         return Mesh(np.array(devices), ("replica",))
     axes = named["mesh"]
     if int(np.prod(list(axes.values()))) != len(devices):
         raise ValueError(
-            f"The checkpoint was saved on a mesh {axes} of {int(np.prod(list(axes.values())))} devices and this job has "
-            f"{len(devices)}: pass tc.abstract_target(path, mesh=...) with a mesh of the same axis names."
+            f"The checkpoint was saved on a mesh {axes} of {int(np.prod(list(axes.values())))} devices and this job "
+            f"has {len(devices)}: pass tc.abstract_target(path, mesh=...) with a mesh of the same axis names."
         )
     names = named.get("axis_types")
-    if not isinstance(names, list) or len(names) != len(axes) or not all(n in ("Auto", "Explicit", "Manual") for n in names):
+    if (
+        not isinstance(names, list) or len(names) != len(axes)
+        or not all(n in ("Auto", "Explicit", "Manual") for n in names)
+    ):
         names = ["Auto"] * len(axes)  # saved before axis types were recorded (or all Auto)
     types = tuple(getattr(jax.sharding.AxisType, n) for n in names)
     return jax.make_mesh(tuple(axes.values()), tuple(axes), devices=devices, axis_types=types)
@@ -101,9 +105,12 @@ def _sharding(leaf: LeafEntry, mesh: Mesh) -> NamedSharding:
     saved = leaf.sharding or {}
     if saved.get("type") != "NamedSharding":
         return NamedSharding(mesh, P())
-    missing = {a for entry in saved["spec"] for a in ([entry] if isinstance(entry, str) else entry or [])} - set(mesh.axis_names)
+    used = {a for entry in saved["spec"] for a in ([entry] if isinstance(entry, str) else entry or [])}
+    missing = used - set(mesh.axis_names)
     if missing:
-        raise ValueError(f"Leaf {leaf.key!r} was saved sharded over axes {sorted(missing)}, which the mesh {dict(mesh.shape)} lacks.")
+        raise ValueError(
+            f"Leaf {leaf.key!r} was saved sharded over axes {sorted(missing)}, which the mesh {dict(mesh.shape)} lacks."
+        )
     return NamedSharding(mesh, P(*(tuple(e) if isinstance(e, list) else e for e in saved["spec"])))
 
 
@@ -118,5 +125,7 @@ def _key_type(impl: str) -> tuple[Any, int]:
     try:
         key = jax.eval_shape(functools.partial(jax.random.key, 0, impl=impl))
     except (ValueError, TypeError, KeyError) as e:
-        raise TargetMismatchError(f"The checkpoint holds typed PRNG keys of impl {impl!r}, unknown to this JAX: {e}") from None
+        raise TargetMismatchError(
+            f"The checkpoint holds typed PRNG keys of impl {impl!r}, unknown to this JAX: {e}"
+        ) from None
     return key.dtype, len(jax.eval_shape(jax.random.key_data, key).shape)

@@ -132,7 +132,10 @@ class RestoreReport:
     def to_json(self) -> dict[str, Any]:
         """The report as JSON-ready dicts and lists (``tpu-ckpt plan --json``)."""
         doc = dataclasses.asdict(self)
-        doc["reads"] = {str(p): {**dataclasses.asdict(r), "seconds": r.nbytes / self.bytes_per_second} for p, r in self.reads.items()}
+        doc["reads"] = {
+            str(p): {**dataclasses.asdict(r), "seconds": r.nbytes / self.bytes_per_second}
+            for p, r in self.reads.items()
+        }
         return doc
 
     def describe(self) -> str:
@@ -143,8 +146,12 @@ class RestoreReport:
         verdict = "ok" if self.ok else f"would fail ({plural(len(self.problems), 'problem')})"
         lines = [f"restore of {self.url}: {verdict}", *(_fill(p, "  ") for p in self.problems)]
         if self.leaves:
-            rows = [[x.key, "resharded" if x.resharded else "as saved", size(x.read_bytes), size(x.over_read)] for x in self.leaves]
-            title_row, *keyed = table([["KEY, SAVED -> RESTORED AS", "LAYOUT", "READ", "OVER-READ"], *rows], right={2, 3}).split("\n")
+            rows = [
+                [x.key, "resharded" if x.resharded else "as saved", size(x.read_bytes), size(x.over_read)]
+                for x in self.leaves
+            ]
+            header = ["KEY, SAVED -> RESTORED AS", "LAYOUT", "READ", "OVER-READ"]
+            title_row, *keyed = table([header, *rows], right={2, 3}).split("\n")
             lines += ["", title_row]
             for line, x in zip(keyed, self.leaves):
                 lines += [line, _fill(f"{x.saved} -> {x.restored}", "  ")]
@@ -155,7 +162,10 @@ class RestoreReport:
             if names:
                 lines.append(_fill(f"{title}: {', '.join(names)}", ""))
         if self.reads:
-            rows = [[str(p), size(r.nbytes), str(r.requests), size(r.over_read), f"{r.nbytes / self.bytes_per_second:.2f}s"] for p, r in self.reads.items()]
+            rows = [
+                [str(p), size(r.nbytes), str(r.requests), size(r.over_read), f"{r.nbytes / self.bytes_per_second:.2f}s"]
+                for p, r in self.reads.items()
+            ]
             header = ["PROCESS", "READ", "REQUESTS", "OVER-READ", f"TIME AT {size(self.bytes_per_second)}/s"]
             lines += ["", table([header, *rows], right={0, 1, 2, 3, 4})]
         return "\n".join(lines)
@@ -165,7 +175,8 @@ def _fill(text: str, indent: str) -> str:
     """``text`` from ``indent`` on, in lines of at most WIDTH columns, the next ones indented
     two more; a word (a key) is never cut."""
     return textwrap.fill(
-        text, WIDTH, initial_indent=indent, subsequent_indent=indent + "  ", break_long_words=False, break_on_hyphens=False
+        text, WIDTH, initial_indent=indent, subsequent_indent=indent + "  ",
+        break_long_words=False, break_on_hyphens=False,
     )
 
 def check_restore(
@@ -201,7 +212,9 @@ def check_restore(
       CorruptCheckpointError: the manifest is unreadable.
     """
     if not bytes_per_second > 0 or (devices_per_process is not None and devices_per_process < 1):
-        raise ValueError(f"bytes_per_second and devices_per_process must be positive, got {bytes_per_second}, {devices_per_process}")
+        raise ValueError(
+            f"bytes_per_second and devices_per_process must be positive, got {bytes_per_second}, {devices_per_process}"
+        )
     options = options or CheckpointOptions()
     loc = storage.location(path)
     skip = options.skip_slot_variables
@@ -283,7 +296,8 @@ def _restored_text(entry: ArrayRead) -> str:
     sharding = entry.sharding
     if isinstance(sharding, jax.sharding.NamedSharding):
         spec = [list(p) if isinstance(p, tuple) else p for p in sharding.spec]
-        return f"{entry.dtype} {sharding_text({'type': 'NamedSharding', 'mesh': dict(sharding.mesh.shape), 'spec': spec})}"
+        described = {"type": "NamedSharding", "mesh": dict(sharding.mesh.shape), "spec": spec}
+        return f"{entry.dtype} {sharding_text(described)}"
     return f"{entry.dtype} {type(sharding).__name__}({len(sharding.device_set)} devices)"
 
 
@@ -295,14 +309,18 @@ def _unread(manifest: Manifest, entries: Sequence[ArrayRead | NoRead], subtree: 
     return [leaf.key for leaf in manifest.leaves if under(leaf.key, prefix) and leaf.key not in named]
 
 
-def _skipped(manifest: Manifest, entries: Sequence[ArrayRead | NoRead], subtree: str | None, skip: bool, target: Any) -> list[str]:
+def _skipped(
+    manifest: Manifest, entries: Sequence[ArrayRead | NoRead], subtree: str | None, skip: bool, target: Any
+) -> list[str]:
     if target is not None:
         return [e.key for e in entries if isinstance(e, NoRead) and e.skipped_slot]
     prefix, _ = normalise_subtree(subtree)
     return [leaf.key for leaf in manifest.leaves if skip and leaf.is_slot and under(leaf.key, prefix)]
 
 
-def _reads(arrays: Sequence[ArrayRead], count: ReadCount, process_of: Callable[[jax.Device], int] | None) -> dict[int, ProcessReads]:
+def _reads(
+    arrays: Sequence[ArrayRead], count: ReadCount, process_of: Callable[[jax.Device], int] | None
+) -> dict[int, ProcessReads]:
     """This process's reads from its plan; with several processes, each one's from the
     target shardings' global device maps, batched as the planner batches them."""
     if process_of is None and jax.process_count() == 1:

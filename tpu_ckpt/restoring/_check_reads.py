@@ -80,7 +80,9 @@ class ReadCount:
             parts.append((maps[id(names)][1] if len(files) else files, files, offsets, lengths))
             self._base[leaf.key] = at
             at += len(files)
-        files, offsets, self._row_lengths = (np.concatenate([p[i] for p in parts] or [np.zeros(0, np.int64)]) for i in (1, 2, 3))
+        files, offsets, self._row_lengths = (
+            np.concatenate([p[i] for p in parts] or [np.zeros(0, np.int64)]) for i in (1, 2, 3)
+        )
         if len(maps) > 1:  # else the ids are the names' own indices
             files = np.concatenate([ids_of[f] for ids_of, f, _, _ in parts])
         self._sizes = np.array([manifest.files.get(name, 0) for name in ids], dtype=np.int64)
@@ -99,11 +101,15 @@ class ReadCount:
     def own(self, array: ArrayRead) -> LeafReads:
         """This process's reads of ``array``: its plan's regions (addressable devices)."""
         shape, sharding = array.leaf.shape, array.sharding
-        return self._leaf_reads(array.leaf, (full_slice(shape),) if sharding is None else sharded_slices(shape, sharding, False)[1])
+        slices = (full_slice(shape),) if sharding is None else sharded_slices(shape, sharding, False)[1]
+        return self._leaf_reads(array.leaf, slices)
 
-    def by_process(self, array: ArrayRead, process_of: Callable[[jax.Device], int], processes: Sequence[int]) -> dict[int, LeafReads]:
+    def by_process(
+        self, array: ArrayRead, process_of: Callable[[jax.Device], int], processes: Sequence[int]
+    ) -> dict[int, LeafReads]:
         """Each process's reads of ``array``, from the sharding's global device map."""
-        return {p: self._leaf_reads(array.leaf, slices) for p, slices in self._process_slices(array, process_of, processes).items()}
+        slices_of = self._process_slices(array, process_of, processes)
+        return {p: self._leaf_reads(array.leaf, slices) for p, slices in slices_of.items()}
 
     def account(self, units: Sequence[Unit]) -> tuple[int, int, int]:
         """Bytes, requests and region bytes of ``units`` read in batches, each batch's rows
@@ -111,7 +117,8 @@ class ReadCount:
         joined up to ``MAX_READ_BYTES``)."""
         nbytes = requests = 0
         for batch in byte_batches(units, lambda u: u[2], self._batch_bytes):
-            files, starts, lengths = _nonempty(*self._batch_rows(np.concatenate([base + rows for base, rows, _, _ in batch])))
+            picked = np.concatenate([base + rows for base, rows, _, _ in batch])
+            files, starts, lengths = _nonempty(*self._batch_rows(picked))
             nbytes += int(lengths.sum())
             requests += _requests(files, starts, lengths)
         return nbytes, requests, sum(u[3] for u in units)
@@ -134,7 +141,9 @@ class ReadCount:
         base = self._base[array.leaf.key]
         return [(base, rows, n, wanted) for rows, n, wanted in zip(reads.rows, reads.piece_bytes, reads.region_bytes)]
 
-    def _process_slices(self, array: ArrayRead, process_of: Callable[[jax.Device], int], processes: Sequence[int]) -> dict[int, tuple[SliceSpec, ...]]:
+    def _process_slices(
+        self, array: ArrayRead, process_of: Callable[[jax.Device], int], processes: Sequence[int]
+    ) -> dict[int, tuple[SliceSpec, ...]]:
         """Each process's distinct slices of a leaf, in its devices' order; a leaf without
         sharding is read whole by all."""
         shape, sharding = array.leaf.shape, array.sharding
@@ -144,7 +153,8 @@ class ReadCount:
         if key not in self._memo:
             out: dict[int, dict[SliceSpec, None]] = {}
             for device, index in sharding.devices_indices_map(shape).items():
-                out.setdefault(process_of(device), {})[full_slice(shape) if index is None else index_to_slice(index, shape)] = None
+                region = full_slice(shape) if index is None else index_to_slice(index, shape)
+                out.setdefault(process_of(device), {})[region] = None
             self._memo[key] = {p: tuple(slices) for p, slices in out.items()}
         return self._memo[key]
 
@@ -204,7 +214,8 @@ def _requests(files: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> int
     first = np.flatnonzero(new)
     stop = np.append(first[1:], len(files))
     count = len(first)
-    for i, j in zip(first[ends[stop - 1] - starts[first] > MAX_READ_BYTES].tolist(), stop[ends[stop - 1] - starts[first] > MAX_READ_BYTES].tolist()):
+    too_long = ends[stop - 1] - starts[first] > MAX_READ_BYTES
+    for i, j in zip(first[too_long].tolist(), stop[too_long].tolist()):
         count -= 1
         while i < j:  # a read from piece i takes the next pieces while they end within MAX_READ_BYTES of its start
             count += 1

@@ -1,13 +1,12 @@
 """Carries out a :class:`~tpu_ckpt.restoring._plan.RestorePlan`: reads, assembly, placement.
 
-The next batch is being read while the current one is assembled and placed on its
-devices, and each unit of a batch goes to its devices as soon as it is assembled, so on an
-accelerator reading, assembly and host-to-device transfers overlap, while the host holds at
-most two batches of read bytes beyond the restored arrays themselves. Pieces are read into fresh aligned arrays (never mapped: a restored array must
-not follow later edits of its file); a piece a device holds whole goes to JAX as that
-array, with no further copy on CPU. From an object store a piece may instead be a read-only
-view of the bytes received: JAX copies it to its device as it would any array, and a numpy
-result is copied once, so that the user may write to it.
+The next batch is being read while the current one is assembled and placed on its devices, and each unit of a batch goes
+to its devices as soon as it is assembled, so on an accelerator reading, assembly and host-to-device transfers overlap,
+while the host holds at most two batches of read bytes beyond the restored arrays themselves. Pieces are read into fresh
+aligned arrays (never mapped: a restored array must not follow later edits of its file); a piece a device holds whole
+goes to JAX as that array, with no further copy on CPU. From an object store a piece may instead be a read-only view of
+the bytes received: JAX copies it to its device as it would any array, and a numpy result is copied once, so that the
+user may write to it.
 """
 
 from __future__ import annotations
@@ -118,7 +117,9 @@ def _assembled(batch: Sequence[Unit], data: PieceData) -> Iterator[dict[Any, np.
             for unit, flags in zip(jobs, heavy)
         ]
         for unit, jobs_of_unit, unit_futures in zip(batch, jobs, futures):
-            arrays = [f.result() if f is not None else _assemble(a, r, data) for f, (a, r) in zip(unit_futures, jobs_of_unit)]
+            arrays = [
+                f.result() if f is not None else _assemble(a, r, data) for f, (a, r) in zip(unit_futures, jobs_of_unit)
+            ]
             yield {region.slice: array for region, array in zip(unit.regions, arrays)}
 
 

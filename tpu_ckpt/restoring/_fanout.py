@@ -196,12 +196,14 @@ def _bytes_in(leaf: FannedLeaf, data: restore_exec.PieceData) -> jax.Array:
     )
 
 
-Layout = tuple[NamedSharding, tuple[str, ...], int, np.dtype, np.dtype]  # sharding, replica axes, rank, saved and target dtype
+# sharding, replica axes, rank, saved and target dtype
+Layout = tuple[NamedSharding, tuple[str, ...], int, np.dtype, np.dtype]
 
 
 def _layout(leaf: FannedLeaf) -> Layout:
     assert isinstance(leaf.array.sharding, NamedSharding)
-    return leaf.array.sharding, leaf.axes, len(leaf.array.leaf.shape), dtype_from_name(leaf.array.leaf.dtype), leaf.array.dtype
+    saved = dtype_from_name(leaf.array.leaf.dtype)
+    return leaf.array.sharding, leaf.axes, len(leaf.array.leaf.shape), saved, leaf.array.dtype
 
 
 @functools.lru_cache(maxsize=16)

@@ -124,7 +124,8 @@ def unread_per_process(manifest: Manifest, target: Any, subtree: str | None, whe
         if manifest.process_count != count and reshard is None:
             problems.append(str(count_mismatch(leaf.key, manifest.process_count, count, where)))
         sizes = [p.length for p in leaf.pieces]
-        leaves[n] = LeafEntry(leaf.key, leaf.path, "value", value=f"<per-process value: {len(sizes)} processes, {sum(sizes)} bytes>")
+        value = f"<per-process value: {len(sizes)} processes, {sum(sizes)} bytes>"
+        leaves[n] = LeafEntry(leaf.key, leaf.path, "value", value=value)
     return dataclasses.replace(manifest, leaves=tuple(leaves)), problems
 
 
@@ -160,7 +161,8 @@ def _read(store: storage.ReadableStore, leaf: LeafEntry, pieces: list[PieceEntry
         if crc32c(np.ascontiguousarray(data)) != piece.crc32c:
             raise CorruptCheckpointError(
                 f"{where}: the value of per-process key {leaf.key!r} saved by process {piece.slice[0][0]} fails its "
-                f"crc32c ({piece.file} at byte {piece.offset}); restore another checkpoint.", key=leaf.key, file=piece.file,
+                f"crc32c ({piece.file} at byte {piece.offset}); restore another checkpoint.",
+                key=leaf.key, file=piece.file,
             )
         values.append(decode_value(data, piece.file, leaf.key))
     return values

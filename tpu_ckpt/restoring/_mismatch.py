@@ -10,7 +10,9 @@ from tpu_ckpt.format import Manifest, flatten, normalise_subtree, under
 from tpu_ckpt.restoring._plan import plan_leaf
 
 
-def mismatches(manifest: Manifest, target: Any, subtree: str | None, skip_slots: bool, url: str) -> list[TargetMismatchError]:
+def mismatches(
+    manifest: Manifest, target: Any, subtree: str | None, skip_slots: bool, url: str
+) -> list[TargetMismatchError]:
     """Every error the planner raises on, leaf by leaf, in the target's flatten order (so
     the first is the one ``plan_restore`` raises)."""
     prefix, _ = normalise_subtree(subtree)
@@ -26,11 +28,15 @@ def mismatches(manifest: Manifest, target: Any, subtree: str | None, skip_slots:
     return found
 
 
-def all_mismatches(first: TargetMismatchError, manifest: Manifest, target: Any, subtree: str | None, skip_slots: bool, url: str) -> TargetMismatchError:
+def all_mismatches(
+    first: TargetMismatchError, manifest: Manifest, target: Any, subtree: str | None, skip_slots: bool, url: str
+) -> TargetMismatchError:
     """What ``tc.restore`` raises when the planner raised ``first``: ``first`` itself when it
     is the only mismatch, else one error listing them all, as ``check_restore`` reports them."""
     found = mismatches(manifest, target, subtree, skip_slots, url)
     if len(found) <= 1:
         return first
     lines = "\n".join(f"  {e}" for e in found)
-    return TargetMismatchError(f"{len(found)} target leaves do not fit checkpoint {url}:\n{lines}", key=first.key, file=first.file)
+    return TargetMismatchError(
+        f"{len(found)} target leaves do not fit checkpoint {url}:\n{lines}", key=first.key, file=first.file
+    )

@@ -1,11 +1,10 @@
 """The restore plan: for each target leaf, what comes back, from which pieces, in which batch.
 
-Planning is pure: a :class:`~tpu_ckpt.format._manifest.Manifest` (format 2: with the
-piece-table rows the target needs already loaded, see :func:`needed_slices`) and a target
-in, a :class:`RestorePlan` out, with no IO and no devices beyond what the target's shardings
-name (``addressable_devices_indices_map``). So a resharding bug can be read off a printed
-plan, and planning is tested without files, as PyTorch DCP tests its planners.
-``_exec.py`` carries a plan out; ``_restore.py`` opens the checkpoint and loads the rows.
+Planning is pure: a :class:`~tpu_ckpt.format._manifest.Manifest` (format 2: with the piece-table rows the target needs
+already loaded, see :func:`needed_slices`) and a target in, a :class:`RestorePlan` out, with no IO and no devices beyond
+what the target's shardings name (``addressable_devices_indices_map``). So a resharding bug can be read off a printed
+plan, and planning is tested without files, as PyTorch DCP tests its planners. ``_exec.py`` carries a plan out;
+``_restore.py`` opens the checkpoint and loads the rows.
 """
 
 from __future__ import annotations
@@ -158,8 +157,7 @@ def plan_restore(
     whose piece-table rows for :func:`needed_slices` are loaded (no IO here).
 
     ``url`` names the checkpoint in errors. Raises TargetMismatchError naming the key when
-    the target does not fit the checkpoint.
-    """
+    the target does not fit the checkpoint."""
     entries, treedef, paths = plan_entries(manifest, target, subtree, skip_slots, url)
     batches = tuple(map(tuple, byte_batches(_units(entries, batch_bytes), _unit_bytes, batch_bytes)))
     return RestorePlan(tuple(entries), batches, treedef, paths, batch_bytes)
@@ -179,7 +177,8 @@ def plan_entries(
         kept = [leaf for leaf in leaves.values() if not (skip_slots and leaf.is_slot)]  # slots left out
         return [_whole(leaf, regions) for leaf in kept], None, tuple(tuple(leaf.path[depth:]) for leaf in kept)
     flat, treedef = flatten(target)
-    return [plan_leaf(leaves, _join(prefix, key), t, skip_slots, url, regions=regions) for key, _, t in flat], treedef, ()
+    planned = [plan_leaf(leaves, _join(prefix, key), t, skip_slots, url, regions=regions) for key, _, t in flat]
+    return planned, treedef, ()
 
 
 def _join(prefix: str, key: str) -> str:
@@ -269,10 +268,9 @@ def _array_read(
 def slice_devices(
     shape: tuple[int, ...], sharding: jax.sharding.Sharding | None, everyone: bool
 ) -> dict[SliceSpec, tuple[jax.Device, ...]]:
-    """Each distinct global slice of a leaf and the devices (this process's, or with
-    ``everyone`` all) that take it; without a sharding, the whole leaf, on the host. Shared
-    by every leaf of one shape and sharding (computed once: a pod's 2,200 leaves over 512
-    devices would be a million index conversions), so not to be changed."""
+    """Each distinct global slice of a leaf and the devices (this process's, or with ``everyone`` all) that take it;
+    without a sharding, the whole leaf, on the host. Shared by every leaf of one shape and sharding (computed once: a
+    pod's 2,200 leaves over 512 devices would be a million index conversions), so not to be changed."""
     if sharding is None:
         return {full_slice(shape): ()}
     return sharded_slices(shape, sharding, everyone)[0]
@@ -299,7 +297,8 @@ def needed_slices(
     Pure; a target leaf that does not fit is left out, for the planner to report."""
     prefix, _ = normalise_subtree(subtree)
     leaves = {leaf.key: leaf for leaf in manifest.leaves if under(leaf.key, prefix) and leaf.kind == "array"}
-    wanted = {key: None for key in leaves} if target is None else {_join(prefix, key): t for key, _, t in flatten(target)[0]}
+    flat = flatten(target)[0] if target is not None else ()
+    wanted = {key: None for key in leaves} if target is None else {_join(prefix, key): t for key, _, t in flat}
     out: list[tuple[LeafEntry, Sequence[SliceSpec]]] = []
     for key, leaf_target in wanted.items():
         leaf = leaves.get(key)
@@ -313,7 +312,8 @@ def needed_slices(
         except TargetMismatchError:
             continue
         if shape == leaf.shape:
-            out.append((leaf, (full_slice(shape),) if sharding is None else sharded_slices(shape, sharding, everyone)[1]))
+            slices = (full_slice(shape),) if sharding is None else sharded_slices(shape, sharding, everyone)[1]
+            out.append((leaf, slices))
     return out
 
 
@@ -355,6 +355,6 @@ def missing_subtree(manifest: Manifest, prefix: str, url: str) -> TargetMismatch
     params are under the key its model was saved as, not ``params``)."""
     return TargetMismatchError(
         f"subtree {prefix!r} is not in checkpoint {url}; its top-level keys are "
-        f"{sorted({leaf.key.split('/')[0] for leaf in manifest.leaves})}: pass one of them (or a key path under one) as subtree",
-        key=prefix, file=url,
+        f"{sorted({leaf.key.split('/')[0] for leaf in manifest.leaves})}: pass one of them (or a key path under one) "
+        "as subtree", key=prefix, file=url,
     )

@@ -107,7 +107,8 @@ def _leaf_metadata(leaf: LeafEntry) -> Any:
     if leaf.kind == "value":
         return leaf.value
     if leaf.kind == "array":
-        return ArrayMetadata(leaf.shape, dtype_from_name(leaf.dtype), leaf.nbytes, leaf.is_slot, leaf.sharding, leaf.logical)
+        dtype = dtype_from_name(leaf.dtype)
+        return ArrayMetadata(leaf.shape, dtype, leaf.nbytes, leaf.is_slot, leaf.sharding, leaf.logical)
     return PerProcessMetadata(len(leaf.pieces), tuple(p.length for p in leaf.pieces))
 
 
@@ -116,7 +117,8 @@ T = TypeVar("T")
 
 @overload
 def restore(
-    path: str | os.PathLike[str], target: None = None, *, options: CheckpointOptions | None = None, subtree: str | None = None
+    path: str | os.PathLike[str], target: None = None, *, options: CheckpointOptions | None = None,
+    subtree: str | None = None,
 ) -> Any: ...
 @overload
 def restore(
@@ -171,7 +173,9 @@ def restore(
 
 
 @contextlib.contextmanager
-def _open(loc: storage.Location, options: CheckpointOptions) -> Iterator[tuple[OpenCheckpoint, cluster.Coordinator | None]]:
+def _open(
+    loc: storage.Location, options: CheckpointOptions
+) -> Iterator[tuple[OpenCheckpoint, cluster.Coordinator | None]]:
     """The open checkpoint, and the coordinator of a restore whose processes work together
     (``io_device``, ``load_and_broadcast``). It is made before anything can fail, so a
     failure on one process reaches the others at once. With ``io_device`` only that process
@@ -299,7 +303,8 @@ def _piece_source(
         yield shared_reads.StoreReads(store)
         return
     pieces = {(p.file, p.offset): (a.leaf.key, p) for a in arrays for p in a.leaf.pieces}
-    source = shared_reads.SharedReads(store, coord, the_plan, pieces, keep_bytes=None if options.host_memory_limit is None else options.host_memory_limit // 4)
+    keep = None if options.host_memory_limit is None else options.host_memory_limit // 4
+    source = shared_reads.SharedReads(store, coord, the_plan, pieces, keep_bytes=keep)
     try:
         yield source
     except BaseException:

@@ -167,7 +167,9 @@ class _ReadOnce:
         self._needers = needers
         self._keep_bytes = keep_bytes
         self._lock = threading.Lock()
-        self._held: collections.OrderedDict[PieceId, tuple[concurrent.futures.Future, set[int]]] = collections.OrderedDict()
+        self._held: collections.OrderedDict[PieceId, tuple[concurrent.futures.Future, set[int]]] = (
+            collections.OrderedDict()
+        )
         self._held_bytes = 0
         self._given_out: set[PieceId] = set()
 

@@ -119,7 +119,9 @@ def table(rows: list[list[str]], right: Collection[int] = ()) -> str:
     """Aligned columns, two spaces apart: greppable and cut-able, unlike a boxed table."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [
-        "  ".join(cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+        "  ".join(
+            cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))
+        ).rstrip()
         for row in rows
     ]
     return "\n".join(lines)

@@ -41,7 +41,8 @@ def index(pieces: Mapping[str, Sequence[PieceEntry]], files: Mapping[str, int]) 
 
 def commit(
     store: storage.Backend, final: storage.Location, planned: Manifest, own: Manifest | bytes, others: Iterable[int],
-    progress: Callable[[str], None] = lambda note: None, token: str = "", finish: Callable[[Manifest], Manifest] | None = None,
+    progress: Callable[[str], None] = lambda note: None, token: str = "",
+    finish: Callable[[Manifest], Manifest] | None = None,
 ) -> None:
     """The leader: merges its own index with those the ``others`` processes left in the
     staging area (read and checked ``io_threads`` at a time: at a thousand hosts one at a
@@ -59,7 +60,8 @@ def commit(
     or it encoded (``encode_index``), which lets a save drop its objects per piece first."""
     others = list(others)
     plan = IndexPlan.of(planned)
-    mine = decode_index(own if isinstance(own, bytes) else encode_index(own, plan), where="the leader's own index", plan=plan)
+    encoded = own if isinstance(own, bytes) else encode_index(own, plan)
+    mine = decode_index(encoded, where="the leader's own index", plan=plan)
     with concurrent.futures.ThreadPoolExecutor(settings().io_threads) as pool:  # one host's latency, not N
         indexes = [mine]
         for index in pool.map(functools.partial(_read_index, store, plan, token), others):
@@ -94,7 +96,9 @@ def write_manifest(
         storage.check_written(store, {**manifest.files, **tables})
 
     create = store.create if isinstance(store, storage.ObjectStore) else None
-    write(store, manifest, MANIFEST_FILE, check=every_file, grids=grids, table_prefix=table_prefix(token), commit=create)
+    write(
+        store, manifest, MANIFEST_FILE, check=every_file, grids=grids, table_prefix=table_prefix(token), commit=create
+    )
 
 
 def _read_index(store: storage.Backend, plan: IndexPlan, token: str, process: int) -> IndexRows:
@@ -103,5 +107,7 @@ def _read_index(store: storage.Backend, plan: IndexPlan, token: str, process: in
     where = store.location.child(name)
     data = store.read_file(name)
     if not data:
-        raise CorruptCheckpointError(f"{where}: process {process}'s index is missing or empty; the save cannot commit.", file=where)
+        raise CorruptCheckpointError(
+            f"{where}: process {process}'s index is missing or empty; the save cannot commit.", file=where
+        )
     return decode_index(data, where=where, plan=plan)

@@ -203,7 +203,8 @@ class Writes:
     def make_room(self, nbytes: int) -> None:
         """Waits for earlier writes until a file of ``nbytes`` may start."""
         while self._in_flight and (
-            len(self._in_flight) >= settings().writes_in_flight or (self.limit is not None and self.held + nbytes > self.limit)
+            len(self._in_flight) >= settings().writes_in_flight
+            or (self.limit is not None and self.held + nbytes > self.limit)
         ):
             self._finish_oldest()
 

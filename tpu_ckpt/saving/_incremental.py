@@ -121,7 +121,10 @@ class Incremental:
     ) -> list[tuple[bytes, bytes]]:
         """Each piece's sample and fingerprint (``saving/_fingerprint.py``): a jax.Array that
         is the same object as last time, not deleted, holds the same bytes."""
-        unchanged = [before is not None and _unchanged(self._arrays.get(p.key), leaves.get(p.key)) for p, before in zip(pieces, known)]
+        unchanged = [
+            before is not None and _unchanged(self._arrays.get(p.key), leaves.get(p.key))
+            for p, before in zip(pieces, known)
+        ]
         previous = [None if before is None else before.fingerprint for before in known]
         return fingerprints([piece.data for piece in pieces], previous, unchanged)
 
@@ -135,7 +138,8 @@ class Incremental:
             for entry in leaf.pieces:
                 dtype, fingerprint = prints.get((leaf.key, entry.slice), ("", (b"", b"")))
                 file = entry.file if entry.file.startswith("../") else f"../{name}/{entry.file}"
-                known[leaf.key, entry.slice] = _Known(entry._replace(file=file), own.files[entry.file], dtype, fingerprint)
+                piece = entry._replace(file=file)
+                known[leaf.key, entry.slice] = _Known(piece, own.files[entry.file], dtype, fingerprint)
         self.step, self._known, self._arrays = final, known, arrays
         written = sum(size for file, size in own.files.items() if not file.startswith("../"))
         logger.info(

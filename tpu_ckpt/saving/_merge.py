@@ -50,7 +50,9 @@ class Grids:
         self._runs: dict[int, tuple[_Columns, np.ndarray, np.ndarray, list[np.ndarray]]] = {}
         self._whole: dict[int, tuple[int, int]] = {}  # an uncut axis's cuts, one object per length
 
-    def add(self, column: _Columns, first: np.ndarray, count: np.ndarray, steps: list[np.ndarray], runs: np.ndarray) -> None:
+    def add(
+        self, column: _Columns, first: np.ndarray, count: np.ndarray, steps: list[np.ndarray], runs: np.ndarray
+    ) -> None:
         """The column's runs ``runs`` (numbers into ``first``) are grids."""
         self._runs[column.rank] = (column, first, count, steps)
         leaves = column.leaf[first[runs]].astype(np.int64)
@@ -72,7 +74,8 @@ class Grids:
         a, n = int(first[s]), int(count[s])
         runs = [n, *(int(step[s]) for step in steps)]  # rows per cell of axis d - 1, then of axis d
         cuts = [
-            self._whole.setdefault(int(self._dims[number, d]), (0, int(self._dims[number, d]))) if runs[d] == runs[d + 1]
+            self._whole.setdefault(int(self._dims[number, d]), (0, int(self._dims[number, d])))
+            if runs[d] == runs[d + 1]
             else np.append(column.start[a : a + runs[d] : runs[d + 1], d], self._dims[number, d])
             for d in range(rank)
         ]
@@ -104,11 +107,14 @@ def merge_rows(planned: Manifest, plan: IndexPlan, indexes: list[IndexRows]) -> 
             a, n, number = int(first[s]), int(count[s]), int(column.leaf[first[s]])
             inline[number] = column.pieces(a, a + n, names, int(plan.itemsizes[number]))
     leaves = tuple(  # a leaf without pieces stays the plan's own: no new object per leaf
-        dataclasses.replace(e, pieces=inline.get(n, ())) if n in inline or e.pieces else e for n, e in enumerate(planned.leaves)
+        dataclasses.replace(e, pieces=inline.get(n, ())) if n in inline or e.pieces else e
+        for n, e in enumerate(planned.leaves)
     )
     for number, entry in enumerate(leaves):
         held = grids.held(number)
-        problem = None if entry.kind != "array" or held else tiling_problem(entry.shape, [p.slice for p in entry.pieces])
+        problem = (
+            None if entry.kind != "array" or held else tiling_problem(entry.shape, [p.slice for p in entry.pieces])
+        )
         if problem:
             raise _inconsistent(entry.key, problem)
     return dataclasses.replace(planned, leaves=leaves, files=dict(zip(names, sizes))), grids
@@ -212,7 +218,9 @@ def _chunks(first: np.ndarray, count: np.ndarray, rows: int = 1 << 20) -> list[t
     return list(zip(edges[:-1], edges[1:]))
 
 
-def _grid_check(columns: _Columns, first: np.ndarray, count: np.ndarray, dims: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+def _grid_check(
+    columns: _Columns, first: np.ndarray, count: np.ndarray, dims: np.ndarray
+) -> tuple[np.ndarray, list[np.ndarray]]:
     """Whether each leaf's sorted rows are exactly the cells of a grid, and its steps.
 
     In C order, a grid of ``n_0 x ... x n_(r-1)`` cells repeats each start of axis ``d``
@@ -222,7 +230,9 @@ def _grid_check(columns: _Columns, first: np.ndarray, count: np.ndarray, dims: n
     dimension past the last). With ``s_(r-1) = 1`` (no two rows alike) the rows are then
     every cell once: the leaf is tiled exactly, proven without a Python object per row."""
     lo, hi = int(first[0]), int(first[-1] + count[-1])
-    rows = _Rows(columns.leaf[lo:hi].astype(np.int64), columns.start[lo:hi], columns.stop[lo:hi], first - lo, count, dims)
+    rows = _Rows(
+        columns.leaf[lo:hi].astype(np.int64), columns.start[lo:hi], columns.stop[lo:hi], first - lo, count, dims
+    )
     changed = np.zeros(hi - lo, bool)
     changed[rows.first] = True
     run, ok, bad, steps = count, np.ones(len(first), bool), np.zeros(hi - lo, bool), []
@@ -273,6 +283,7 @@ class _Rows:
 
 def _inconsistent(key: str, problem: str) -> CheckpointError:
     return CheckpointError(
-        f"Leaf {key!r}: {problem}; refusing to commit an inconsistent checkpoint. Are all processes saving the same tree?",
+        f"Leaf {key!r}: {problem}; refusing to commit an inconsistent checkpoint. "
+        "Are all processes saving the same tree?",
         key=key,
     )

@@ -65,7 +65,9 @@ def _record(process: int, text: str) -> dict[str, Any]:
         if not isinstance(record, dict) or not isinstance(record.get("digests"), list):
             raise ValueError(text[:60])
     except ValueError as e:
-        raise CorruptCheckpointError(f"process {process} sent a malformed save record ({e}); refusing to commit.") from None
+        raise CorruptCheckpointError(
+            f"process {process} sent a malformed save record ({e}); refusing to commit."
+        ) from None
     return record
 
 

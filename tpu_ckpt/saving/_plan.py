@@ -82,7 +82,8 @@ class SavePlan:
     def named(self, token: str) -> SavePlan:
         """This plan with its data files named for the save with ``token`` (``format.spread``),
         which the plan, made before the staging area, does not know."""
-        return dataclasses.replace(self, files=tuple(dataclasses.replace(f, name=spread(token, f.name)) for f in self.files))
+        files = tuple(dataclasses.replace(f, name=spread(token, f.name)) for f in self.files)
+        return dataclasses.replace(self, files=files)
 
     def __repr__(self) -> str:
         written = sum(len(f.pieces) for f in self.files)
@@ -168,7 +169,8 @@ def _leaf_entries(
     """Manifest entries (without piece locations) for every leaf, and this process's pieces
     (``group``: the processes sharing the writing with it, ``LocalPieces``)."""
     entries, local = [], LocalPieces(me, group)
-    shared: dict[Any, Any] = {}  # equal shapes and sharding descriptions, one object each: a state may have a million leaves
+    # equal shapes and sharding descriptions, one object each: a state may have a million leaves
+    shared: dict[Any, Any] = {}
     for key, path, leaf in leaves:
         if isinstance(leaf, _PYTHON_VALUES):
             entries.append(LeafEntry(key, path, "value", value=leaf))
@@ -216,7 +218,9 @@ def per_process_value(key: str, leaf: PerProcess, me: int) -> bytes:
     """This process's value of a ``PerProcess`` leaf as stored (``format.encode_value``): taken
     now, so an async save keeps the value it was given even if the caller changes it after."""
     if leaf.reshard is not None:
-        raise TypeError(f"Leaf {key!r} is a PerProcess(reshard=...), which is a restore target; save PerProcess(value).")
+        raise TypeError(
+            f"Leaf {key!r} is a PerProcess(reshard=...), which is a restore target; save PerProcess(value)."
+        )
     return encode_value(leaf.value, key, me)
 
 

@@ -116,7 +116,9 @@ def _start(
             plan, reused = incremental.apply(plan, tree, final)
         leader = 0 if io is None else io
         if io == coord.me and coord.count > 1:
-            relay.warn_if_beyond("save", final.url, _job_bytes(plan.manifest), options.coordination_timeout, _local_parent(final))
+            relay.warn_if_beyond(
+                "save", final.url, _job_bytes(plan.manifest), options.coordination_timeout, _local_parent(final)
+            )
         staging = prepare(final, coord, leader, options.coordination_timeout, relayed=io is not None)
     except BaseException as error:
         with coord:  # the save ends here
@@ -206,8 +208,8 @@ class SaveJob:
 
     def __init__(
         self, plan: SavePlan, final: storage.Location, coord: cluster.Coordinator, leader: int,
-        options: CheckpointOptions, staging: Staging, incremental: Incremental | None = None, reused: Reused | None = None,
-        own_files: OwnFiles | None = None,
+        options: CheckpointOptions, staging: Staging, incremental: Incremental | None = None,
+        reused: Reused | None = None, own_files: OwnFiles | None = None,
     ):
         self.manifest = plan.manifest
         self.piece_count = plan.piece_count
@@ -227,7 +229,9 @@ class SaveJob:
         self._copied = False  # whether the data to write are host copies of our own
         self._copies = own_files  # files to copy instead of the plan's (which has none then)
         names = (f.name for f in plan.files) if own_files is None else own_files.names
-        self._own_files = (*names, staged_index_file(coord.me, staging.token), values_file_name(coord.me, staging.token))
+        self._own_files = (
+            *names, staged_index_file(coord.me, staging.token), values_file_name(coord.me, staging.token)
+        )
 
     def snapshot(self) -> None:
         """Replaces the data to write by host copies, within ``host_memory_limit``
@@ -250,8 +254,8 @@ class SaveJob:
                 records = coord.collect("written", record, at=self.leader)
                 others = [p for p in range(coord.count) if p != self.leader]
                 commit.commit(
-                    self.staging.backend, self.final, self._planned(), index, others, coord.progress, self.staging.token,
-                    finish=lambda merged: per_process.completed(merged, records),
+                    self.staging.backend, self.final, self._planned(), index, others, coord.progress,
+                    self.staging.token, finish=lambda merged: per_process.completed(merged, records),
                 )
                 hands_off = True  # committed
                 coord.publish("committed")

@@ -70,7 +70,9 @@ def prepare(
         contact = ""
         if relayed and coord.count > 1:
             accepts = functools.partial(_sent_by_another, leader=leader, count=coord.count)
-            server = relay.RelayServer(staging.backend, cluster.relay_host(), timeout, peers=coord.count - 1, accepts=accepts)
+            server = relay.RelayServer(
+                staging.backend, cluster.relay_host(), timeout, peers=coord.count - 1, accepts=accepts
+            )
             staging = dataclasses.replace(staging, server=server)
             contact = server.contact()
         coord.publish("start", json.dumps({"token": token, "contact": contact, "prove_shared": prove}))

@@ -68,14 +68,16 @@ class StreamWriter:
         items = [(key, np.asarray(array, order="C")) for key, array in arrays.items()]  # 0-d stays 0-d
         for key, array in items:
             self._check(key, array)
-        laid_out = data_file_bytes(name, [PlannedPiece(key, full_slice(array.shape), array, array.nbytes) for key, array in items])
+        pieces = [PlannedPiece(key, full_slice(array.shape), array, array.nbytes) for key, array in items]
+        laid_out = data_file_bytes(name, pieces)
         self._pieces.update((key, entry) for (key, _), entry in zip(items, laid_out.entries))
         try:
             self._store.write(name, laid_out.buffers).result()
         except CheckpointError:
             raise
         except Exception as e:
-            raise CheckpointError(f"Writing {self._staging.child(name)} failed: {e}", file=self._staging.child(name)) from e
+            where = self._staging.child(name)
+            raise CheckpointError(f"Writing {where} failed: {e}", file=where) from e
         self._files[name] = laid_out.size
 
     def commit(self) -> str:

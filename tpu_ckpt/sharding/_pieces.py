@@ -1,12 +1,10 @@
 """Pieces: the unit a sharding callback arranges into data files.
 
-A piece is one distinct block of one array leaf that this process must write. Every block
-is written once across the whole job: a block one process holds is written by it; a block
-several processes hold (a replicated array) is written by the holder with the least of
-such blocks of the same holders to write so far, or, when big, split into one part per
-holder (:class:`WriteBalance`): decided from this process's own blocks alone. A numpy
-leaf is written whole by process 0, since every process of an SPMD program holds the same
-host value.
+A piece is one distinct block of one array leaf that this process must write. Every block is written once across the
+whole job: a block one process holds is written by it; a block several processes hold (a replicated array) is written by
+the holder with the least of such blocks of the same holders to write so far, or, when big, split into one part per
+holder (:class:`WriteBalance`): decided from this process's own blocks alone. A numpy leaf is written whole by process
+0, since every process of an SPMD program holds the same host value.
 """
 
 from __future__ import annotations
@@ -65,11 +63,10 @@ class ShardableTensor:
 class ShardingCallback(abc.ABC):
     """Decides which pieces go into which data file.
 
-    Subclasses implement ``description`` and ``__call__(shardable_tensors)``, returning a list
-    of shards ``{checkpoint_key: {slice_spec: array}}``; each shard becomes one data file.
-    A callback may cut pieces into smaller blocks (slicing ``tensor``) but must cover every
-    piece exactly once without changing dtypes; the result is validated before any byte is
-    written. It is called once per process with that process's pieces.
+    Subclasses implement ``description`` and ``__call__(shardable_tensors)``, returning a list of shards
+    ``{checkpoint_key: {slice_spec: array}}``; each shard becomes one data file. A callback may cut pieces into smaller
+    blocks (slicing ``tensor``) but must cover every piece exactly once without changing dtypes; the result is validated
+    before any byte is written. It is called once per process with that process's pieces.
     """
 
     @property
@@ -91,10 +88,9 @@ class ShardingCallback(abc.ABC):
         """
 
     def arrangement(self, pieces: Sequence[T], devices: Sequence[Any]) -> list[list[T]] | None:
-        """The data files this callback makes, as groups of ``pieces`` (``devices``: each
-        one's device, None for a host value), where it can tell them without
-        ``ShardableTensor``s: a save of a million pieces then makes no object per piece.
-        None (this default): the save calls the callback and checks what it returns."""
+        """The data files this callback makes, as groups of ``pieces`` (``devices``: each one's device, None for a host
+        value), where it can tell them without ``ShardableTensor``s: a save of a million pieces then makes no object per
+        piece. None (this default): the save calls the callback and checks what it returns."""
         return None
 
     def __hash__(self) -> int:
@@ -133,11 +129,10 @@ class WriteBalance:
     """Decides which process writes each block several processes hold, so that no host
     writes much more than its share (replicated state otherwise all lands on one host).
 
-    Every process walks the same leaves in the same order and sees the same global shardings,
-    so each makes the same choices without any communication: a held block goes to the
-    holder with the fewest bytes assigned so far (lowest index on ties). A save keeps one per
-    set of holders, updated only by the blocks of exactly those holders, which each of them
-    holds (``_my_blocks``).
+    Every process walks the same leaves in the same order and sees the same global shardings, so each makes the same
+    choices without any communication: a held block goes to the holder with the fewest bytes assigned so far (lowest
+    index on ties). A save keeps one per set of holders, updated only by the blocks of exactly those holders, which each
+    of them holds (``_my_blocks``).
     """
 
     def __init__(self) -> None:
@@ -151,14 +146,15 @@ class WriteBalance:
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-    """Where every array of one sharding and shape keeps its blocks, worked out once per save
-    from the first such leaf: jax builds a ``Shard`` object per device for each array's
-    ``addressable_shards`` (~10 µs each, seconds at 2,200 leaves over 512 devices), where
-    ``addressable_data(position)`` of a later leaf costs a tenth of that."""
+    """Where every array of one sharding and shape keeps its blocks, worked out once per save from the first such leaf:
+    jax builds a ``Shard`` object per device for each array's ``addressable_shards`` (~10 µs each, seconds at 2,200
+    leaves over 512 devices), where ``addressable_data(position)`` of a later leaf costs a tenth of that."""
 
     spans_processes: bool
-    local_blocks: tuple[tuple[int, Any, SliceSpec, bool, int], ...]  # (position, device, block, on CPU, elements), a holder each
-    shared: tuple[tuple[SliceSpec, tuple[int, ...]], ...]  # local blocks other processes hold too, sorted, and their holders
+    # (position, device, block, on CPU, elements), a holder each
+    local_blocks: tuple[tuple[int, Any, SliceSpec, bool, int], ...]
+    # local blocks other processes hold too, sorted, and their holders
+    shared: tuple[tuple[SliceSpec, tuple[int, ...]], ...]
 
     @property
     def on_cpu(self) -> bool:
@@ -236,7 +232,10 @@ class LocalPieces:
             self.on_device = self.on_device or not layout.on_cpu
         # Decided from the global sharding, the same on every process (hence the shared
         # balance); an array on one process's devices alone is that process's to write.
-        mine = _my_blocks(layout, dtype.itemsize, self.process_index, self._balances, self.group) if layout.shared else None
+        mine = (
+            _my_blocks(layout, dtype.itemsize, self.process_index, self._balances, self.group)
+            if layout.shared else None
+        )
         arrays, pieces, devices, itemsize = _device_arrays(leaf), self.pieces, self.devices, dtype.itemsize
         for position, device, region, on_cpu, elements in layout.local_blocks:
             part = region if mine is None else mine.get(region, region)
@@ -244,7 +243,8 @@ class LocalPieces:
                 continue
             data: jax.Array | np.ndarray = arrays[position]
             if part is not region and part != region:  # a part of a big replicated block
-                data = (np.asarray(data) if on_cpu else data)[tuple(slice(a - r0, b - r0) for (a, b), (r0, _) in zip(part, region))]
+                window = tuple(slice(a - r0, b - r0) for (a, b), (r0, _) in zip(part, region))
+                data = (np.asarray(data) if on_cpu else data)[window]
                 elements = volume(part)
             pieces.append(PlannedPiece(key, part, data, elements * itemsize))
             devices.append(device)
@@ -285,15 +285,15 @@ def host_view(data: Any) -> Any:
 def planned(shard: Shard) -> list[PlannedPiece]:
     """A sharding callback's shard as the pieces of one data file, in writing order."""
     return [
-        PlannedPiece(key, spec, data, int(data.nbytes)) for key, by_slice in shard.items() for spec, data in by_slice.items()
+        PlannedPiece(key, spec, data, int(data.nbytes))
+        for key, by_slice in shard.items() for spec, data in by_slice.items()
     ]
 
 
 def _device_arrays(leaf: jax.Array) -> Sequence[jax.Array]:
-    """Each addressable shard's single-device array, in ``addressable_shards`` order. jax's
-    internal ``_arrays`` gives them all at once, where the public ``addressable_data(i)``
-    rebuilds that list at every call (~1 µs each, a second per million pieces). A
-    single-device array is its own: jax builds ``_arrays`` lazily for an array made by
+    """Each addressable shard's single-device array, in ``addressable_shards`` order. jax's internal ``_arrays`` gives
+    them all at once, where the public ``addressable_data(i)`` rebuilds that list at every call (~1 µs each, a second
+    per million pieces). A single-device array is its own: jax builds ``_arrays`` lazily for an array made by
     ``device_put``, ~2 KB of new objects per leaf that a save of many small leaves would hold."""
     if isinstance(leaf.sharding, jax.sharding.SingleDeviceSharding):
         return (leaf,)
@@ -304,7 +304,8 @@ def _device_arrays(leaf: jax.Array) -> Sequence[jax.Array]:
 
 
 def _my_blocks(
-    layout: _Layout, itemsize: int, me: int, balances: dict[tuple[int, ...], WriteBalance], group: frozenset[int] | None = None
+    layout: _Layout, itemsize: int, me: int, balances: dict[tuple[int, ...], WriteBalance],
+    group: frozenset[int] | None = None,
 ) -> dict[SliceSpec, SliceSpec | None]:
     """For this process's blocks that other processes hold too: what it writes of each (the
     block, a part of it when big blocks are split between their holders, or None).

@@ -2,15 +2,14 @@
 (``interop/_hf_export.py``), whose files hold whole tensors that may be bigger than the
 host memory allowed.
 
-On a local disk the file is written under a temporary name beside its own, each part as it
-comes (so at most one part is in memory), synced, then renamed onto its name: a reader never
-sees it half-written. A file of a known ``size`` of at least ``direct_writes.CHUNK`` bytes is
-written around the page cache, through a bounce buffer and ``O_DIRECT`` as a save's data files
-are (``_direct_writes.py``), while its parts come in order (an export's do, unless a tensor is
-transposed), ``WRITES_IN_FLIGHT`` chunks at once (fewer when ``memory`` bounds their bounce
-buffers); from the first part out of order on, with ``os.pwritev`` at its offset. An object store has no writes at offsets:
-there the parts are kept and the object is put whole, once, when the file is closed (an
-object appears whole or not at all), so the file's bytes are in memory once.
+On a local disk the file is written under a temporary name beside its own, each part as it comes (so at most one part is
+in memory), synced, then renamed onto its name: a reader never sees it half-written. A file of a known ``size`` of at
+least ``direct_writes.CHUNK`` bytes is written around the page cache, through a bounce buffer and ``O_DIRECT`` as a
+save's data files are (``_direct_writes.py``), while its parts come in order (an export's do, unless a tensor is
+transposed), ``WRITES_IN_FLIGHT`` chunks at once (fewer when ``memory`` bounds their bounce buffers); from the first
+part out of order on, with ``os.pwritev`` at its offset. An object store has no writes at offsets: there the parts are
+kept and the object is put whole, once, when the file is closed (an object appears whole or not at all), so the file's
+bytes are in memory once.
 """
 
 from __future__ import annotations

@@ -29,7 +29,9 @@ class IOPool:
         checksums thereby runs in parallel, next to the transfers."""
         with self._starting:  # started on first use (listing and manifest reads need none), once
             if not self._threads:
-                self._threads = [threading.Thread(target=self._work, name="tpu_ckpt io", daemon=True) for _ in range(self._size)]
+                self._threads = [
+                    threading.Thread(target=self._work, name="tpu_ckpt io", daemon=True) for _ in range(self._size)
+                ]
                 for thread in self._threads:
                     thread.start()
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -62,7 +64,9 @@ class IOPool:
             del future  # an idle thread must not keep its last read's bytes alive (nor its future)
 
 
-def _run(fn: Callable[..., Any], args: tuple[Any, ...], then: Callable[[Any], Any] | None) -> tuple[Any, BaseException | None]:
+def _run(
+    fn: Callable[..., Any], args: tuple[Any, ...], then: Callable[[Any], Any] | None
+) -> tuple[Any, BaseException | None]:
     try:
         result = fn(*args)
         if then is not None:

@@ -60,7 +60,9 @@ class LocalStore(PooledStore):
     def list(self) -> list[str]:
         if not os.path.isdir(self._root):
             return []
-        return sorted(os.path.relpath(os.path.join(d, f), self._root) for d, _, files in os.walk(self._root) for f in files)
+        return sorted(
+            os.path.relpath(os.path.join(d, f), self._root) for d, _, files in os.walk(self._root) for f in files
+        )
 
     def delete(self, name: str) -> None:
         os.unlink(os.path.join(self._root, name))
@@ -160,4 +162,6 @@ def failed(doing: str, path: str, error: OSError) -> CheckpointError:
         advice = "something removed the staging area while the save ran (`tpu-ckpt gc`, another job's cleanup?)"
     else:
         advice = "check that file system"
-    return CheckpointError(f"{doing} {path} failed: {reason}. Nothing was committed: {advice}, then save again.", file=path)
+    return CheckpointError(
+        f"{doing} {path} failed: {reason}. Nothing was committed: {advice}, then save again.", file=path
+    )

@@ -116,12 +116,11 @@ class ObjectStore(PooledStore):
         return self._pool.submit(retrying, issue, "Writing", where, issue())
 
     def create(self, name: str, data: bytes) -> None:
-        """Writes object ``name`` only if it does not exist: two saves of one checkpoint
-        commit one manifest, and the other learns that it lost. A retry of ours that finds
-        the object may have found our first attempt's, whose answer was lost: then the object
-        holds ``data`` (another save's manifest of the same tree may too, which only a first
-        attempt can tell apart). tensorstore's own retries are not seen here: one that finds
-        our object reports a loss, and leaves the checkpoint committed."""
+        """Writes object ``name`` only if it does not exist: two saves of one checkpoint commit one manifest, and the
+        other learns that it lost. A retry of ours that finds the object may have found our first attempt's, whose
+        answer was lost: then the object holds ``data`` (another save's manifest of the same tree may too, which only a
+        first attempt can tell apart). tensorstore's own retries are not seen here: one that finds our object reports a
+        loss, and leaves the checkpoint committed."""
         key, where = self._key(name), self.location.child(name)
         attempts: builtins.list[int] = []
 
@@ -152,9 +151,8 @@ class ObjectStore(PooledStore):
         self._first_reads.add(names, check)
 
     def check_unread(self, name: str) -> None:
-        """Runs now, without reading ``name``, what its first read would check first
-        (``check_before_reading``): ``tc.check_restore`` reads no data, yet must fail
-        where the restore would."""
+        """Runs now, without reading ``name``, what its first read would check first (``check_before_reading``):
+        ``tc.check_restore`` reads no data, yet must fail where the restore would."""
         self._first_reads.before_reading(name)
 
     def read_file(self, name: str, max_bytes: int = safe_reads.MAX_WHOLE_FILE_BYTES) -> bytes | None:
@@ -175,10 +173,9 @@ class ObjectStore(PooledStore):
         return None if result.state == "missing" else result.value  # a new copy at every access
 
     def _has_byte(self, key: str, at: int, where: str) -> bool:
-        """Whether the object holds byte ``at``: one request of one byte, which tells a size
-        claimed by a manifest from the object's real size. A range past the end is answered
-        416 (``OUT_OF_RANGE``), or by some GCS-compatible servers with a reply whose
-        Content-Range ends before it starts, which tensorstore refuses as unexpected."""
+        """Whether the object holds byte ``at``: one request of one byte, which tells a size claimed by a manifest from
+        the object's real size. A range past the end is answered 416 (``OUT_OF_RANGE``), or by some GCS-compatible
+        servers with a reply whose Content-Range ends before it starts, which tensorstore refuses as unexpected."""
         try:
             result = retrying(lambda: self._kv.read(key, byte_range=slice(at, at + 1)), "Reading", where)
         except CheckpointError as e:
@@ -191,7 +188,10 @@ class ObjectStore(PooledStore):
         """The names under the prefix, but for those an HTTP layer would resolve elsewhere
         (:func:`unsafe_key`): they are logged as refused, and never read nor deleted. Those under
         its subdirectories ``outside`` (a run's known steps) are not listed at all (:func:`_around`)."""
-        keys = [k for r in _around(self._prefix, outside) for k in retrying(functools.partial(self._kv.list, r), "Listing", self.location.url)]
+        keys = [
+            k for r in _around(self._prefix, outside)
+            for k in retrying(functools.partial(self._kv.list, r), "Listing", self.location.url)
+        ]
         prefix = self._prefix.encode()
         names = sorted(k[len(prefix) :].decode(errors="replace") for k in keys if k.startswith(prefix))
         refused = [name for name in names if unsafe_key(self._prefix + name)]
@@ -226,7 +226,9 @@ class ObjectStore(PooledStore):
         keys = {name: self._read_key(name)[0].encode() for name in sizes}
         listed, own = set(self._referenced), self._prefix.encode()
         for prefix in {key[: key.rfind(b"/") + 1] for key in keys.values() if key not in listed}:
-            listed.update(retrying(functools.partial(self._kv.list, _prefix_range(prefix.decode())), "Listing", self.location.url))
+            listed.update(
+                retrying(functools.partial(self._kv.list, _prefix_range(prefix.decode())), "Listing", self.location.url)
+            )
         self._referenced.update(key for key in listed if not key.startswith(own))  # a commit checks twice: listed once
         return [(name, None, size) for name, size in sizes.items() if keys[name] not in listed]
 
@@ -251,11 +253,10 @@ class ObjectStore(PooledStore):
         return key, self.location.sibling(reference[0]).child(reference[1])
 
     def sized_unlike(self, sizes: Mapping[str, int]) -> builtins.list[tuple[str, str, str]]:
-        """The data files of ``sizes`` (``_read_key``) not stored with that many bytes: (name,
-        URL, what is wrong). A kvstore lists no sizes: one-byte reads tell one (``_unlike``);
-        never a whole object. They run on the calling thread, which may be one of this store's
-        IO threads (a check before a first read, ``check_before_reading``): a probe queued on
-        its pool would wait for the threads that wait for it."""
+        """The data files of ``sizes`` (``_read_key``) not stored with that many bytes: (name, URL, what is wrong). A
+        kvstore lists no sizes: one-byte reads tell one (``_unlike``); never a whole object. They run on the calling
+        thread, which may be one of this store's IO threads (a check before a first read, ``check_before_reading``): a
+        probe queued on its pool would wait for the threads that wait for it."""
         keys = {name: self._read_key(name) for name in sizes}
         found = [(name, where, self._unlike(key, where, sizes[name])) for name, (key, where) in keys.items()]
         return [(name, where, what) for name, where, what in found if what is not None]
@@ -281,16 +282,16 @@ class ObjectStore(PooledStore):
             raise CorruptCheckpointError(f"{where} is missing, or truncated: it ends before byte {stop}", file=where)
         ranges = request_ranges(start, lengths)
         issued = [self._kv.read(key, byte_range=slice(a, b)) for a, b in ranges]
-        return request_chunks(start, lengths, ranges, [_range(self._kv, key, a, b, f, where) for f, (a, b) in zip(issued, ranges)])
+        data = [_range(self._kv, key, a, b, f, where) for f, (a, b) in zip(issued, ranges)]
+        return request_chunks(start, lengths, ranges, data)
 
 
 REQUEST_BYTES = 32 << 20
-"""The most one ranged request reads. At pod scale the request count is what a bucket limits
-(a read rate that ramps up, an egress quota per project shared by every host: ~200 Gbps over
-1,536 hosts is ~16 MB/s each), so requests are large: a 7.8 GB share is ~240 requests, a
-1,536-host restore ~360 k, a quarter of what 8 MiB requests make. A read batch
-(``read_batch_bytes``, 256 MiB) is then at least 8 requests in flight, each stream
-~100 MB/s or more on GCS: more than a host's share of the quota."""
+"""The most one ranged request reads. At pod scale the request count is what a bucket limits (a read rate that ramps up,
+an egress quota per project shared by every host: ~200 Gbps over 1,536 hosts is ~16 MB/s each), so requests are large: a
+7.8 GB share is ~240 requests, a 1,536-host restore ~360 k, a quarter of what 8 MiB requests make. A read batch
+(``read_batch_bytes``, 256 MiB) is then at least 8 requests in flight, each stream ~100 MB/s or more on GCS: more than a
+host's share of the quota."""
 
 
 PROBE_FROM_BYTES = 4 * REQUEST_BYTES
@@ -318,9 +319,8 @@ def request_ranges(start: int, lengths: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def _range(kv: Any, key: str, a: int, b: int, issued: Any, where: str) -> np.ndarray:
-    """Bytes ``a`` to ``b`` of an object (``issued``: the request's first attempt), as a
-    read-only view of the ``bytes`` tensorstore made; its failure, or a short or missing
-    object, as a CheckpointError naming the object."""
+    """Bytes ``a`` to ``b`` of an object (``issued``: the request's first attempt), as a read-only view of the ``bytes``
+    tensorstore made; its failure, or a short or missing object, as a CheckpointError naming the object."""
     try:
         result = retrying(lambda: kv.read(key, byte_range=slice(a, b)), "Reading", where, issued)
     except CheckpointError as e:

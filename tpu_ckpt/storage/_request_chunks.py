@@ -9,7 +9,9 @@ import numpy as np
 from tpu_ckpt.storage import _safe_reads as safe_reads
 
 
-def request_chunks(start: int, lengths: Sequence[int], ranges: Sequence[tuple[int, int]], data: Sequence[np.ndarray]) -> list[np.ndarray]:
+def request_chunks(
+    start: int, lengths: Sequence[int], ranges: Sequence[tuple[int, int]], data: Sequence[np.ndarray]
+) -> list[np.ndarray]:
     """One array per length, from the requests' bytes: a view where the length lies in one
     request, else a fresh aligned array it is copied into.
 

@@ -28,7 +28,8 @@ class RequestRate:
     ``clock`` and ``sleep`` are the time functions it uses (a test passes its own)."""
 
     def __init__(
-        self, per_second: float, clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep
+        self, per_second: float, clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ):
         self.per_second = per_second
         self._clock, self._sleep = clock, sleep

@@ -84,7 +84,9 @@ def _confined(root: str, name: str) -> tuple[str, str]:
     parts = os.path.normpath(name).split(os.sep)
     if len(parts) >= 3 and parts[0] == os.pardir and not escapes(os.path.join(*parts[2:])):
         sibling = os.path.join(os.path.dirname(root.rstrip(os.sep)), parts[1])
-        if parts[1] != os.pardir and any(os.path.isfile(os.path.join(sibling, f)) for f in (MANIFEST_FILE, REFERENCED_FILE)):
+        if parts[1] != os.pardir and any(
+            os.path.isfile(os.path.join(sibling, f)) for f in (MANIFEST_FILE, REFERENCED_FILE)
+        ):
             return sibling, os.path.join(sibling, *parts[2:])
         if step_reference(name) is not None:
             raise CorruptCheckpointError(

@@ -104,7 +104,9 @@ def mark_staging(store: Backend, final: Location, token: str) -> None:
     marker and the manifest, never by its name alone: a user's checkpoint may be named
     ``model.tmp-1``. It records its writer (host, boot, process: ``_writers.identity``), so
     that a cleanup on the same host knows a dead writer's leftover at once."""
-    marker = {"final": final.name, "token": token, "started": time.time(), "grace_s": STAGING_GRACE_S, **writers.identity()}
+    marker = {
+        "final": final.name, "token": token, "started": time.time(), "grace_s": STAGING_GRACE_S, **writers.identity()
+    }
     store.write(marker_name(token, local=store.location.is_local), [json.dumps(marker).encode()]).result()
 
 
@@ -146,7 +148,9 @@ def read_marker(loc: Location, name: str = STAGING_MARKER) -> Marker | None:
         started, grace_s = float(marker["started"]), float(marker["grace_s"])
         if math.isnan(started + grace_s):  # no time: it would compare as neither held nor not
             raise ValueError(f"no time: started {started}, grace_s {grace_s}")
-        return Marker(str(marker["final"]), started, writers.grace(grace_s), str(marker.get("token", "")), writers.dead(marker))
+        return Marker(
+            str(marker["final"]), started, writers.grace(grace_s), str(marker.get("token", "")), writers.dead(marker)
+        )
     except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError):
         return Marker(None, _changed(loc, name), writers.grace(STAGING_GRACE_S))
 

@@ -43,7 +43,11 @@ def dead(marker: Mapping[str, Any]) -> bool:
 @functools.cache
 def _host() -> dict[str, str | None]:
     """This host and kernel boot, and this process's PID namespace: ids mean the same only within all three."""
-    return {"name": socket.gethostname(), "boot_id": _read("/proc/sys/kernel/random/boot_id"), "pid_ns": _link("/proc/self/ns/pid")}
+    return {
+        "name": socket.gethostname(),
+        "boot_id": _read("/proc/sys/kernel/random/boot_id"),
+        "pid_ns": _link("/proc/self/ns/pid"),
+    }
 
 
 def _started(pid: int) -> int | None:

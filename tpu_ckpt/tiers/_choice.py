@@ -62,7 +62,8 @@ class Choice:
 
 
 def choose(
-    coord: cluster.Coordinator, root: str, persistent: Iterable[int], step: int | None, failed: Container[tuple[int, str]] = (),
+    coord: cluster.Coordinator, root: str, persistent: Iterable[int], step: int | None,
+    failed: Container[tuple[int, str]] = (),
 ) -> Choice:
     """The processes' common choice (collective): ``step``, or the newest when None; never a
     local save of ``failed`` (step, token): one whose restore failed before."""
@@ -104,7 +105,9 @@ def _decided(reports: dict[int, str], persistent: set[int], step: int | None, ot
 _Key = tuple[int, str, int]  # a local save: its step, token and process count
 
 
-def _held(reports: dict[int, str], others: bool) -> tuple[dict[_Key, dict[int, list[int]]], dict[_Key, set[tuple[int, ...]]]]:
+def _held(
+    reports: dict[int, str], others: bool
+) -> tuple[dict[_Key, dict[int, list[int]]], dict[_Key, set[tuple[int, ...]]]]:
     """Each local save's holders of each part (with ``others``, those of another save's
     files too), and its slices' copies."""
     parts: dict[_Key, dict[int, list[int]]] = collections.defaultdict(dict)

@@ -104,17 +104,23 @@ def persistent_step(persistent: Iterable[int], step: int | None) -> int | None:
 
 
 def fall_back(
-    root: str, local: int | None, verdict: Verdict, own: BaseException | None, persistent: Iterable[int], step: int | None
+    root: str, local: int | None, verdict: Verdict, own: BaseException | None, persistent: Iterable[int],
+    step: int | None,
 ) -> int:
     """The persistent step every process restores after ``verdict``'s failure, with a
     warning naming it; raises when there is none (or no other tier can help): this
     process's own error, or one naming the process that failed."""
-    what = f"the restore from the local tier {root}" if local is None else f"the restore of the local step {local} from {root}"
+    what = (
+        f"the restore from the local tier {root}" if local is None
+        else f"the restore of the local step {local} from {root}"
+    )
     target = persistent_step(persistent, step) if verdict.fall_back else None
     if target is None:
         if own is not None:
             raise own
-        remedy = "the persistent directory has no step to fall back to" if verdict.fall_back else "no other tier can help"
+        remedy = (
+            "the persistent directory has no step to fall back to" if verdict.fall_back else "no other tier can help"
+        )
         raise RemoteProcessError(f"{what[0].upper()}{what[1:]} failed ({verdict.cause}), and {remedy}.")
     logger.warning(
         "tpu_ckpt: %s failed (%s); every process restores the persistent step %d instead", what, verdict.cause, target,

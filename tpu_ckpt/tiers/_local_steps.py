@@ -19,14 +19,12 @@ piece. What each host's disk holds:
         (values-<p>.bin: ``_local_values``)   own, and those it keeps as a replica
     <local_directory>/step_<s>.tmp-<hex>/     a local save in progress (or interrupted)
 
-A part's index is what an ordinary save's process leaves for the leader (binary rows,
-``format.encode_index``), so the plan and parts covering every process merge into a full
-manifest as a commit merges them (``saving.merge_rows``). A host
-renames its step into place only after a barrier says that every process has written its
-part and its replicas durably: a directory ``step_<s>`` holds complete parts only, and a step
-can be restored when the parts on the hosts still alive cover every process
-(``tiers/_restore.py``). A host killed before the rename leaves a ``.tmp-`` leftover, removed
-by its next local save, and the previous step stays the newest.
+A part's index is what an ordinary save's process leaves for the leader (binary rows, ``format.encode_index``), so the
+plan and parts covering every process merge into a full manifest as a commit merges them (``saving.merge_rows``). A host
+renames its step into place only after a barrier says that every process has written its part and its replicas durably:
+a directory ``step_<s>`` holds complete parts only, and a step can be restored when the parts on the hosts still alive
+cover every process (``tiers/_restore.py``). A host killed before the rename leaves a ``.tmp-`` leftover, removed by its
+next local save, and the previous step stays the newest.
 """
 
 from __future__ import annotations
@@ -105,7 +103,9 @@ def held_steps(root: str) -> list[LocalStep]:
                 raise ValueError(f"{TIER_FILE} gives a process count of {count!r}")
             copy = info.get("copy")
             copy = None if copy is None else tuple(sorted(int(p) for p in copy))
-            found.append(LocalStep(step, str(info["token"]), count, tuple(sorted(owners - others)), copy, tuple(sorted(others))))
+            found.append(
+                LocalStep(step, str(info["token"]), count, tuple(sorted(owners - others)), copy, tuple(sorted(others)))
+            )
         except (OSError, ValueError, KeyError, TypeError, CheckpointError) as e:
             logger.warning("tpu_ckpt: ignoring the local step %s: %s", path, e)
     return sorted(found, key=lambda s: s.step)
@@ -128,8 +128,8 @@ def _owners(path: str) -> set[int]:
 
 def save_local(
     root: str, step: int, tree: Any, options: CheckpointOptions, *, replicas: int,
-    metrics: dict[str, float | int] | None, then: Callable[[BaseException | None], None], max_file_bytes: int | None = None,
-    max_to_keep: int | None = None,
+    metrics: dict[str, float | int] | None, then: Callable[[BaseException | None], None],
+    max_file_bytes: int | None = None, max_to_keep: int | None = None,
 ) -> SaveResult:
     """Saves ``tree`` as local step ``step`` on every process (SPMD, like ``tc.save``).
 
@@ -151,7 +151,8 @@ def save_local(
             )
             hosts = job_hosts(coord) if replicas and group is None else None  # no replica on the owner's host
             job = _LocalSave(
-                root, step, plan, coord, replicas, then, options.host_memory_limit, slices=slices, copy=group, hosts=hosts
+                root, step, plan, coord, replicas, then, options.host_memory_limit, slices=slices, copy=group,
+                hosts=hosts,
             )
             share = sum(f.nbytes for f in plan.files)  # in memory: is the RAM disk big enough?
             check_size(root, share, len(job.keeps), max_to_keep, options.enable_async)
@@ -191,7 +192,9 @@ class _LocalSave:
         self._store: storage.Backend | None = None
         self._writes: saving.Writes | None = None
         self.copy = copy  # its slice's processes, when each slice writes a copy: the replicas, no TCP copy
-        self.sends_to, self.keeps = replica_roles(coord.me, 0 if copy else replicas, slices or (None,) * coord.count, hosts)
+        self.sends_to, self.keeps = replica_roles(
+            coord.me, 0 if copy else replicas, slices or (None,) * coord.count, hosts
+        )
 
     def snapshot(self) -> None:
         """Host copies of this process's pieces, within ``host_memory_limit``
@@ -288,7 +291,8 @@ class _LocalSave:
         peers = []
         try:
             for holder in self.sends_to:
-                peers.append(cluster.connect(self.coord, f"serve{holder}", holder, storage.Location(self.root), connections=2))
+                peer = cluster.connect(self.coord, f"serve{holder}", holder, storage.Location(self.root), connections=2)
+                peers.append(peer)
             pending = [peer.write(name, [mapped(staging, name)]) for name in names for peer in peers]
             for future in pending:
                 future.result()
@@ -323,14 +327,15 @@ def _commit(root: str, step: int, staging: str, info: dict[str, Any]) -> None:
 
 
 def _prove_private(coord: cluster.Coordinator, root: str, prefix: str, mine: str) -> None:
-    """Refuses, on every process, a ``local_directory`` that several processes see (a shared
-    file system), where their commits would replace each other's steps. Checked at the first
-    local save into ``root``: after the barrier every process's staging directory of the save
-    exists, and process 0 gathers who sees another's before anyone commits."""
+    """Refuses, on every process, a ``local_directory`` that several processes see (a shared file system), where their
+    commits would replace each other's steps. Checked at the first local save into ``root``: after the barrier every
+    process's staging directory of the save exists, and process 0 gathers who sees another's before anyone commits."""
     if root in _proved or coord.count == 1:
         return
     seen = sorted(n for n in os.listdir(root) if n.startswith(prefix) and n != os.path.basename(mine))
-    verdict = cluster.agreed_verdict(coord, "private", seen[0] if seen else "", lambda views: next((v for _, v in sorted(views.items()) if v), ""))
+    verdict = cluster.agreed_verdict(
+        coord, "private", seen[0] if seen else "", lambda views: next((v for _, v in sorted(views.items()) if v), "")
+    )
     if verdict:
         raise CheckpointError(
             f"local_directory {root} is shared with other processes of this job (their staging directory "

@@ -43,7 +43,9 @@ class LocalTier:
         loc = storage.location(directory)
         if not loc.is_local:
             raise ValueError(f"local_directory must be a path on each host's own disk, got {loc.url!r}")
-        if max_to_keep is not None and (isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1):
+        if max_to_keep is not None and (
+            isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
+        ):
             raise ValueError(f"local_max_to_keep must be a positive integer or None, got {max_to_keep!r}")
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
             raise ValueError(f"local_replicas must be an integer >= 0, got {replicas!r}")
@@ -95,7 +97,9 @@ class LocalTier:
         with cluster.Coordinator(f"choose a step in {self.root}", timeout) as coord:
             return tier_choice.choose(coord, self.root, persistent, step, self._failed)
 
-    def restore(self, persistent: Iterable[int], step: int | None, target: Any, options: CheckpointOptions) -> FromLocal | int | None:
+    def restore(
+        self, persistent: Iterable[int], step: int | None, target: Any, options: CheckpointOptions
+    ) -> FromLocal | int | None:
         """Restores ``step`` (None: the newest) from the local tier if some tier-wide copy of
         it is whole and no newer one is in ``persistent``: returns the step and the tree. Else,
         or when the local restore failed anywhere (``_fallback``), returns the persistent step
@@ -122,5 +126,6 @@ class LocalTier:
         if choice is None or choice.local_step is None or restored is None:
             return None if choice is None else choice.step
         tree, nbytes = restored
-        logger.info("tpu_ckpt: restored the local step %d (%.1f MB read by this process)", choice.local_step, nbytes / 1e6)
+        logger.info("tpu_ckpt: restored the local step %d (%.1f MB read by this process)",
+                    choice.local_step, nbytes / 1e6)
         return FromLocal(choice.local_step, tree)

@@ -61,7 +61,9 @@ def with_values(store: storage.ReadableStore, manifest: Manifest, token: str) ->
         pieces = tuple(PieceEntry(((p, p + 1),), values_file_name(p), start + places[i][0], places[i][1], places[i][2])
                        for p, (start, places) in enumerate(records))
         leaves[n] = LeafEntry(leaves[n].key, leaves[n].path, PER_PROCESS, pieces=pieces)
-    sizes = {values_file_name(p): start + sum(length for _, length, _ in places) for p, (start, places) in enumerate(records)}
+    sizes = {
+        values_file_name(p): start + sum(length for _, length, _ in places) for p, (start, places) in enumerate(records)
+    }
     return dataclasses.replace(manifest, leaves=tuple(leaves), files={**manifest.files, **sizes})
 
 
@@ -80,7 +82,9 @@ def _record(store: storage.ReadableStore, process: int, token: str, count: int) 
         if len(places) != count or not all(len(p) == 3 and all(type(x) is int and x >= 0 for x in p) for p in places):
             raise ValueError(f"{len(places)} values for {count} per-process leaves")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CorruptCheckpointError(f"{where}: the per-process values of this local step are unreadable ({e})", file=where) from None
+        raise CorruptCheckpointError(
+            f"{where}: the per-process values of this local step are unreadable ({e})", file=where
+        ) from None
     return _HEADER + size, places
 
 

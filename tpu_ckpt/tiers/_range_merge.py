@@ -104,7 +104,10 @@ def merge_range(
     rows_plan, sub = IndexPlan.of(planned), dataclasses.replace(planned, leaves=planned.leaves[first:stop])
     with grids_shared():  # a leaf kept inline is gridded once, for its check and its encoding
         try:
-            rows = [_shifted(decode_index(data, where=step.child(name), plan=rows_plan), first, stop) for name, data in blobs]
+            rows = [
+                _shifted(decode_index(data, where=step.child(name), plan=rows_plan), first, stop)
+                for name, data in blobs
+            ]
             manifest, grids = merge_rows(sub, IndexPlan.of(sub), rows)
             manifest = manifest if finish is None else finish(manifest)
         except CorruptCheckpointError:
@@ -134,8 +137,8 @@ def _shifted(rows: IndexRows, first: int, stop: int) -> IndexRows:
         outside = (leaf < first) | (leaf >= stop)
         if outside.any():
             raise CorruptCheckpointError(
-                f"{rows.where} holds rows of leaf {int(leaf[np.argmax(outside)])}, outside the range {first}..{stop - 1} "
-                "it was cut for: the local step's parts are damaged.",
+                f"{rows.where} holds rows of leaf {int(leaf[np.argmax(outside)])}, outside the range "
+                f"{first}..{stop - 1} it was cut for: the local step's parts are damaged.",
                 file=rows.where,
             )
         group = group.copy()

@@ -1,12 +1,11 @@
 """Which processes keep copies of a process's local-tier part, worked out for one process.
 
-A part's holders are the next processes by index on other hosts (``_hosts``: a host may
-run several processes, and a copy on the owner's host dies with it), counted from as many
-places after the owner as its host has other processes (a host's k-th process sends to the
-next host's k-th, so each keeps as many parts as it sends), those in another slice first where JAX tells slices apart (a slice can fail whole). Every process must
-agree on the rule, but each needs only its own two answers: whom it sends its part to, and
-whose parts it keeps. Listing every process's holders costs O(N^2 log N) (0.65-0.9 s per
-local save at 1,536 hosts); this costs O(N log N) once per job shape (cached).
+A part's holders are the next processes by index on other hosts (``_hosts``: a host may run several processes, and a
+copy on the owner's host dies with it), counted from as many places after the owner as its host has other processes (a
+host's k-th process sends to the next host's k-th, so each keeps as many parts as it sends), those in another slice
+first where JAX tells slices apart (a slice can fail whole). Every process must agree on the rule, but each needs only
+its own two answers: whom it sends its part to, and whose parts it keeps. Listing every process's holders costs
+O(N^2 log N) (0.65-0.9 s per local save at 1,536 hosts); this costs O(N log N) once per job shape (cached).
 """
 
 from __future__ import annotations
@@ -83,4 +82,5 @@ def _between(sorted_processes: list[int], owner: int, other: int) -> int:
     up from ``owner`` and wrapping around."""
     if owner < other:
         return bisect.bisect_left(sorted_processes, other) - bisect.bisect_right(sorted_processes, owner)
-    return len(sorted_processes) - bisect.bisect_right(sorted_processes, owner) + bisect.bisect_left(sorted_processes, other)
+    after = len(sorted_processes) - bisect.bisect_right(sorted_processes, owner)
+    return after + bisect.bisect_left(sorted_processes, other)

@@ -1,14 +1,12 @@
 """Restoring a multi-tier CheckpointManager: the newest step that some tier holds whole.
 
-The processes first agree on the step and on who serves each part (``_choice``). The merge of the plan and the parts' indexes
-(binary rows) into a format 2 manifest and its piece tables is spread over the job
-(``_range_merge``): each part's holder cuts its parts' rows by range of leaves, process ``r``
-merges range ``r`` and serves its manifest and tables, and each process joins the ranges'
-manifests (``_agreed_manifest``). A local restore then reads through
-:class:`_Parts`, a store that sends each data file's reads to its holder: this host's disk,
-or another host over the relay. The ordinary restore plan and executor do the rest, so a
-different mesh or process count works as from any checkpoint, and every piece is checked
-against its crc32c wherever it came from.
+The processes first agree on the step and on who serves each part (``_choice``). The merge of the plan and the parts'
+indexes (binary rows) into a format 2 manifest and its piece tables is spread over the job (``_range_merge``): each
+part's holder cuts its parts' rows by range of leaves, process ``r`` merges range ``r`` and serves its manifest and
+tables, and each process joins the ranges' manifests (``_agreed_manifest``). A local restore then reads through
+:class:`_Parts`, a store that sends each data file's reads to its holder: this host's disk, or another host over the
+relay. The ordinary restore plan and executor do the rest, so a different mesh or process count works as from any
+checkpoint, and every piece is checked against its crc32c wherever it came from.
 """
 
 from __future__ import annotations
@@ -165,7 +163,8 @@ def _agreed_manifest(
 
 
 def _merged_range(
-    coord: cluster.Coordinator, store: _Parts, plan: bytes, owners: list[int], index: int, ranges: list[tuple[int, int]],
+    coord: cluster.Coordinator, store: _Parts, plan: bytes, owners: list[int], index: int,
+    ranges: list[tuple[int, int]],
 ) -> tuple[_InMemory, relay.RelayServer | None]:
     """Range ``index`` of leaves merged from every part's rows of it (read from their
     holders, 8 at a time: ``range_merge.merge_range``), and its server to the others."""
@@ -305,7 +304,9 @@ class _Parts(_Routed):
         else:
             holder = None if owner is None else self._holders.get(owner)
         if holder is None:
-            raise CorruptCheckpointError(f"{self.location.child(name)} belongs to no part of this local step", file=name)
+            raise CorruptCheckpointError(
+                f"{self.location.child(name)} belongs to no part of this local step", file=name
+            )
         if holder == self._coord.me:
             return self._held
         with self._lock:

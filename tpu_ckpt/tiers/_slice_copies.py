@@ -35,7 +35,9 @@ def job_slices(count: int) -> tuple[int | None, ...]:
     tpu = any(d.platform == "tpu" for d in devices) and any(s is not None for s in found)
     if not tpu and configured is not None:
         if len(configured) != count:
-            raise ValueError(f"TPU_CKPT_SLICES gives {len(configured)} processes' slices, but the job has {count} processes")
+            raise ValueError(
+                f"TPU_CKPT_SLICES gives {len(configured)} processes' slices, but the job has {count} processes"
+            )
         return configured
     return found
 

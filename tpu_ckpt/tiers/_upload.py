@@ -78,7 +78,9 @@ class Upload:
         names = {name: spread(staging.token, name) for name in index.files}
         copies = OwnFiles(tuple(names.values()), lambda writes: _copy(index, source, names, writes))
         pieces = sum(len(leaf.pieces) for leaf in index.leaves)
-        SaveJob(SavePlan(coord.me, plan, (), pieces), self.final, coord, 0, self.options, staging, own_files=copies).run()
+        SaveJob(
+            SavePlan(coord.me, plan, (), pieces), self.final, coord, 0, self.options, staging, own_files=copies
+        ).run()
 
 
 def _read(source: str, name: str) -> tuple[bytes, str]:
@@ -104,7 +106,8 @@ def _uploaded(source: str, index: Manifest) -> Manifest:
     copy = (storage.read_json(source, TIER_FILE, 1 << 16) or {}).get("copy")
     if copy is None or 0 in copy:
         return index
-    return dataclasses.replace(index, leaves=tuple(dataclasses.replace(leaf, pieces=()) for leaf in index.leaves), files={})
+    leaves = tuple(dataclasses.replace(leaf, pieces=()) for leaf in index.leaves)
+    return dataclasses.replace(index, leaves=leaves, files={})
 
 
 def _copy(index: Manifest, source: str, names: dict[str, str], writes: saving.Writes) -> Manifest:
@@ -184,7 +187,8 @@ class Uploader:
             try:
                 upload.run(root)
             except BaseException as error:  # noqa: BLE001 - raised by the next wait()
-                logger.warning("tpu_ckpt: uploading the local step %d to %s failed: %s", upload.step, upload.final.url, error)
+                logger.warning("tpu_ckpt: uploading the local step %d to %s failed: %s",
+                               upload.step, upload.final.url, error)
                 self._error = error
             finally:
                 self.step = None
