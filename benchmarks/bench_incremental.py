@@ -33,7 +33,8 @@ def lora_state(base_mb: int, layers: int = 8):
     rank = max(1, width // 200)
     keys = jax.random.split(jax.random.key(0), 2 * layers)
     base = {f"layer_{i}": jax.random.normal(keys[i], (width, width)) for i in range(layers)}
-    adapter = {f"layer_{i}": {"a": jax.random.normal(keys[layers + i], (width, rank)) * 0.01, "b": jnp.zeros((rank, width))}
+    adapter = {f"layer_{i}": {"a": jax.random.normal(keys[layers + i], (width, rank)) * 0.01,
+                              "b": jnp.zeros((rank, width))}
                for i in range(layers)}
     return base, adapter
 
@@ -42,7 +43,9 @@ def local_bytes(step: str) -> int:
     return sum(os.path.getsize(os.path.join(step, f)) for f in os.listdir(step))
 
 
-def loop(run: str, incremental: bool, base_mb: int, saves: int, stored: Callable[[str], int]) -> tuple[list[int], list[float], int]:
+def loop(
+    run: str, incremental: bool, base_mb: int, saves: int, stored: Callable[[str], int]
+) -> tuple[list[int], list[float], int]:
     base, adapter = lora_state(base_mb)
     optimizer = optax.adam(1e-3)
     opt_state = optimizer.init(adapter)

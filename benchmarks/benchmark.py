@@ -689,7 +689,8 @@ def floor_rows(samples, transfer_floor_s=None):
             floor = statistics.median(max(b, transfer_floor_s) for b in naive)
             rows.append({"metric": f"{label} / max(read, transfer)", "tpu_ckpt": f"{statistics.median(ours):.3f}",
                          "naive": f"{floor:.3f}", "orbax": f"{statistics.median(theirs):.3f}",
-                         "ratio": f"{statistics.median(ours) / floor:.3f}x", "ratio cpu": "", "target": "", "result": ""})
+                         "ratio": f"{statistics.median(ours) / floor:.3f}x", "ratio cpu": "", "target": "",
+                         "result": ""})
     return rows
 
 
@@ -774,7 +775,8 @@ def main():
             if name == "lm" and not args.saves_only:  # issue #36: the params to the Hugging Face layout and back
                 from hf_rows import hf_rows  # benchmarks/
 
-                targets = {k: abstract(tree.params, mesh(m)) for k, m in (("same", SAVE_MESH), ("resharded", RESTORE_MESH))}
+                targets = {k: abstract(tree.params, mesh(m))
+                           for k, m in (("same", SAVE_MESH), ("resharded", RESTORE_MESH))}
                 results["huggingface"] = hf_rows(tree.params, targets, workdir, args.reps, drop_caches)
                 from per_process_rows import per_process_rows  # benchmarks/: issue #35, keys and tc.PerProcess
 

@@ -64,10 +64,13 @@ def main() -> int:
     return 0
 
 
-def control_plane_rows(processes: tuple[int, ...] = (4, 8), leaves: int = 64, devices_per_process: int = 2) -> list[dict]:
+def control_plane_rows(
+    processes: tuple[int, ...] = (4, 8), leaves: int = 64, devices_per_process: int = 2
+) -> list[dict]:
     """The benchmark's rows (for ``benchmarks/benchmark.py``): per restore and P, the largest
     value of each metric over the processes."""
-    args = argparse.Namespace(processes=list(processes), leaves=leaves, devices_per_process=devices_per_process, timeout=600.0)
+    args = argparse.Namespace(processes=list(processes), leaves=leaves, devices_per_process=devices_per_process,
+                              timeout=600.0)
     return table({p: _run(args, p) for p in processes})
 
 
@@ -81,7 +84,8 @@ def _run(args: argparse.Namespace, processes: int) -> list[dict]:
         raise SystemExit(f"--processes {processes}: the processes make {SLICES} slices of equal size")
     memory = "/dev/shm" if os.path.isdir("/dev/shm") else None  # where a local tier belongs (docs/multi_tier.md)
     scratch = tempfile.mkdtemp(prefix="tpu_ckpt_control_plane_", dir=memory)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices_per_process}",
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices_per_process}",
            "TPU_CKPT_SLICES": ",".join(str(i * SLICES // processes) for i in range(processes))}
     command = [sys.executable, __file__, "--processes", str(processes), "--leaves", str(args.leaves), "--dir", scratch]
     try:
@@ -116,7 +120,8 @@ def _worker(args: argparse.Namespace, port: int, index: int) -> dict:
     restores = {
         "plain": lambda: tc.restore(os.path.join(shared, "ckpt"), target),
         "load_and_broadcast": lambda: tc.restore(os.path.join(shared, "ckpt"), target, options=shared_reads),
-        "load_and_broadcast_host": lambda: tc.restore(os.path.join(shared, "ckpt"), dict(expected), options=shared_reads),
+        "load_and_broadcast_host":
+            lambda: tc.restore(os.path.join(shared, "ckpt"), dict(expected), options=shared_reads),
         "tier_intact": lambda: _tier_restore(shared, options, target),
         "tier_slice_wiped": lambda: _tier_restore(shared, options, target, wipe=True),
     }
@@ -229,7 +234,8 @@ def _report(args: argparse.Namespace, results: dict[int, list[dict]], rows: list
             lines.append(f"{case:<24}{p:>4}{cells}")
     if len(results) > 1:
         small, large = sorted(results)[-2:]
-        lines.append(f"\nP={large} against P={small} (largest over the processes; target <= 1.2x for KV calls and connections):")
+        lines.append(f"\nP={large} against P={small} "
+                     "(largest over the processes; target <= 1.2x for KV calls and connections):")
         by = {(r["case"], r["processes"]): r for r in rows}
         for case in CASES:
             ratios = [f"{m} {_ratio(by[case, large][m], by[case, small][m])}" for m in METRICS]

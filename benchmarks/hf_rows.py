@@ -2,15 +2,14 @@
 Hugging Face layout and loaded back onto a mesh, against the baselines the targets name.
 
 Per rep, each from an empty page cache: a ``tc.save`` of ``{"params": params}`` and
-``tc.export_for_serving(layout="huggingface")`` of it (the export's time / the save's, <= 1.2x;
-and, with no target, / the save's plus a plain cold read of the saved files: an export reads
-the checkpoint from the disk and writes as much, a save only writes; and from a source the
-page cache holds, / the save's: what the export's own work costs beside its reads); then ``tc.load_safetensors`` of the export onto the save's mesh and onto another one, each
-interleaved with a naive reader (``safetensors.safe_open`` + ``get_tensor`` + ``jax.device_put``
-per tensor, no check, no bound: <= 1.1x same mesh, <= 1.3x resharded), and the bytes the
-load read (``rchar`` of ``/proc/self/io``) over the bytes this process's devices hold
-(<= 1.05x). Ratios are the medians of the per-rep ratios. Run alone (8 CPU devices):
-``python benchmarks/hf_rows.py [--scale 0.1] [--reps 3]``.
+``tc.export_for_serving(layout="huggingface")`` of it (the export's time / the save's, <= 1.2x; and, with no target, /
+the save's plus a plain cold read of the saved files: an export reads the checkpoint from the disk and writes as much, a
+save only writes; and from a source the page cache holds, / the save's: what the export's own work costs beside its
+reads); then ``tc.load_safetensors`` of the export onto the save's mesh and onto another one, each interleaved with a
+naive reader (``safetensors.safe_open`` + ``get_tensor`` + ``jax.device_put`` per tensor, no check, no bound: <= 1.1x
+same mesh, <= 1.3x resharded), and the bytes the load read (``rchar`` of ``/proc/self/io``) over the bytes this
+process's devices hold (<= 1.05x). Ratios are the medians of the per-rep ratios. Run alone (8 CPU devices): ``python
+benchmarks/hf_rows.py [--scale 0.1] [--reps 3]``.
 """
 
 from __future__ import annotations
@@ -28,7 +27,8 @@ import numpy as np
 import tpu_ckpt as tc
 
 MB = 1e6
-TARGETS = {"export_s": 1.2, "export_read_s": None, "export_warm_s": None, "load_same_s": 1.1, "load_resharded_s": 1.3, "read_share": 1.05}
+TARGETS = {"export_s": 1.2, "export_read_s": None, "export_warm_s": None, "load_same_s": 1.1, "load_resharded_s": 1.3,
+           "read_share": 1.05}
 LABELS = {"export_s": ("HF export (s)", "tc.save"), "export_read_s": ("HF export (s)", "save + raw read"),
           "export_warm_s": ("HF export, source cached (s)", "tc.save"),
           "load_same_s": ("HF load, same mesh (s)", "naive"),
@@ -126,7 +126,8 @@ def hf_rows(params: Any, targets: dict[str, Any], workdir: str, reps: int, drop:
     samples = [one_rep(params, targets, workdir, drop) for _ in range(reps)]
     for s in samples:
         s["export_read_s"] = s["export_s"]
-    baselines = {"export_s": "save_s", "export_read_s": "save_read_s", "export_warm_s": "save_s", "load_same_s": "naive_same_s", "load_resharded_s": "naive_resharded_s"}
+    baselines = {"export_s": "save_s", "export_read_s": "save_read_s", "export_warm_s": "save_s",
+                 "load_same_s": "naive_same_s", "load_resharded_s": "naive_resharded_s"}
     rows = []
     for key, limit in TARGETS.items():
         label, versus = LABELS[key]
@@ -137,7 +138,8 @@ def hf_rows(params: Any, targets: dict[str, Any], workdir: str, reps: int, drop:
                      "ratio": f"{ratio:.3f}x", "target": f"<= {limit}x" if limit else "",
                      "result": ("PASS" if ratio <= limit else "FAIL") if limit else ""})
     size = sum(leaf.nbytes for leaf in jax.tree.leaves(params)) / MB
-    print(f"\n== workload lm: params ({size:.0f} MB) to the Hugging Face layout and back (medians of per-rep ratios) ==")
+    print(f"\n== workload lm: params ({size:.0f} MB) to the Hugging Face layout and back "
+          "(medians of per-rep ratios) ==")
     for row in rows:
         print("  ".join(f"{row[c]:>24}" if i else f"{row[c]:28}" for i, c in enumerate(row)))
     return rows

@@ -55,7 +55,8 @@ def timed(label, fn, *args):
     fn(*args)
     wall, cpu_after, after = time.perf_counter() - start, os.times(), vmstat()
     deltas = " ".join(f"{k}={after.get(k, 0) - before.get(k, 0)}" for k in VMSTAT)
-    print(f"{label:34s} wall {wall:5.2f}s user {cpu_after.user - cpu.user:5.2f}s sys {cpu_after.system - cpu.system:5.2f}s"
+    print(f"{label:34s} wall {wall:5.2f}s user {cpu_after.user - cpu.user:5.2f}s "
+          f"sys {cpu_after.system - cpu.system:5.2f}s"
           f"  AnonHuge {anon_huge_kb() // 1024} MB  {deltas}", flush=True)
 
 
@@ -102,7 +103,8 @@ STEPS = {
     "jax": lambda path, views, tree: timed("writev jax views, new file", writev_file, path, views),
     "copy": step_copy,
     "reuse": step_reuse,
-    "anon": lambda path, views, tree: timed("fill fresh anonymous memory", np.full, sum(v.nbytes for v in views), 1, np.uint8),
+    "anon": lambda path, views, tree: timed("fill fresh anonymous memory", np.full, sum(v.nbytes for v in views), 1,
+                                            np.uint8),
     "direct": lambda path, views, tree: timed("bounce buffer + O_DIRECT", direct_file, path, views),
     "save": lambda path, views, tree: timed("tc.save(...).wait()", lambda: tc.save(path, tree).wait()),
     "buffered-save": lambda path, views, tree: timed("tc.save, direct_writes=False", buffered_save, path, tree),
@@ -112,7 +114,8 @@ STEPS = {
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--leaves", type=int, default=40)
-    parser.add_argument("--steps", default="jax,jax,copy,reuse,anon,direct,direct,save,buffered-save,save,buffered-save")
+    parser.add_argument("--steps",
+                        default="jax,jax,copy,reuse,anon,direct,direct,save,buffered-save,save,buffered-save")
     parser.add_argument("--dir", help="where to write (default: a temporary directory)")
     args = parser.parse_args()
     sharding = NamedSharding(Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b")), PartitionSpec("a", "b"))

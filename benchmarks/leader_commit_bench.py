@@ -61,7 +61,8 @@ def main() -> int:
     parser.add_argument("--dir", default=None, help="where the scratch directory goes (default: the system's temp dir)")
     parser.add_argument("--json", default=None, help="also write the results here, as JSON")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds each phase may take")
-    parser.add_argument("--tier", action="store_true", help="time a local-tier restore's merge of every leaf (what a job spreads over its processes)")
+    parser.add_argument("--tier", action="store_true",
+                        help="time a local-tier restore's merge of every leaf (what a job spreads over its processes)")
     parser.add_argument("--phase", choices=(*PHASES, *TIER_PHASES), help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -186,7 +187,9 @@ def _commit(args: argparse.Namespace, staging: str, final: str) -> dict:
     planned, own = _planned(args), _index(args, 0)
     store = storage.Store(storage.location(staging))
     with store, gc_paused():
-        _, measured = workers.measured(lambda: commit(store, storage.location(final), planned, own, range(1, args.processes)))
+        _, measured = workers.measured(
+            lambda: commit(store, storage.location(final), planned, own, range(1, args.processes))
+        )
     files = [p for p in pathlib.Path(final).iterdir() if not p.name.endswith(".safetensors")]
     measured["manifest_and_table_bytes"] = sum(p.stat().st_size for p in files)
     measured["checked_pieces"] = _check(args, final)
@@ -237,7 +240,8 @@ def _summary(args: argparse.Namespace, results: dict) -> dict:
     return {
         "processes": args.processes, "devices_per_process": args.devices_per_process, "leaves": args.leaves,
         "pieces": pieces, **results["setup"], "commit": results["commit"],
-        "stages": {name: {**s, "us_per_piece_cpu": s["cpu_s"] / pieces * 1e6, "us_per_piece_wall": s["wall_s"] / pieces * 1e6}
+        "stages": {name: {**s, "us_per_piece_cpu": s["cpu_s"] / pieces * 1e6,
+                          "us_per_piece_wall": s["wall_s"] / pieces * 1e6}
                    for name, s in stages.items()},
     }
 
@@ -246,10 +250,13 @@ def _report(summary: dict) -> None:
     c = summary["commit"]
     print(f"{summary['processes']} processes x {summary['devices_per_process']} devices x {summary['leaves']} leaves"
           f" = {summary['pieces']:,} pieces")
-    print(f"binary indexes: {summary['index_bytes_per_process']:,} bytes a process, {summary['index_bytes_total']:,} in all;"
+    print(f"binary indexes: {summary['index_bytes_per_process']:,} bytes a process, "
+          f"{summary['index_bytes_total']:,} in all;"
           f" manifest + tables {c['manifest_and_table_bytes']:,} bytes")
-    print(f"commit.commit: wall {c['wall_s']:.2f} s, CPU {c['cpu_s']:.2f} s, peak RSS growth {c['rss_growth_mb']:.0f} MB"
-          f" ({c['cpu_s'] / summary['pieces'] * 1e6:.2f} us CPU a piece); {c['checked_pieces']:,} pieces read back and checked")
+    print(f"commit.commit: wall {c['wall_s']:.2f} s, CPU {c['cpu_s']:.2f} s, "
+          f"peak RSS growth {c['rss_growth_mb']:.0f} MB"
+          f" ({c['cpu_s'] / summary['pieces'] * 1e6:.2f} us CPU a piece); "
+          f"{c['checked_pieces']:,} pieces read back and checked")
     print(f"{'stage':<18}{'wall s':>8}{'CPU s':>8}{'us/piece':>10}{'RSS MB':>8}")
     for name, s in summary["stages"].items():
         print(f"{name:<18}{s['wall_s']:>8.2f}{s['cpu_s']:>8.2f}{s['us_per_piece_cpu']:>10.2f}{s['rss_growth_mb']:>8.0f}")
@@ -267,7 +274,8 @@ def _tier_summary(args: argparse.Namespace, results: dict) -> dict:
 
 
 def _tier_report(summary: dict) -> None:
-    print(f"local-tier restore, the merge of every leaf (spread over the processes in a job): {summary['processes']} processes x {summary['devices_per_process']}"
+    print(f"local-tier restore, the merge of every leaf (spread over the processes in a job): "
+          f"{summary['processes']} processes x {summary['devices_per_process']}"
           f" devices x {summary['leaves']} leaves = {summary['pieces']:,} pieces")
     print(f"{'path':<12}{'stage':<10}{'wall s':>8}{'CPU s':>8}{'us/piece':>10}{'RSS MB':>8}")
     for name, s in summary.get("tier", {}).items():

@@ -108,7 +108,8 @@ def _worker(args: argparse.Namespace, port: int, index: int, persistent: str) ->
     mesh = jax.make_mesh((jax.device_count() // 2, 2), ("data", "model"))
     rows = args.mib * (1 << 20) // 4 // 4096
     value = np.random.default_rng(0).standard_normal((rows, 4096), dtype=np.float32)
-    state = {"w": jax.make_array_from_callback(value.shape, NamedSharding(mesh, P("data", "model")), lambda i: value[i])}
+    sharding = NamedSharding(mesh, P("data", "model"))
+    state = {"w": jax.make_array_from_callback(value.shape, sharding, lambda i: value[i])}
     target = {"w": jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=state["w"].sharding)}
     options = tc.CheckpointOptions(enable_async=True, coordination_timeout=600)
     local = os.path.join(args.dir, f"host{index}", "local")  # each process's own "local SSD"
@@ -147,7 +148,8 @@ def _slices(args: argparse.Namespace) -> int:
             if known:
                 env["TPU_CKPT_SLICES"] = slices
             where = os.path.join(directory, "known" if known else "unknown")
-            command = [sys.executable, __file__, "--slices", "--processes", str(args.processes), "--mib", str(args.mib), "--dir", where]
+            command = [sys.executable, __file__, "--slices", "--processes", str(args.processes),
+                       "--mib", str(args.mib), "--dir", where]
             results[case] = workers.launch(command, args.processes, [os.path.join(where, "persistent")], env)
     finally:
         if args.dir is None:
@@ -208,7 +210,8 @@ def _timed_save(manager, step: int, state: dict) -> dict:
 
 
 def _report(results: list[dict], args: argparse.Namespace, persistent: str) -> None:
-    print(f"{args.processes} processes x 4 CPU devices, {args.mib} MiB state, persistent tier: {persistent.split('://')[0] if '://' in persistent else 'a shared directory'}")
+    tier = persistent.split("://")[0] if "://" in persistent else "a shared directory"
+    print(f"{args.processes} processes x 4 CPU devices, {args.mib} MiB state, persistent tier: {tier}")
     print(f"{'':36} {'blocking s':>10} {'until committed s':>18}   (slowest process)")
     for case in results[0]:
         blocking = max(r[case].get("blocking_s", 0.0) for r in results)

@@ -67,7 +67,8 @@ def per_process_rows(state: Any, workdir: str, reps: int, drop: Callable[[], Any
            "baseline": f"without {statistics.median(b for _, b in pairs):.3f}", "ratio": f"{ratio:.3f}x",
            "target": f"<= {TARGET}x", "result": "PASS" if ratio <= TARGET else "FAIL"}
     size = sum(leaf.nbytes for leaf in jax.tree.leaves(state)) / 1e6
-    print(f"\n== workload lm ({size:.0f} MB): resuming exactly, keys and a per-process value (medians of per-rep ratios) ==")
+    print(f"\n== workload lm ({size:.0f} MB): resuming exactly, keys and a per-process value "
+          "(medians of per-rep ratios) ==")
     print("  ".join(f"{row[c]:>16}" if i else f"{row[c]:48}" for i, c in enumerate(row)))
     return [row]
 

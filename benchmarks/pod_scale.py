@@ -42,7 +42,8 @@ shardings: all 1.1 M pieces, on every process), measured and counted as above; a
 that is not ok, or a data file opened, fails the run. Then the same at 1 x D x L, the same
 share per host, as P such one-process jobs side by side (``--baseline alone``: one), and the
 ratios P vs 1: with P processes sharing this machine's cores in both runs, a ratio compares
-the work each process does, not the share of a core it got. Times are wall and CPU (getrusage: all of a process's threads).
+the work each process does, not the share of a core it got. Times are wall and CPU
+(getrusage: all of a process's threads).
 """
 
 from __future__ import annotations
@@ -81,14 +82,18 @@ DATA_SUFFIX = ".safetensors"
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, default=512, help="simulated devices, each holding one piece of every leaf")
+    parser.add_argument("--devices", type=int, default=512,
+                        help="simulated devices, each holding one piece of every leaf")
     parser.add_argument("--leaves", type=int, default=2200)
     parser.add_argument("--dir", default=None, help="where the scratch directory goes (default: the system's temp dir)")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds each phase may take (with --processes: each stage, all its processes)")
-    parser.add_argument("--processes", type=int, help="run P real JAX processes (then --devices-per-process, not --devices)")
+    parser.add_argument("--timeout", type=float, default=3600.0,
+                        help="seconds each phase may take (with --processes: each stage, all its processes)")
+    parser.add_argument("--processes", type=int,
+                        help="run P real JAX processes (then --devices-per-process, not --devices)")
     parser.add_argument("--devices-per-process", type=int, default=64)
     parser.add_argument("--baseline", choices=("concurrent", "alone"), default="concurrent",
-                        help="with --processes P: the 1-process baseline as P such jobs side by side (default), or one alone")
+                        help="with --processes P: the 1-process baseline as P such jobs side by side (default), "
+                             "or one alone")
     parser.add_argument("--json", default=None, help="with --processes: also write the results here, as JSON")
     parser.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
@@ -116,14 +121,16 @@ def _measure(args: argparse.Namespace, path: str) -> dict[str, dict]:
     results = {}
     for phase in PHASES:
         results[phase] = _child(args, phase, path)
-        print(f"{phase}: {results[phase]['seconds']:.2f} s, peak RSS growth {results[phase]['rss_growth_mb']:.0f} MB (peak {results[phase]['peak_rss_mb']:.0f} MB)", flush=True)
+        print(f"{phase}: {results[phase]['seconds']:.2f} s, peak RSS growth {results[phase]['rss_growth_mb']:.0f} MB "
+              f"(peak {results[phase]['peak_rss_mb']:.0f} MB)", flush=True)
         if phase == "save":
             results["files"] = _file_bytes(path)
     return results
 
 
 def _child(args: argparse.Namespace, phase: str, path: str) -> dict:
-    command = [sys.executable, __file__, "--phase", phase, "--path", path, "--devices", str(args.devices), "--leaves", str(args.leaves)]
+    command = [sys.executable, __file__, "--phase", phase, "--path", path, "--devices", str(args.devices),
+               "--leaves", str(args.leaves)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     if done.returncode != 0:
         sys.stderr.write(done.stderr)
@@ -144,7 +151,9 @@ def _file_bytes(path: str) -> dict[str, int]:
 def _run_phase(args: argparse.Namespace) -> dict:
     """One measurement in this fresh interpreter. The device count is fixed when jax is first
     imported, so nothing imports it before this point."""
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.devices}".strip()
+    os.environ["XLA_FLAGS"] = (
+        f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.devices}".strip()
+    )
     import jax
 
     import tpu_ckpt as tc
@@ -185,7 +194,8 @@ def _holds_what_was_saved(tree: dict, shape: tuple[int]) -> bool:
     import numpy as np
 
     names = sorted(tree)
-    return all(np.array_equal(np.asarray(tree[n]), np.arange(shape[0], dtype=np.float32) + int(n[4:])) for n in (names[0], names[-1]))
+    return all(np.array_equal(np.asarray(tree[n]), np.arange(shape[0], dtype=np.float32) + int(n[4:]))
+               for n in (names[0], names[-1]))
 
 
 def _timed(call, check=lambda _: True) -> dict:
@@ -193,7 +203,8 @@ def _timed(call, check=lambda _: True) -> dict:
     result, measured = workers.measured(call)
     if not check(result):
         raise SystemExit("the restored values differ from the saved ones")
-    return {"seconds": measured["wall_s"], "rss_growth_mb": measured["rss_growth_mb"], "peak_rss_mb": measured["peak_rss_mb"]}
+    return {"seconds": measured["wall_s"], "rss_growth_mb": measured["rss_growth_mb"],
+            "peak_rss_mb": measured["peak_rss_mb"]}
 
 
 def _check_phase(args: argparse.Namespace, shape: tuple[int], sharding) -> dict:
@@ -235,7 +246,8 @@ def _checked(path: str, target: dict) -> dict:
         raise SystemExit(f"check_restore reports problems: {report.problems[:3]}")
     data = sum(n for name, n in seen["bytes"].items() if name.endswith(DATA_SUFFIX))
     return {**measured, "data_bytes_read": data, "control_bytes_read": sum(seen["bytes"].values()) - data,
-            "files_opened": len(seen["opened"]), "data_files_opened": sum(p.endswith(DATA_SUFFIX) for p in seen["opened"]),
+            "files_opened": len(seen["opened"]),
+            "data_files_opened": sum(p.endswith(DATA_SUFFIX) for p in seen["opened"]),
             "planned_bytes": report.bytes_per_process.get(jax.process_index(), 0),
             "processes_reported": len(report.reads), "resharded_leaves": len(report.resharded)}
 
@@ -307,10 +319,13 @@ def _report(args: argparse.Namespace, results: dict[str, dict]) -> int:
         "check_restore_data_bytes": sum(results["check_restore"][t]["data_bytes_read"] for t in ("same", "other")),
     }
     print(f"\n{args.devices} devices x {args.leaves} leaves = {pieces:,} pieces of {PIECE_ELEMENTS * 4} bytes")
-    print(f"save: {pieces / results['save']['seconds']:,.0f} pieces/s, peak RSS growth {results['save']['rss_growth_mb']:.0f} MB")
-    print(f"full restore: {results['restore_all']['seconds']:.2f} s, peak RSS growth {results['restore_all']['rss_growth_mb']:.0f} MB")
+    print(f"save: {pieces / results['save']['seconds']:,.0f} pieces/s, "
+          f"peak RSS growth {results['save']['rss_growth_mb']:.0f} MB")
+    print(f"full restore: {results['restore_all']['seconds']:.2f} s, "
+          f"peak RSS growth {results['restore_all']['rss_growth_mb']:.0f} MB")
     print(f"files: {files['count']}; control bytes {files['control']:,} (manifest {files['manifest']:,})")
-    print(f"data files: {files['data']:,} bytes for {array_bytes:,} bytes of arrays ({files['data'] / array_bytes:.1f}x)")
+    print(f"data files: {files['data']:,} bytes for {array_bytes:,} bytes of arrays "
+          f"({files['data'] / array_bytes:.1f}x)")
     for target, check in results["check_restore"].items():
         if target in ("same", "other"):
             print(f"check_restore ({_TARGET_NAMES[target]}): {_check_text(check)}")
@@ -321,7 +336,8 @@ def _report(args: argparse.Namespace, results: dict[str, dict]) -> int:
             limit *= pieces / ISSUE_PIECES
         ok = measured[metric] <= limit
         failed += not ok
-        print(f"{metric:<26}{measured[metric]:>10.2f} {unit:<2}{'<= ' + f'{limit:.3g}':>10} {unit:<3}{'PASS' if ok else 'FAIL'}")
+        print(f"{metric:<26}{measured[metric]:>10.2f} {unit:<2}{'<= ' + f'{limit:.3g}':>10} {unit:<3}"
+              f"{'PASS' if ok else 'FAIL'}")
     return 1 if failed else 0
 
 
@@ -362,8 +378,10 @@ def _multi_run(args: argparse.Namespace, processes: int) -> dict:
     command = [sys.executable, __file__, "--processes", str(processes), "--devices-per-process",
                str(args.devices_per_process), "--leaves", str(args.leaves)]
     try:
-        run = {stage: [result for job in workers.launch_jobs([[*command, "--path", path, "--stage", stage] for path in paths],
-                                                            processes, [], env, args.timeout) for result in job]
+        run = {stage: [result
+                       for job in workers.launch_jobs([[*command, "--path", path, "--stage", stage] for path in paths],
+                                                      processes, [], env, args.timeout)
+                       for result in job]
                for stage in STAGES}
         run["files"] = _file_bytes(paths[0])
     finally:
@@ -448,7 +466,8 @@ def _restore_stage(args: argparse.Namespace, sharding, shape: tuple[int]) -> dic
     from tpu_ckpt.format import _table_rows as table_rows
 
     target = _target(args.leaves, shape, sharding)
-    checks = {"same": _checked(args.path, target), "other": _checked(args.path, _target(args.leaves, shape, _other_sharding()))}
+    checks = {"same": _checked(args.path, target),
+              "other": _checked(args.path, _target(args.leaves, shape, _other_sharding()))}
     counts, lock = {"table_bytes": 0, "entries": 0}, threading.Lock()
     real_read, real_load = table_reads._read_rows, table_rows.entries
 
@@ -476,8 +495,8 @@ def _restore_stage(args: argparse.Namespace, sharding, shape: tuple[int]) -> dic
         raise SystemExit(f"the manager lists steps {steps}, not [0]")
     keys = [f"0/{name}" for name in os.listdir(args.path)]  # what an object store's listing returns
     _, parsed = workers.measured(lambda: catalog.parse_listing(keys))
-    return {"check_restore": checks, "restore": restoring, **counts, "checked_shards": checked, "manager_all_steps": listed,
-            "objects": len(keys), "object_listing_parse": parsed}
+    return {"check_restore": checks, "restore": restoring, **counts, "checked_shards": checked,
+            "manager_all_steps": listed, "objects": len(keys), "object_listing_parse": parsed}
 
 
 def _values(shape: tuple[int], leaf: int):
@@ -533,7 +552,8 @@ def _ratios(many: dict, one: dict) -> dict[str, float]:
 def _multi_report(run: dict) -> None:
     files = run["files"]
     jobs = f" ({run['concurrent_jobs']} such jobs side by side)" if run["concurrent_jobs"] > 1 else ""
-    print(f"\n{run['processes']} processes x {run['devices_per_process']} devices x {run['leaves']} leaves = {run['pieces']:,} pieces{jobs}; {files['count']} files,"
+    print(f"\n{run['processes']} processes x {run['devices_per_process']} devices x {run['leaves']} leaves = "
+          f"{run['pieces']:,} pieces{jobs}; {files['count']} files,"
           f" control bytes {files['control']:,} (manifest {files['manifest']:,})")
     print(f"{'process':>7} {'plan s/cpu':>11} {'save s/cpu':>11} {'save MB':>8} {'sent B':>10}"
           f" {'restore s/cpu':>14} {'table B':>10} {'entries':>9} {'rest. MB':>8}")

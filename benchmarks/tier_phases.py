@@ -1,5 +1,5 @@
-"""The ``--tier`` phases of ``benchmarks/leader_commit_bench.py``: the merge of every leaf at a
-local-tier restore (which a job spreads over its processes), on synthetic parts laid out as a local step (see that script's docstring).
+"""The ``--tier`` phases of ``benchmarks/leader_commit_bench.py``: the merge of every leaf at a local-tier restore
+(which a job spreads over its processes), on synthetic parts laid out as a local step (see that script's docstring).
 
 Each phase runs in a fresh interpreter; ``planned``, ``index`` and ``pieces`` are the bench's
 synthetic plan, per-process index and per-leaf pieces, so the parts are exactly the commit's.

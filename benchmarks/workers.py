@@ -25,7 +25,9 @@ def launch(command: list[str], processes: int, extra: list[str], env: dict, time
     return launch_jobs([command], processes, extra, env, timeout)[0]
 
 
-def launch_jobs(commands: list[list[str]], processes: int, extra: list[str], env: dict, timeout: float = 900) -> list[list[dict]]:
+def launch_jobs(
+    commands: list[list[str]], processes: int, extra: list[str], env: dict, timeout: float = 900
+) -> list[list[dict]]:
     """:func:`launch` of several independent jobs at once, one per command, each with its own
     coordinator port: the workers of every job run side by side, so that jobs of one process
     each share the machine's cores as the processes of one larger job would."""
@@ -36,7 +38,8 @@ def launch_jobs(commands: list[list[str]], processes: int, extra: list[str], env
             port = free_port()
         ports.add(port)
         jobs.append([
-            subprocess.Popen([*command, "--worker", str(port), str(i), *extra], stdout=subprocess.PIPE, text=True, env=env)
+            subprocess.Popen([*command, "--worker", str(port), str(i), *extra], stdout=subprocess.PIPE, text=True,
+                             env=env)
             for i in range(processes)
         ])
     procs = [p for job in jobs for p in job]
@@ -68,7 +71,8 @@ def measured(call) -> tuple:
     result = call()
     wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu_before
     peak = status_kib("VmHWM") * 1024 / MB
-    return result, {"wall_s": wall, "cpu_s": cpu, "rss_growth_mb": peak - rss_before, "rss_before_mb": rss_before, "peak_rss_mb": peak}
+    return result, {"wall_s": wall, "cpu_s": cpu, "rss_growth_mb": peak - rss_before, "rss_before_mb": rss_before,
+                    "peak_rss_mb": peak}
 
 
 def cpu_seconds() -> float:

@@ -103,7 +103,8 @@ def main() -> None:
     cadence = {"save_interval_steps": args.every, "save_on_multiples": True}
     with tc.CheckpointManager(ckpts, max_to_keep=3, **cadence, options=options) as manager:
         train(manager, new_state(mesh), 1, interrupted_at, x, y, blocked)
-    print(f"-- interrupted at step {interrupted_at}; committed steps on disk: {tc.CheckpointManager(ckpts).all_steps()}")
+    print(f"-- interrupted at step {interrupted_at}; committed steps on disk: "
+          f"{tc.CheckpointManager(ckpts).all_steps()}")
 
     other = jax.make_mesh((2, 4), ("data", "model"), axis_types=AUTO)
     abstract = jax.tree_util.tree_map(
@@ -134,8 +135,10 @@ def main() -> None:
 
     print("-- summary")
     print(f"   final loss {float(loss):.5f} at step {int(state.step)}; kept steps {kept}")
-    print(f"   {len(blocked)} async saves: median blocking {statistics.median(blocked) * 1e3:.1f} ms, max {max(blocked) * 1e3:.1f} ms")
-    print(f"   each checkpoint: {size / 1e6:.2f} MB in {len(files)} files; serving export (bf16, params only): {serving_size / 1e6:.2f} MB")
+    print(f"   {len(blocked)} async saves: median blocking {statistics.median(blocked) * 1e3:.1f} ms, "
+          f"max {max(blocked) * 1e3:.1f} ms")
+    print(f"   each checkpoint: {size / 1e6:.2f} MB in {len(files)} files; "
+          f"serving export (bf16, params only): {serving_size / 1e6:.2f} MB")
     print(f"   serving restore (skip_slot_variables) predicts like the live model: {same}")
     cli = _cli()
     print(f"-- kept in {root}: look with `{cli} ls {ckpts}` or `{cli} inspect {latest}`; remove it when done")
