@@ -16,8 +16,9 @@ def saved(tmp_path, mesh42):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    tree = {"w": jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(mesh42, P("data", "model"))),
-            "b": np.arange(4, dtype=np.int32), "step": 3}
+    w = np.arange(64, dtype=np.float32).reshape(8, 8)
+    tree = {"w": jax.device_put(w, NamedSharding(mesh42, P("data", "model"))), "b": np.arange(4, dtype=np.int32),
+            "step": 3}
     tc.save(tmp_path / "a", tree)
     tc.save(tmp_path / "b", {**tree, "b": np.arange(4, dtype=np.int32) + 1})
     return tmp_path

@@ -75,7 +75,9 @@ def test_gc_removes_a_stalled_writers_objects_and_the_checkpoint_restores_bit_ex
     assert len(planted) >= 4 and named(bucket, "step_1") <= committed
 
     assert main(["gc", "--dry-run", bucket.url("run")]) == 0
-    line = f"would remove {len(planted)} stray objects in step_1 (written by a save {STALLED} that never committed it)\n"
+    line = (
+        f"would remove {len(planted)} stray objects in step_1 (written by a save {STALLED} that never committed it)\n"
+    )
     assert capsys.readouterr().out == line
     assert objects(bucket, "step_1") == committed | planted
 
@@ -100,7 +102,9 @@ def test_strays_beside_a_staging_marker_in_its_grace_period_are_kept_until_it_en
     assert found.held_until is not None and found.held_until > time.time() + 3000
     assert main(["gc", bucket.url("run")]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"kept {len(planted)} stray objects in step_1 (a save that may still be running; removable in ")
+    assert out.startswith(
+        f"kept {len(planted)} stray objects in step_1 (a save that may still be running; removable in "
+    )
     assert objects(bucket, "step_1") == committed | planted | {"staging.json"}
 
     mark(bucket, "step_1", started=0)  # the same save, its grace period long over
@@ -165,7 +169,9 @@ def test_an_unreadable_referenced_json_keeps_its_steps_objects_and_gc_goes_on_wi
     kept = {step: objects(bucket, step) for step in ("step_0", "step_1", "step_2")}
     planted = {step: plant_stalled_writer(bucket, step) for step in kept}
 
-    assert {s.name: set(s.files) for s in strays(bucket.url("run"))} == {"step_1": planted["step_1"], "step_2": planted["step_2"]}
+    assert {s.name: set(s.files) for s in strays(bucket.url("run"))} == {
+        "step_1": planted["step_1"], "step_2": planted["step_2"]
+    }
     assert main(["gc", bucket.url("run")]) == 0
     assert capsys.readouterr().out.count("removed") == 2
     assert f"{bucket.url('run')}/step_0 cannot be read: keeping every object in it" in caplog.text

@@ -18,5 +18,6 @@ def test_a_fifo_data_file_is_unreadable_not_truncated(tmp_path, capsys):
     os.mkfifo(tmp_path / "c" / name)
     assert main(["verify", str(tmp_path / "c")]) == 1
     out = capsys.readouterr().out
-    assert out.startswith(f"unreadable: {tmp_path / 'c' / name} (key w): ") and "is a FIFO, not a regular file" in out, out
+    assert out.startswith(f"unreadable: {tmp_path / 'c' / name} (key w): "), out
+    assert "is a FIFO, not a regular file" in out, out
     assert "truncated" not in out

@@ -59,7 +59,10 @@ def run_dir(tmp_path_factory, mesh42):
 
 
 def test_every_command_has_help():
-    runs = {c: subprocess.Popen([TPU_CKPT, *c.split(), "--help"], stdout=subprocess.PIPE, text=True) for c in ("", *COMMANDS)}
+    runs = {
+        c: subprocess.Popen([TPU_CKPT, *c.split(), "--help"], stdout=subprocess.PIPE, text=True)
+        for c in ("", *COMMANDS)
+    }
     for command, process in runs.items():
         out, _ = process.communicate(timeout=120)
         assert process.returncode == 0, command
@@ -67,7 +70,9 @@ def test_every_command_has_help():
 
 
 def test_python_dash_m_runs_the_same_cli(run_dir):
-    result = subprocess.run([sys.executable, "-m", "tpu_ckpt", "ls", run_dir], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "tpu_ckpt", "ls", run_dir], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0 and "step_1" in result.stdout and result.stderr == ""
 
 
@@ -79,7 +84,9 @@ def test_ls_lists_steps_leftovers_sizes_and_file_counts(run_dir):
     table = {row.split()[1]: row.split() for row in rows}
     # Steps first, then other checkpoints and leftovers by name; never the user's "notes".
     assert [row.split()[1] for row in rows] == ["step_1", "step_2", "serving", "step_3", "step_4.tmp-0a1b2c"]
-    size = sum(n for _, n in manifest(run_dir / "step_1")["files"]) + os.path.getsize(run_dir / "step_1" / "manifest.json")
+    size = (
+        sum(n for _, n in manifest(run_dir / "step_1")["files"]) + os.path.getsize(run_dir / "step_1" / "manifest.json")
+    )
     files = len(os.listdir(run_dir / "step_1"))
     assert table["step_1"][:3] == ["1", "step_1", "committed"]
     assert table["step_1"][3:6] == [f"{size / 1e3:.1f}", "KB", str(files)]
@@ -90,7 +97,8 @@ def test_ls_lists_steps_leftovers_sizes_and_file_counts(run_dir):
     staged = 7 + sum(os.path.getsize(run_dir / "step_4.tmp-0a1b2c" / f) for f in ("manifest.json", "staging.json"))
     assert table["step_4.tmp-0a1b2c"][:6] == ["-", "step_4.tmp-0a1b2c", "uncommitted", f"{staged / 1e3:.1f}", "KB", "3"]
     entries = {e["name"]: e for e in json.loads(tpu_ckpt("ls", run_dir, "--json").stdout)}
-    assert entries["step_2"]["step"] == 2 and entries["step_2"]["nbytes"] == size and entries["step_2"]["files"] == files
+    assert entries["step_2"]["step"] == 2
+    assert entries["step_2"]["nbytes"] == size and entries["step_2"]["files"] == files
     assert entries["step_4.tmp-0a1b2c"]["committed"] is False and entries["step_4.tmp-0a1b2c"]["nbytes"] == staged
 
 
@@ -98,7 +106,9 @@ def test_inspect_shows_the_tree_with_slot_flags(run_dir):
     result = tpu_ckpt("inspect", run_dir / "step_1")
     assert result.returncode == 0
     rows = {line.split()[0]: line for line in result.stdout.splitlines()[1:] if line}
-    assert rows["params/w"].split() == ["params/w", "[8,", "4]", "float32", "data=4,model=2", "P(data,model)", "no", "128", "B"]
+    assert rows["params/w"].split() == [
+        "params/w", "[8,", "4]", "float32", "data=4,model=2", "P(data,model)", "no", "128", "B"
+    ]
     assert rows["opt_state/0/mu/w"].split()[-3:] == ["yes", "128", "B"]
     assert rows["step"].split() == ["step", "int", "=", "7"]
     assert "8 leaves (7 arrays, 4 slots)" in result.stdout
@@ -111,9 +121,14 @@ def test_inspect_json(run_dir):
     leaves = {entry["key"]: entry for entry in doc["leaves"]}
     assert leaves["params/w"] == {
         "key": "params/w", "kind": "array", "shape": [8, 4], "dtype": "float32", "is_slot": False, "nbytes": 128,
-        "sharding": {"type": "NamedSharding", "mesh": {"data": 4, "model": 2}, "spec": ["data", "model"], **axis_types(jax.make_mesh((4, 2), ("data", "model")))},
+        "sharding": {
+            "type": "NamedSharding", "mesh": {"data": 4, "model": 2}, "spec": ["data", "model"],
+            **axis_types(jax.make_mesh((4, 2), ("data", "model"))),
+        },
     }
-    assert [k for k, e in leaves.items() if e.get("is_slot")] == ["opt_state/0/mu/b", "opt_state/0/mu/w", "opt_state/0/nu/b", "opt_state/0/nu/w"]
+    assert [k for k, e in leaves.items() if e.get("is_slot")] == [
+        "opt_state/0/mu/b", "opt_state/0/mu/w", "opt_state/0/nu/b", "opt_state/0/nu/w"
+    ]
     assert leaves["opt_state/0/count"]["shape"] == [] and leaves["opt_state/0/count"]["dtype"] == "int32"
     assert leaves["step"] == {"key": "step", "kind": "value", "value": 7}
     assert doc["nbytes"] == 3 * (128 + 16) + 4  # params, mu and nu, and Adam's count
@@ -131,7 +146,9 @@ def test_verify_lists_every_problem_with_file_and_key(run_dir, tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(run_dir / "step_1", ckpt)
     truncated, deleted = leaf(ckpt, "params/w")["pieces"][0], leaf(ckpt, "params/b")["pieces"][0]
-    flipped = next(p for p in leaf(ckpt, "opt_state/0/mu/w")["pieces"] if p["file"] not in (truncated["file"], deleted["file"]))
+    flipped = next(
+        p for p in leaf(ckpt, "opt_state/0/mu/w")["pieces"] if p["file"] not in (truncated["file"], deleted["file"])
+    )
     os.truncate(ckpt / truncated["file"], truncated["offset"] + 1)
     with open(ckpt / flipped["file"], "r+b") as f:
         f.seek(flipped["offset"] + 3)
@@ -145,7 +162,9 @@ def test_verify_lists_every_problem_with_file_and_key(run_dir, tmp_path):
     assert f"missing: {ckpt / deleted['file']} (key params/b): data file does not exist" in lines
     assert any(line.startswith(f"truncated: {ckpt / truncated['file']} (key") and "params/w" in line for line in lines)
     where = ",".join(f"{a}:{b}" for a, b in flipped["slice"])
-    assert f"crc32c: {ckpt / flipped['file']} (key opt_state/0/mu/w): piece [{where}] does not match its crc32c" in lines
+    assert (
+        f"crc32c: {ckpt / flipped['file']} (key opt_state/0/mu/w): piece [{where}] does not match its crc32c" in lines
+    )
     assert lines[-1].startswith(f"FAILED: {ckpt}: 8 leaves") and lines[-1].endswith("3 problems")
     assert "Traceback" not in result.stderr
 
@@ -162,7 +181,8 @@ def changed(run_dir, mesh24):
     w = np.arange(32, dtype=np.float32).reshape(8, 4)
     w[5, 2] = -1
     p = params(mesh24, P(None, "model"), w)
-    tc.save(directory, {"params": p, "opt_state": optax.adam(1e-3).init(params(mesh24, P("data", "model"))), "step": 7}).wait()
+    opt_state = optax.adam(1e-3).init(params(mesh24, P("data", "model")))
+    tc.save(directory, {"params": p, "opt_state": opt_state, "step": 7}).wait()
     return directory
 
 
@@ -170,7 +190,9 @@ def test_diff_values_finds_exactly_the_leaf_that_differs(run_dir, changed):
     result = tpu_ckpt("diff", run_dir / "step_1", changed, "--values")
     assert result.returncode == 1 and result.stderr == ""
     # w[5, 2] was 22, is -1; the NaNs in params/b are equal.
-    assert result.stdout.splitlines() == ["~  params/w  data differs in 1 of 32 elements, max abs diff 23", "1 difference"]
+    assert result.stdout.splitlines() == [
+        "~  params/w  data differs in 1 of 32 elements, max abs diff 23", "1 difference"
+    ]
     same = tpu_ckpt("diff", run_dir / "step_1", run_dir / "step_2", "--values")
     assert same.returncode == 0 and same.stdout == "no differences\n"
 
@@ -200,7 +222,8 @@ def test_gc_dry_run_removes_nothing(run_dir):
     assert result.returncode == 0
     staged = 7 + sum(os.path.getsize(run_dir / "step_4.tmp-0a1b2c" / f) for f in ("manifest.json", "staging.json"))
     assert result.stdout.splitlines() == [
-        "would remove step_3 (uncommitted, 1 file, 7 B)", f"would remove step_4.tmp-0a1b2c (uncommitted, 3 files, {staged / 1e3:.1f} KB)",
+        "would remove step_3 (uncommitted, 1 file, 7 B)",
+        f"would remove step_4.tmp-0a1b2c (uncommitted, 3 files, {staged / 1e3:.1f} KB)",
     ]
     assert sorted(os.listdir(run_dir)) == before
 
@@ -232,7 +255,8 @@ def test_the_read_only_commands_never_import_jax(run_dir, command):
         "diff": [run_dir / "step_1", run_dir / "step_2", "--values"], "gc": [run_dir, "--dry-run"],
     }[command]
     result = subprocess.run(
-        [sys.executable, "-c", NO_JAX, json.dumps([command, *map(str, args)])], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", NO_JAX, json.dumps([command, *map(str, args)])],
+        capture_output=True, text=True, timeout=120,
     )
     assert result.stdout.splitlines()[-1] == "STATUS 0 JAX False", result.stdout + result.stderr
 
@@ -288,7 +312,8 @@ def test_a_directory_of_checkpoints_given_to_diff_is_named_as_such(run_dir):
     result = tpu_ckpt("diff", run_dir, run_dir / "step_1")
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == (
-        f"tpu-ckpt: error: {run_dir} is a directory of checkpoints, not a checkpoint: it holds step_1, step_2, serving. "
+        f"tpu-ckpt: error: {run_dir} is a directory of checkpoints, not a checkpoint: "
+        "it holds step_1, step_2, serving. "
         f'Name one of them, e.g. tc.restore("{run_dir}/step_2") or tc.CheckpointManager("{run_dir}").restore(2).\n'
     )
 
@@ -305,7 +330,9 @@ def test_verify_of_a_manager_directory_verifies_every_checkpoint_in_it(run_dir, 
     result = tpu_ckpt("verify", run_dir)
     assert result.returncode == 0 and result.stderr == ""
     lines = result.stdout.splitlines()
-    assert [line.split(":")[:2] for line in lines[:3]] == [["ok", f" {run_dir}/{name}"] for name in ("step_1", "step_2", "serving")]
+    assert [line.split(":")[:2] for line in lines[:3]] == [
+        ["ok", f" {run_dir}/{name}"] for name in ("step_1", "step_2", "serving")
+    ]
     assert lines[3:] == [f"ok: all 3 checkpoints in {run_dir}"]
     directory = tmp_path / "run"
     shutil.copytree(run_dir, directory)
@@ -320,7 +347,10 @@ def test_verify_of_a_manager_directory_verifies_every_checkpoint_in_it(run_dir, 
 
 
 def test_global_flags_are_accepted_after_the_command(run_dir):
-    for args in (["-v", "verify", run_dir / "step_1"], ["verify", "-v", run_dir / "step_1"], ["verify", run_dir / "step_1", "--verbose"]):
+    for args in (
+        ["-v", "verify", run_dir / "step_1"], ["verify", "-v", run_dir / "step_1"],
+        ["verify", run_dir / "step_1", "--verbose"],
+    ):
         result = tpu_ckpt(*args)
         assert result.returncode == 0 and result.stdout.startswith("ok: "), args
         assert "tpu_ckpt: verified" in result.stderr, args  # the library's log
@@ -351,7 +381,9 @@ def test_ls_of_a_directory_without_checkpoints_fails_and_names_the_subdirectorie
 def test_progress_bar_is_drawn_on_a_terminal(run_dir):
     controller, terminal = os.openpty()
     try:
-        process = subprocess.Popen([TPU_CKPT, "verify", run_dir / "step_1"], stdout=subprocess.PIPE, stderr=terminal, text=True)
+        process = subprocess.Popen(
+            [TPU_CKPT, "verify", run_dir / "step_1"], stdout=subprocess.PIPE, stderr=terminal, text=True
+        )
         os.close(terminal)
         out, _ = process.communicate(timeout=120)
         drawn = _read_all(controller)
@@ -385,7 +417,10 @@ def test_ls_verify_and_gc_work_on_object_store_urls(bucket, mesh42):
     raw = bucket.get("run/step_1/manifest.json")
     size = sum(n for _, n in json.loads(raw)["files"]) + len(raw)
     rows = [line.split() for line in tpu_ckpt("ls", bucket.url("run")).stdout.splitlines()[1:]]
-    assert rows == [["1", "step_1", "committed", f"{size / 1e3:.1f}", "KB", "11", "-"], ["-", "step_2", "uncommitted", "-", "1", "-"]]
+    assert rows == [
+        ["1", "step_1", "committed", f"{size / 1e3:.1f}", "KB", "11", "-"],
+        ["-", "step_2", "uncommitted", "-", "1", "-"],
+    ]
     verified = tpu_ckpt("verify", bucket.url("run/step_1"))
     assert verified.returncode == 0 and verified.stdout.startswith(f"ok: {bucket.url('run/step_1')}: 3 leaves")
     assert tpu_ckpt("gc", bucket.url("run")).stdout == "removed step_2 (uncommitted, 1 file)\n"
@@ -395,19 +430,24 @@ def test_ls_verify_and_gc_work_on_object_store_urls(bucket, mesh42):
 
 # Linux carries a process's peak RSS over fork and exec, so the script is started from a
 # small interpreter: started from pytest it would report pytest's own peak.
-_PEAK_RSS = "import os, sys; pid = os.posix_spawn(sys.argv[1], sys.argv[1:], os.environ); print(os.wait4(pid, 0)[2].ru_maxrss)"
+_PEAK_RSS = (
+    "import os, sys; pid = os.posix_spawn(sys.argv[1], sys.argv[1:], os.environ); print(os.wait4(pid, 0)[2].ru_maxrss)"
+)
 
 
 def peak_rss(*args) -> int:
     """The peak RSS, in bytes, of one run of the console script."""
-    out = subprocess.run([sys.executable, "-c", _PEAK_RSS, TPU_CKPT, *map(str, args)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK_RSS, TPU_CKPT, *map(str, args)], capture_output=True, text=True, check=True
+    )
     return int(out.stdout.splitlines()[-1]) * 1024
 
 
 def test_diff_values_memory_does_not_grow_with_the_checkpoints(tmp_path, mesh42, mesh24):
     leaves = {f"w{i}": np.random.default_rng(i).standard_normal((1024, 4096), np.float32) for i in range(4)}
     for name, mesh in (("a", mesh42), ("b", mesh24)):  # 64 MB each, in 2 MB pieces cut differently
-        tc.save(tmp_path / name, {k: jax.device_put(v, NamedSharding(mesh, P("data", "model"))) for k, v in leaves.items()}).wait()
+        sharding = NamedSharding(mesh, P("data", "model"))
+        tc.save(tmp_path / name, {k: jax.device_put(v, sharding) for k, v in leaves.items()}).wait()
     structure = peak_rss("diff", tmp_path / "a", tmp_path / "b")
     grown = peak_rss("diff", tmp_path / "a", tmp_path / "b", "--values") - structure
     assert grown < 40e6  # a few pieces (and allocator slack), not the 128 MB compared
@@ -423,7 +463,8 @@ def test_diff_compares_bits_of_every_dtype(tmp_path, mesh42):
         nan = np.array([np.nan, 1.0])
         nan.view(np.uint64)[0] += nan_payload
         return {
-            "scalar": np.float32(1.5), "empty": np.zeros((0, 3), np.float32), "int4": np.arange(8).astype(ml_dtypes.int4),
+            "scalar": np.float32(1.5), "empty": np.zeros((0, 3), np.float32),
+            "int4": np.arange(8).astype(ml_dtypes.int4),
             "bf16": jax.device_put(np.ones((8, 4), ml_dtypes.bfloat16), NamedSharding(mesh42, P("data", "model"))),
             "nan": nan, "zero": np.array([zero]), "c128": np.array([1 + 2j]),
         }
@@ -433,7 +474,9 @@ def test_diff_compares_bits_of_every_dtype(tmp_path, mesh42):
     tc.save(tmp_path / "c", tree(1, -0.0)).wait()  # another NaN payload, and -0.0 == 0.0 but not bitwise
     assert diff(tmp_path / "a", tmp_path / "b", values=True) == []
     changes = diff(tmp_path / "a", tmp_path / "c", values=True)
-    assert [(c.kind, c.key, c.differing, c.elements) for c in changes] == [("data", "nan", 1, 2), ("data", "zero", 1, 1)]
+    assert [(c.kind, c.key, c.differing, c.elements) for c in changes] == [
+        ("data", "nan", 1, 2), ("data", "zero", 1, 1)
+    ]
     assert np.isnan(changes[0].max_abs_diff) and changes[1].max_abs_diff == 0.0  # -0.0 vs 0.0: other bits, same value
 
 
@@ -445,8 +488,11 @@ def test_diff_values_counts_and_measures_across_differently_cut_pieces(tmp_path,
     changed[[0, 3, 7], [1, 4, 7]] += [0.5, -2.0, 1e3]
     i = np.array([-128, 0, 127], np.int8)
     tc.save(tmp_path / "a", {"w": jax.device_put(w, NamedSharding(mesh42, P("data", "model"))), "i": i}).wait()
-    tc.save(tmp_path / "b", {"w": jax.device_put(changed, NamedSharding(mesh24, P("data", "model"))), "i": i[::-1]}).wait()
-    assert [(c.key, c.differing, c.elements, c.max_abs_diff) for c in diff(tmp_path / "a", tmp_path / "b", values=True)] == [
+    tc.save(
+        tmp_path / "b", {"w": jax.device_put(changed, NamedSharding(mesh24, P("data", "model"))), "i": i[::-1]}
+    ).wait()
+    changes = diff(tmp_path / "a", tmp_path / "b", values=True)
+    assert [(c.key, c.differing, c.elements, c.max_abs_diff) for c in changes] == [
         ("i", 2, 3, 255.0), ("w", 3, 64, 1e3),  # 127 - -128 measured wide, not wrapped in int8
     ]
 
@@ -455,6 +501,8 @@ def test_a_key_utf8_cannot_encode_is_printed_escaped(tmp_path):
     """A dict key holding a lone surrogate is a legal Python string and saves; the command
     prints it escaped rather than stopping with a codec error."""
     tc.save(tmp_path / "c", {"odd\ud800": np.ones(2, np.float32)}).wait()
-    done = subprocess.run([sys.executable, "-m", "tpu_ckpt", "inspect", str(tmp_path / "c")], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "tpu_ckpt", "inspect", str(tmp_path / "c")], capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr
     assert "odd\\ud800" in done.stdout

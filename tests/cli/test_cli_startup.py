@@ -53,7 +53,9 @@ def run_dir(tmp_path_factory):
 )
 def test_manifest_commands_import_neither_jax_nor_ml_dtypes_nor_tensorstore(run_dir, command):
     argv = [a.format(d=run_dir) for a in command]
-    result = subprocess.run([sys.executable, "-c", PROBE, json.dumps(argv)], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE, json.dumps(argv)], capture_output=True, text=True, timeout=120
+    )
     status, imported = json.loads(result.stdout.splitlines()[-1])
     assert imported == [], result.stdout + result.stderr
     assert status == (1 if command[0] == "diff" else 0), result.stdout + result.stderr  # diff: the values differ
@@ -62,7 +64,9 @@ def test_manifest_commands_import_neither_jax_nor_ml_dtypes_nor_tensorstore(run_
 def test_diff_values_measures_a_bfloat16_difference_importing_ml_dtypes_then_only(run_dir):
     """Equal bfloat16 bits compare as bytes; a difference needs the dtype to say how large it is."""
     argv = ["diff", f"{run_dir}/step_2", f"{run_dir}/step_3", "--values"]
-    result = subprocess.run([sys.executable, "-c", PROBE, json.dumps(argv)], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE, json.dumps(argv)], capture_output=True, text=True, timeout=120
+    )
     assert "bf16  data differs in 6 of 6 elements, max abs diff 1" in result.stdout, result.stdout + result.stderr
     assert json.loads(result.stdout.splitlines()[-1]) == [1, ["ml_dtypes"]]
 

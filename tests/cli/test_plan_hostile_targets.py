@@ -70,7 +70,9 @@ def test_a_key_both_leaf_and_subtree_is_a_typed_error(capsys, tmp_path, ckpt, le
     assert "'params' is both a leaf and a subtree" in plan_of(capsys, ckpt, target)
 
 
-@pytest.mark.parametrize("shape", [[64.7, 32], [True, 4], [-1, 4], "64"], ids=["fraction", "bool", "negative", "string"])
+@pytest.mark.parametrize(
+    "shape", [[64.7, 32], [True, 4], [-1, 4], "64"], ids=["fraction", "bool", "negative", "string"]
+)
 def test_a_shape_of_anything_but_whole_numbers_is_refused(capsys, tmp_path, ckpt, shape):
     target = tmp_path / "target.json"
     target.write_text(json.dumps({"leaves": {"w": {"shape": shape, "dtype": "float32"}}}))
@@ -84,7 +86,9 @@ def test_a_mesh_of_more_devices_than_the_bound_is_refused_before_jax_is_asked(tm
     target = tmp_path / "target.json"
     target.write_text(json.dumps({"mesh": {"data": devices}, "leaves": {"w": {"shape": [4], "dtype": "float32"}}}))
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    result = subprocess.run([TPU_CKPT, "plan", ckpt, "--target", str(target)], capture_output=True, text=True, env=env, timeout=120)
+    result = subprocess.run(
+        [TPU_CKPT, "plan", ckpt, "--target", str(target)], capture_output=True, text=True, env=env, timeout=120
+    )
     assert result.returncode == 2 and result.stdout == "", result.stderr
     assert result.stderr.splitlines() == [
         f"tpu-ckpt: error: {target}: a mesh of {devices} devices is more than plan builds "

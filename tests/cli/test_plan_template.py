@@ -34,4 +34,5 @@ def test_the_template_is_the_saved_layout_and_plans_as_saved(tmp_path, mesh42):
     (tmp_path / "t.json").write_text(shown.stdout)
     planned = _cli("plan", tmp_path / "c", "--target", tmp_path / "t.json")
     assert planned.returncode == 0 and "as saved" in planned.stdout, planned.stdout + planned.stderr
-    assert json.loads(_cli("plan", tmp_path / "c", "--template", "--subtree", "p").stdout)["leaves"].keys() == {"host", "w"}
+    template = json.loads(_cli("plan", tmp_path / "c", "--template", "--subtree", "p").stdout)
+    assert template["leaves"].keys() == {"host", "w"}

@@ -20,7 +20,8 @@ TPU_CKPT = os.path.join(os.path.dirname(sys.executable), "tpu-ckpt")
 
 
 def save(path, mesh, spec, w=W):
-    tc.save(str(path), {"params": {"w": jax.device_put(w, NamedSharding(mesh, spec)), "i": np.arange(4)}, "step": 7}).wait()
+    params = {"w": jax.device_put(w, NamedSharding(mesh, spec)), "i": np.arange(4)}
+    tc.save(str(path), {"params": params, "step": 7}).wait()
     return str(path)
 
 
@@ -51,7 +52,8 @@ def test_like_another_checkpoint_on_another_mesh(capsys, tmp_path, ckpt, mesh24)
     assert lines[at + 1] == "  float32[8, 8] data=4,model=2 P(data,model) -> float32 data=2,model=4 P(None,model)"
     assert max(map(len, lines[1:])) <= 100  # the first names the checkpoint, however long its path
     assert out.splitlines()[-2].split()[:2] == ["PROCESS", "READ"]
-    same = {"params": {"w": jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh24, P(None, "model"))), "i": np.arange(4)}}
+    w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh24, P(None, "model")))
+    same = {"params": {"w": w, "i": np.arange(4)}}
     requests = tc.check_restore(ckpt, same).requests_per_process[0]  # as the library counts them
     assert out.splitlines()[-1].split()[:4] == ["0", str(W.nbytes + np.arange(4).nbytes), "B", str(requests)]
 
@@ -63,7 +65,9 @@ def test_like_a_checkpoint_of_another_shape_fails_with_exit_1(capsys, tmp_path, 
     first, *problem = out.splitlines()  # the problem wrapped at 100 columns
     assert first == f"restore of {ckpt}: would fail (1 problem)"
     assert problem[0].startswith("  Target leaf 'params/w'") and max(map(len, problem)) <= 100
-    assert " ".join(" ".join(problem).split()) == f"Target leaf 'params/w' has shape (8, 4) but checkpoint {ckpt} saved (8, 8)"
+    assert " ".join(" ".join(problem).split()) == (
+        f"Target leaf 'params/w' has shape (8, 4) but checkpoint {ckpt} saved (8, 8)"
+    )
 
 
 def test_target_file_with_json_output(capsys, tmp_path, ckpt):
@@ -74,13 +78,17 @@ def test_target_file_with_json_output(capsys, tmp_path, ckpt):
     assert status == 0 and doc["ok"] and doc["problems"] == []
     assert doc["casts"] == ["params/w: float32 -> bfloat16"] and doc["unread_keys"] == ["params/i"]
     assert doc["reads"] == {
-        str(p): {"nbytes": W.nbytes // 2, "requests": 4, "over_read": 0, "seconds": W.nbytes / 2 / 100e6} for p in (0, 1)
+        str(p): {"nbytes": W.nbytes // 2, "requests": 4, "over_read": 0, "seconds": W.nbytes / 2 / 100e6}
+        for p in (0, 1)
     }
     assert [leaf["key"] for leaf in doc["leaves"]] == ["params/w"] and doc["leaves"][0]["resharded"]
 
 
 def test_target_file_under_a_subtree_listing_every_problem(capsys, tmp_path, ckpt):
-    leaves = {"w": {"shape": [8, 8], "dtype": "float32"}, "i": {"shape": [4], "dtype": "float32"}, "b": {"shape": [2], "dtype": "float32"}}
+    leaves = {
+        "w": {"shape": [8, 8], "dtype": "float32"}, "i": {"shape": [4], "dtype": "float32"},
+        "b": {"shape": [2], "dtype": "float32"},
+    }
     status, out, _ = plan(capsys, ckpt, "--subtree", "params", "--target", write_target(tmp_path, leaves), "--json")
     doc = json.loads(out)
     assert status == 1 and not doc["ok"]
@@ -95,7 +103,10 @@ def test_target_file_under_a_subtree_listing_every_problem(capsys, tmp_path, ckp
         ('{"leaves": {"w": {"shape": [8, 8]}}}', "leaf 'w'"),
         ('{"leaves": {"w": {"shape": [8, 8], "dtype": "float99"}}}', "leaf 'w'"),
         ('{"mesh": {"data": 64}, "leaves": {"w": {"shape": [64], "dtype": "float32"}}}', "needs 64 devices"),
-        ('{"mesh": {"data": 2}, "leaves": {"w": {"shape": [8, 8], "dtype": "float32", "spec": ["data", "data"]}}}', "duplicate"),
+        (
+            '{"mesh": {"data": 2}, "leaves": {"w": {"shape": [8, 8], "dtype": "float32", "spec": ["data", "data"]}}}',
+            "duplicate",
+        ),
     ],
     ids=["not json", "no leaves", "no dtype", "unknown dtype", "too many devices", "axis used twice"],
 )
@@ -114,9 +125,12 @@ def test_no_checkpoint_is_exit_2(capsys, tmp_path, ckpt):
 @pytest.mark.slow
 def test_the_console_script_makes_the_cpu_devices_the_mesh_needs(tmp_path, ckpt):
     """Run bare (no XLA_FLAGS): the command itself asks JAX for the 8 CPU devices."""
-    target = write_target(tmp_path, {"params/w": {"shape": [8, 8], "dtype": "float32", "spec": ["data", "model"]}}, mesh={"data": 2, "model": 4})
+    leaves = {"params/w": {"shape": [8, 8], "dtype": "float32", "spec": ["data", "model"]}}
+    target = write_target(tmp_path, leaves, mesh={"data": 2, "model": 4})
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    result = subprocess.run([TPU_CKPT, "plan", ckpt, "--target", str(target)], capture_output=True, text=True, env=env, timeout=120)
+    result = subprocess.run(
+        [TPU_CKPT, "plan", ckpt, "--target", str(target)], capture_output=True, text=True, env=env, timeout=120
+    )
     assert result.returncode == 0 and result.stdout.startswith(f"restore of {ckpt}: ok"), result.stdout + result.stderr
 
 

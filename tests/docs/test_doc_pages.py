@@ -61,7 +61,11 @@ def test_docs_pages_link_no_file_outside_docs(page):
 
 
 def _repository_files() -> set[str]:
-    return {os.path.relpath(p, ROOT) for top in ("tpu_ckpt", "tests", "scripts", "benchmarks") for p in glob.glob(os.path.join(ROOT, top, "**", "*.py"), recursive=True)}
+    return {
+        os.path.relpath(p, ROOT)
+        for top in ("tpu_ckpt", "tests", "scripts", "benchmarks")
+        for p in glob.glob(os.path.join(ROOT, top, "**", "*.py"), recursive=True)
+    }
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -99,13 +103,18 @@ def test_the_logging_table_names_every_logger_that_logs_and_only_those():
 def test_the_architecture_page_draws_the_layers_the_layering_test_enforces():
     text = read("docs/architecture.md")
     diagram = re.search(r"^```text\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL).group(1)
-    rows = [[t.rstrip("/").removesuffix(".py") for t in line.split() if re.fullmatch(r"[a-z_]+(/|\.py)", t)] for line in diagram.splitlines()]
+    rows = [
+        [t.rstrip("/").removesuffix(".py") for t in line.split() if re.fullmatch(r"[a-z_]+(/|\.py)", t)]
+        for line in diagram.splitlines()
+    ]
     assert [row for row in reversed(rows) if row] == LAYERS
     for row in LAYERS:
         for unit in row:
-            path = f"tpu_ckpt/{unit}.py" if os.path.exists(os.path.join(ROOT, "tpu_ckpt", f"{unit}.py")) else f"tpu_ckpt/{unit}/"
+            module = os.path.exists(os.path.join(ROOT, "tpu_ckpt", f"{unit}.py"))
+            path = f"tpu_ckpt/{unit}.py" if module else f"tpu_ckpt/{unit}/"
             assert os.path.exists(os.path.join(ROOT, path)), path
-            assert f"| `{unit}{'.py' if path.endswith('.py') else '/'}` |" in text, f"no row for {unit} in the table of packages"
+            row_name = f"{unit}{'.py' if path.endswith('.py') else '/'}"
+            assert f"| `{row_name}` |" in text, f"no row for {unit} in the table of packages"
 
 
 def test_the_architecture_page_names_only_modules_that_exist():

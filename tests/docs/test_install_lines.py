@@ -56,7 +56,8 @@ def test_colab_links_open_each_notebook_from_the_repository_its_install_cell_nam
     readme = read(os.path.join(ROOT, "README.md"))
     linked = COLAB_LINK.findall(readme)
     assert sorted(name for _, name in linked) == sorted(os.path.basename(p) for p in NOTEBOOKS)
-    repositories = {repo for repo, _ in linked} | set(re.findall(r"git\+https://github\.com/([^/\s\"]+/tpu_ckpt)", readme))
+    repositories = {repo for repo, _ in linked}
+    repositories |= set(re.findall(r"git\+https://github\.com/([^/\s\"]+/tpu_ckpt)", readme))
     for path in NOTEBOOKS:
         first = nbformat.read(path, as_version=4).cells[0]
         assert first.cell_type == "markdown"
@@ -83,10 +84,13 @@ def test_install_cell_does_nothing_where_tpu_ckpt_is_importable(notebook, tmp_pa
 def fresh_python(tmp_path_factory) -> str:
     """A Python like a fresh Colab runtime's: pip, and no tpu_ckpt."""
     venv = tmp_path_factory.mktemp("fresh") / "venv"
-    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
+    subprocess.run(
+        [sys._base_executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True
+    )
     python = str(venv / "bin" / "python")
     probe = "import importlib.util as u; print(u.find_spec('tpu_ckpt') is None, u.find_spec('pip') is not None)"
-    assert subprocess.run([python, "-c", probe], cwd=venv, capture_output=True, text=True).stdout.split() == ["True", "True"]
+    found = subprocess.run([python, "-c", probe], cwd=venv, capture_output=True, text=True).stdout.split()
+    assert found == ["True", "True"]
     return python
 
 
@@ -97,9 +101,8 @@ def test_install_cell_on_a_fresh_runtime_installs_from_the_git_repository_it_nam
     stops at the clone; what matters is the requirement the cell hands to pip)."""
     out = run_install_cell(fresh_python, notebook, tmp_path, GIT_ALLOW_PROTOCOL="file", PIP_NO_INDEX="1")
     extras = "[flax]" if os.path.basename(notebook) == "quickstart.ipynb" else ""
-    assert re.fullmatch(rf"installing tpu_ckpt{re.escape(extras)} @ git\+https://github\.com/[^/]+/tpu_ckpt\n", out.stdout), (
-        out.stdout + out.stderr
-    )
+    pattern = rf"installing tpu_ckpt{re.escape(extras)} @ git\+https://github\.com/[^/]+/tpu_ckpt\n"
+    assert re.fullmatch(pattern, out.stdout), out.stdout + out.stderr
 
 
 @pytest.mark.slow

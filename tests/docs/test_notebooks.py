@@ -51,7 +51,8 @@ def test_notebook_runs_top_to_bottom_on_cpu(name, devices, tmp_path, monkeypatch
     build their mesh from the devices present."""
     monkeypatch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count={devices}")
     notebook = nbformat.read(os.path.join(COLAB, name), as_version=4)
-    NotebookClient(notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    resources = {"metadata": {"path": str(tmp_path)}}
+    NotebookClient(notebook, timeout=120, kernel_name="python3", resources=resources).execute()
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
     assert not printed(notebook, "# Install tpu_ckpt")  # importable here: the install cell does nothing

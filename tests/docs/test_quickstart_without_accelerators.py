@@ -13,4 +13,5 @@ pytestmark = [pytest.mark.notebook, pytest.mark.slow]
 def test_quickstart_runs_as_pasted_on_a_cpu_without_xla_flags(tmp_path):
     blocks = by_section([b for b in readme_blocks("python") if not b.marker])
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    assert run_sections(tmp_path, {"Quickstart": blocks["Quickstart"]}, {**env, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}) >= 3
+    cpu = {**env, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    assert run_sections(tmp_path, {"Quickstart": blocks["Quickstart"]}, cpu) >= 3

@@ -146,7 +146,10 @@ def transform(code: str, workdir: str, *, multi_process: bool = False) -> tuple[
         if row in comments:
             col, comment = comments[row]
             statement = line[:col].strip()
-        elif row + 1 in comments and not lines[row + 1][: comments[row + 1][0]].strip() and "->" in comments[row + 1][1][:4]:
+        elif (
+            row + 1 in comments and not lines[row + 1][: comments[row + 1][0]].strip()
+            and "->" in comments[row + 1][1][:4]
+        ):
             comment = comments[row + 1][1]  # "# -> ..." alone on the next line
         else:
             continue
@@ -204,13 +207,16 @@ def run_sections(tmp_path, groups: dict[str, list[Block]], env: dict[str, str]) 
     spec_file = tmp_path / "sections.json"
     spec_file.write_text(json.dumps(spec))
     out = subprocess.run(
-        [sys.executable, "-c", RUNNER, str(spec_file)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", RUNNER, str(spec_file)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     line = next((x for x in reversed(out.stdout.splitlines()) if x.startswith("RESULTS ")), None)
     assert out.returncode == 0 and line is not None, out.stdout[-6000:] + out.stderr[-6000:]
     results = json.loads(line[len("RESULTS ") :])
     failures = [f"## {title}\n{error}" for title, error in results if error]
-    assert not failures, "\n".join(failures) + "\n--- stdout:\n" + out.stdout[-4000:] + "\n--- stderr:\n" + out.stderr[-4000:]
+    assert not failures, (
+        "\n".join(failures) + "\n--- stdout:\n" + out.stdout[-4000:] + "\n--- stderr:\n" + out.stderr[-4000:]
+    )
     assert [title for title, _ in results] == list(groups)
     return checked
 
@@ -350,4 +356,6 @@ def test_readme_command_line_examples_print_what_they_show(tmp_path):
         actual = [_normalize(x) for x in printed.replace(here, "/tmp/").splitlines()]
         while expected and not expected[-1]:
             expected.pop()
-        assert _matches(expected, actual), f"$ {' '.join(words)}\nthe page shows:\n" + "\n".join(shown) + "\nit prints:\n" + printed
+        assert _matches(expected, actual), (
+            f"$ {' '.join(words)}\nthe page shows:\n" + "\n".join(shown) + "\nit prints:\n" + printed
+        )

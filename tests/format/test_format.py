@@ -54,7 +54,8 @@ def test_golden_safetensors_header_of_a_two_tensor_shard():
     assert laid_out.size == len(written) == base + 67
     assert written[base : base + 16] == w.tobytes() and written[base + 16 : base + 64] == bytes(48)
     assert written[base + 64 :] == i.tobytes()
-    assert file_size([("w", ((0, 2), (0, 2)), "float32", (2, 2), 16), ("i", ((0, 3),), "int4", (3,), 3)]) == laid_out.size
+    pieces = [("w", ((0, 2), (0, 2)), "float32", (2, 2), 16), ("i", ((0, 3),), "int4", (3,), 3)]
+    assert file_size(pieces) == laid_out.size
 
 
 def test_a_data_file_is_readable_by_the_safetensors_package(tmp_path):
@@ -62,7 +63,8 @@ def test_a_data_file_is_readable_by_the_safetensors_package(tmp_path):
 
     a = np.arange(5, dtype=np.float32)  # 20 bytes: the next tensor needs padding
     b = np.array([1, 2, 3], dtype=ml_dtypes.bfloat16)
-    (tmp_path / "f.safetensors").write_bytes(file_bytes(data_file_bytes("f.safetensors", [piece("a", a), piece("b", b)])))
+    laid_out = data_file_bytes("f.safetensors", [piece("a", a), piece("b", b)])
+    (tmp_path / "f.safetensors").write_bytes(file_bytes(laid_out))
     loaded = load_file(str(tmp_path / "f.safetensors"))
     np.testing.assert_array_equal(loaded["a[0:5]"], a)
     np.testing.assert_array_equal(loaded["b[0:3]"].astype(np.float32), b.astype(np.float32))
@@ -89,7 +91,8 @@ def test_a_data_file_of_small_and_big_pieces_is_the_pieces_laid_out(tmp_path):
     pieces = [piece(k, a) for k, a in arrays.items()]
     laid_out = data_file_bytes("d.safetensors", pieces)
     data = file_bytes(laid_out)
-    assert len(data) == laid_out.size and laid_out.copied == sum(a.nbytes for a in arrays.values() if a.nbytes <= SMALL_PIECE)
+    assert len(data) == laid_out.size
+    assert laid_out.copied == sum(a.nbytes for a in arrays.values() if a.nbytes <= SMALL_PIECE)
     for (key, array), entry in zip(arrays.items(), laid_out.entries):
         raw = data[entry.offset : entry.offset + entry.length]
         assert entry.offset % ALIGNMENT == 0 and raw == np.ascontiguousarray(array).tobytes(), key
@@ -102,7 +105,10 @@ def test_a_data_file_of_small_and_big_pieces_is_the_pieces_laid_out(tmp_path):
 
 @pytest.mark.parametrize(
     "dtype",
-    [np.float32, np.int4 if hasattr(np, "int4") else ml_dtypes.int4, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, np.bool_, np.uint64],
+    [
+        np.float32, np.int4 if hasattr(np, "int4") else ml_dtypes.int4, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn,
+        np.bool_, np.uint64,
+    ],
 )
 def test_dtype_names_round_trip(dtype):
     assert dtype_from_name(dtype_name(dtype)) == np.dtype(dtype)
@@ -149,7 +155,9 @@ def test_minor_versions_are_read_major_versions_refused():
         decode_manifest(sealed(doc), where="m")
 
 
-@pytest.mark.parametrize("data", [b"not json", b"[]", b'{"format": "orbax"}', b'{"format":"tpu_ckpt","format_version":"1.0"}'])
+@pytest.mark.parametrize(
+    "data", [b"not json", b"[]", b'{"format": "orbax"}', b'{"format":"tpu_ckpt","format_version":"1.0"}']
+)
 def test_bad_manifests_are_corrupt_checkpoint_errors(data):
     with pytest.raises(tc.CorruptCheckpointError, match="where"):
         decode_manifest(data, where="where")

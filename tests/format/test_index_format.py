@@ -113,13 +113,15 @@ def test_a_damaged_index_is_refused_naming_the_file(damage, problem):
 
 
 def test_an_index_of_another_tree_is_refused():
-    other = IndexPlan.of(Manifest((*PLANNED.leaves, LeafEntry("extra", [["dict", "extra"]], "value", value=2)), {}, 2, "x"))
+    extra = LeafEntry("extra", [["dict", "extra"]], "value", value=2)
+    other = IndexPlan.of(Manifest((*PLANNED.leaves, extra), {}, 2, "x"))
     with pytest.raises(tc.CheckpointError, match="another tree.*same tree") as caught:
         decode_index(encode_index(INDEX, PLAN), where=WHERE, plan=other)
     assert not isinstance(caught.value, tc.CorruptCheckpointError) and caught.value.file == WHERE
 
 
 def test_a_process_that_wrote_a_key_outside_the_plan_cannot_encode_its_index():
-    stray = Manifest((LeafEntry("nope", [], "array", pieces=(PieceEntry(((0, 1),), FILE, 0, 4, 0),)),), {FILE: 8}, 0, "")
+    nope = LeafEntry("nope", [], "array", pieces=(PieceEntry(((0, 1),), FILE, 0, 4, 0),))
+    stray = Manifest((nope,), {FILE: 8}, 0, "")
     with pytest.raises(tc.CheckpointError, match="'nope'.*not in the planned tree"):
         encode_index(stray, PLAN)

@@ -46,8 +46,14 @@ def test_the_paths_of_a_well_formed_tree_do_not_clash():
 @pytest.mark.parametrize(
     "items, words",
     [
-        ([([("dict", "params")], 1), ([("dict", "params"), ("dict", "w")], 2)], "'params' is both a leaf and a subtree"),
-        ([([("dict", "params"), ("dict", "w")], 2), ([("dict", "params")], 1)], "'params' is both a leaf and a subtree"),
+        (
+            [([("dict", "params")], 1), ([("dict", "params"), ("dict", "w")], 2)],
+            "'params' is both a leaf and a subtree",
+        ),
+        (
+            [([("dict", "params"), ("dict", "w")], 2), ([("dict", "params")], 1)],
+            "'params' is both a leaf and a subtree",
+        ),
         ([([("attr", "p"), ("dict", "w")], 1), ([("dict", "p"), ("dict", "b")], 2)], "both named 'p'"),
     ],
     ids=["leaf then subtree", "subtree then leaf", "attribute and dict entry"],

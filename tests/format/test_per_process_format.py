@@ -56,7 +56,10 @@ def test_nesting_is_bounded_both_ways():
 
 
 def test_values_round_trip_exactly():
-    value = {"a": [1, 2.5, True, None, "s"], 3: (b"\x00" * 7, np.arange(6, dtype=np.uint16).reshape(2, 3)), "nan": float("inf")}
+    value = {
+        "a": [1, 2.5, True, None, "s"], 3: (b"\x00" * 7, np.arange(6, dtype=np.uint16).reshape(2, 3)),
+        "nan": float("inf"),
+    }
     back = decode_value(encode_value(value, "it", 0), "f", "it")
     assert back["a"] == value["a"] and back["nan"] == float("inf") and back[3][0] == b"\x00" * 7
     np.testing.assert_array_equal(back[3][1], value[3][1])
@@ -83,7 +86,10 @@ def saved(tmp_path):
 
 def test_values_missing_for_a_process_are_refused(saved):
     _edit(saved, lambda doc: doc.update(process_count=2))
-    with pytest.raises(tc.CorruptCheckpointError, match=r"'it' does not hold exactly one value for each of the 2 processes that saved it \(1 found\)"):
+    with pytest.raises(
+        tc.CorruptCheckpointError,
+        match=r"'it' does not hold exactly one value for each of the 2 processes that saved it \(1 found\)",
+    ):
         tc.restore(saved)
 
 

@@ -33,7 +33,9 @@ from tpu_ckpt.format._table_reads import ROW_BYTES
 
 def _tree(mesh42):
     return {
-        "sharded": jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(mesh42, P("data", "model"))),
+        "sharded": jax.device_put(
+            np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(mesh42, P("data", "model"))
+        ),
         "rows": jax.device_put(np.arange(32, dtype=np.int32).reshape(8, 4), NamedSharding(mesh42, P("data"))),
         "replicated": jax.device_put(np.arange(6, dtype=np.float32), NamedSharding(mesh42, P())),
         "numpy": np.arange(12, dtype=np.int16).reshape(3, 4),
@@ -165,7 +167,12 @@ def _rewrite_rows(path, key, edit):
         (lambda rows, doc: rows["file"].__setitem__(1, len(doc["files"])), "file index"),
         (lambda rows, doc: rows["offset"].__setitem__(1, 1 << 62), "offset"),
         (lambda rows, doc: rows["offset"].__setitem__(1, 1 << 63), "offset"),
-        (lambda rows, doc: (rows["offset"].__setitem__(1, rows["offset"][0]), rows["file"].__setitem__(1, rows["file"][0])), "overlapping"),
+        (
+            lambda rows, doc: (
+                rows["offset"].__setitem__(1, rows["offset"][0]), rows["file"].__setitem__(1, rows["file"][0])
+            ),
+            "overlapping",
+        ),
     ],
     ids=["file_index", "offset_past_file", "offset_past_2_63", "two_rows_same_bytes"],
 )

@@ -58,7 +58,10 @@ def test_a_reference_to_a_directory_that_is_no_step_is_refused(run, tmp_path):
     os.makedirs(run / "notastep")
     shutil.copy(run / "step_0" / "d00000-00000.safetensors", run / "notastep")
     for target in ("step_9", "notastep"):
-        edit_files(run / "step_1", lambda name, size, t=target: [f"../{t}/d00000-00000.safetensors" if name.startswith("../") else name, size])
+        edit_files(
+            run / "step_1",
+            lambda name, size, t=target: [f"../{t}/d00000-00000.safetensors" if name.startswith("../") else name, size],
+        )
         with pytest.raises(tc.CorruptCheckpointError, match=f"{target}/d00000-00000.safetensors"):
             tc.restore(str(run / "step_1"))
 

@@ -30,7 +30,9 @@ bounded = tc.CheckpointOptions(host_memory_limit=limit)
 names = {"params/w": {"name": "w", "transpose": True}}
 hf = os.path.join(directory, "hf")
 out = {"leaf_bytes": rows * 1024 * 4}
-measured(out, "export", lambda: tc.export_for_serving(os.path.join(directory, "train"), hf, layout="huggingface", names=names, options=bounded))
+measured(out, "export", lambda: tc.export_for_serving(
+    os.path.join(directory, "train"), hf, layout="huggingface", names=names, options=bounded
+))
 mesh = jax.make_mesh((8,), ("x",), devices=jax.devices()[:8])
 target = {"w": jax.ShapeDtypeStruct((1024, rows), np.int32, sharding=NamedSharding(mesh, P("x")))}
 loaded = measured(out, "load", lambda: tc.load_safetensors(hf, target, options=bounded))

@@ -17,7 +17,10 @@ from tests.support.helpers import files, manifest
 from tpu_ckpt.settings import settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PARAMS = {"dense": {"kernel": np.arange(64 * 32, dtype=np.float32).reshape(64, 32), "bias": np.ones(32, np.float32)}, "ids": np.arange(4)}
+PARAMS = {
+    "dense": {"kernel": np.arange(64 * 32, dtype=np.float32).reshape(64, 32), "bias": np.ones(32, np.float32)},
+    "ids": np.arange(4),
+}
 
 
 @pytest.fixture
@@ -78,10 +81,14 @@ def test_link_refuses_options_that_need_a_rewrite(training, tmp_path):
 
 def test_cli_export(training, tmp_path):
     script = [sys.executable, "-m", "tpu_ckpt", "export"]
-    ok = subprocess.run([*script, str(training), str(tmp_path / "s"), "--dtype", "bfloat16"], capture_output=True, text=True)
+    ok = subprocess.run(
+        [*script, str(training), str(tmp_path / "s"), "--dtype", "bfloat16"], capture_output=True, text=True
+    )
     assert ok.returncode == 0, ok.stderr
     assert "wrote" in ok.stdout
-    bad = subprocess.run([*script, str(training), str(tmp_path / "s2"), "--subtree", "nope"], capture_output=True, text=True)
+    bad = subprocess.run(
+        [*script, str(training), str(tmp_path / "s2"), "--subtree", "nope"], capture_output=True, text=True
+    )
     assert bad.returncode == 2 and "subtree 'nope'" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -97,7 +104,10 @@ def test_cli_export_draws_a_progress_bar_on_a_terminal(training, tmp_path):
     import pty
 
     leader, follower = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "tpu_ckpt", "export", str(training), str(tmp_path / "s")], stdout=subprocess.PIPE, stderr=follower)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tpu_ckpt", "export", str(training), str(tmp_path / "s")],
+        stdout=subprocess.PIPE, stderr=follower,
+    )
     os.close(follower)
     out, _ = proc.communicate(timeout=120)
     chunks = b""

@@ -64,8 +64,8 @@ def training(tmp_path):
 def test_export_several_shards_read_back_bit_exact_by_safetensors(training, tmp_path):
     tc.export_for_serving(training, tmp_path / "hf", layout="huggingface", max_shard_size=4000)
     found = _tensors(tmp_path / "hf")
-    expected = {"embed": PARAMS["embed"], "layer.kernel": PARAMS["layer"]["kernel"], "layer.bias": PARAMS["layer"]["bias"],
-                "ids": PARAMS["ids"], "scale": np.asarray(PARAMS["scale"])}
+    expected = {"embed": PARAMS["embed"], "layer.kernel": PARAMS["layer"]["kernel"],
+                "layer.bias": PARAMS["layer"]["bias"], "ids": PARAMS["ids"], "scale": np.asarray(PARAMS["scale"])}
     assert set(found) == set(expected)
     for name, value in expected.items():
         assert found[name][1].dtype == value.dtype and found[name][1].tobytes() == value.tobytes(), name
@@ -90,8 +90,10 @@ def test_round_trip_onto_another_mesh(training, tmp_path):
     mesh = _mesh((2, 4), ("x", "y"))
     target = {
         "embed": jax.ShapeDtypeStruct((64, 32), jnp.bfloat16, sharding=NamedSharding(mesh, P("y", "x"))),
-        "layer": {"kernel": jax.ShapeDtypeStruct((32, 48), jnp.float32, sharding=NamedSharding(mesh, P(None, ("x", "y")))),
-                  "bias": np.zeros(48, np.float16)},
+        "layer": {
+            "kernel": jax.ShapeDtypeStruct((32, 48), jnp.float32, sharding=NamedSharding(mesh, P(None, ("x", "y")))),
+            "bias": np.zeros(48, np.float16),
+        },
         "ids": jax.ShapeDtypeStruct((8, 5), jnp.int32, sharding=NamedSharding(mesh, P("x"))),
         "scale": np.zeros((), np.float32),
     }
@@ -119,7 +121,9 @@ def _hub_layout(path, shards):
 def test_load_hub_files_written_by_the_safetensors_library(tmp_path):
     w = {"a.weight": RNG.normal(size=(16, 8)).astype(np.float32), "a.bias": RNG.normal(size=8).astype(np.float16),
          "b.weight": RNG.normal(size=(8, 16)).astype(ml_dtypes.bfloat16), "b.count": np.arange(6, dtype=np.int64)}
-    _hub_layout(tmp_path / "hub", [{k: w[k] for k in ("a.weight", "a.bias")}, {k: w[k] for k in ("b.weight", "b.count")}])
+    _hub_layout(
+        tmp_path / "hub", [{k: w[k] for k in ("a.weight", "a.bias")}, {k: w[k] for k in ("b.weight", "b.count")}]
+    )
     mesh = _mesh((4, 2))
     target = {"a": {"weight": jax.ShapeDtypeStruct((16, 8), jnp.float32, sharding=NamedSharding(mesh, P("a", "b"))),
                     "bias": np.zeros(8, np.float16)},
@@ -148,7 +152,8 @@ def test_the_params_level_of_a_target_finds_what_an_export_of_params_named(tmp_p
     np.testing.assert_array_equal(out["params"]["Dense_0"]["kernel"], kernel)
     np.testing.assert_array_equal(out["params"]["Dense_0"]["bias"], bias)
     save_file({"params.b": np.full(2, 7, np.float32), "b": np.zeros(2, np.float32)}, str(tmp_path / "both.safetensors"))
-    assert tc.load_safetensors(tmp_path / "both.safetensors", {"params": {"b": np.zeros(2, np.float32)}})["params"]["b"][0] == 7
+    loaded = tc.load_safetensors(tmp_path / "both.safetensors", {"params": {"b": np.zeros(2, np.float32)}})
+    assert loaded["params"]["b"][0] == 7
 
 
 def test_mismatches_are_reported_all_at_once(tmp_path):
@@ -185,7 +190,10 @@ def test_flax_mlp_with_transposing_name_map(tmp_path):
 def test_names_dict_must_name_every_leaf(training, tmp_path):
     with pytest.raises(tc.TargetMismatchError, match="no entry for 4 key"):
         tc.export_for_serving(training, tmp_path / "hf", layout="huggingface", names={"params/embed": "embed_tokens"})
-    names = {"params/embed": "x", "params/ids": "x", "params/layer/kernel": None, "params/layer/bias": None, "params/scale": None}
+    names = {
+        "params/embed": "x", "params/ids": "x", "params/layer/kernel": None, "params/layer/bias": None,
+        "params/scale": None,
+    }
     with pytest.raises(tc.TargetMismatchError, match="the same tensor name 'x'"):
         tc.export_for_serving(training, tmp_path / "hf", layout="huggingface", names=names)
 
@@ -205,13 +213,16 @@ def test_a_leaf_bigger_than_host_memory_limit_is_written_in_blocks(tmp_path):
     tc.export_for_serving(tmp_path / "train", tmp_path / "hf", layout="huggingface", names=names, options=limited)
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), "np") as f:
         assert f.get_tensor("w").tobytes() == np.ascontiguousarray(big.T).tobytes()
-    out = tc.load_safetensors(tmp_path / "hf", {"w": np.zeros_like(big)}, names={"w": names["params/w"]}, options=limited)
+    out = tc.load_safetensors(
+        tmp_path / "hf", {"w": np.zeros_like(big)}, names={"w": names["params/w"]}, options=limited
+    )
     assert out["w"].tobytes() == big.tobytes()
 
 
 def test_cli_export_huggingface(training, tmp_path):
     (tmp_path / "names.json").write_text(json.dumps(
-        {"params/embed": "model.embed_tokens.weight", "params/layer/kernel": {"name": "lm_head.weight", "transpose": True},
+        {"params/embed": "model.embed_tokens.weight",
+         "params/layer/kernel": {"name": "lm_head.weight", "transpose": True},
          "params/layer/bias": None, "params/ids": None, "params/scale": None}))
     assert main(["export", str(training), str(tmp_path / "hf"), "--layout", "huggingface",
                  "--names", str(tmp_path / "names.json"), "--dtype", "bfloat16", "--max-shard-size", "5GB"]) == 0
@@ -303,7 +314,8 @@ def test_export_and_load_on_object_stores(bucket):
     tc.export_for_serving(bucket.url("train"), bucket.url("hf"), layout="huggingface", max_shard_size=1000)
     assert bucket.keys("hf") == ["hf/model-00001-of-00002.safetensors", "hf/model-00002-of-00002.safetensors",
                                  "hf/model.safetensors.index.json"]
-    assert safetensors_load(bucket.get("hf/model-00001-of-00002.safetensors"))["a"].tobytes() == PARAMS["layer"]["kernel"].tobytes()
+    first = safetensors_load(bucket.get("hf/model-00001-of-00002.safetensors"))
+    assert first["a"].tobytes() == PARAMS["layer"]["kernel"].tobytes()
     out = tc.load_safetensors(bucket.url("hf"), {"a": np.zeros((32, 48), np.float32), "b": np.zeros((8, 5), np.int32)})
     np.testing.assert_array_equal(out["a"], PARAMS["layer"]["kernel"])
     np.testing.assert_array_equal(out["b"], PARAMS["ids"])

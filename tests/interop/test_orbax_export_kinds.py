@@ -29,7 +29,10 @@ def test_typed_keys_export_as_orbax_typed_keys(tmp_path):
 
 @pytest.mark.parametrize(
     ("leaf", "says"),
-    [(tc.PerProcess({"next_index": 96}), "a tc.PerProcess leaf, one value per process (1 saved it)"), (b"\x00tok", "a bytes leaf")],
+    [
+        (tc.PerProcess({"next_index": 96}), "a tc.PerProcess leaf, one value per process (1 saved it)"),
+        (b"\x00tok", "a bytes leaf"),
+    ],
 )
 def test_what_orbax_cannot_hold_is_refused_naming_the_key(tmp_path, capsys, leaf, says):
     tc.save(tmp_path / "ours", {"w": W, "data": {"state": leaf}}).wait()

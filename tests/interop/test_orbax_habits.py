@@ -18,7 +18,11 @@ def test_orbax_manager_options_name_the_keywords_that_say_the_same(tmp_path):
 def test_orbax_args_on_save_and_restore_name_the_plain_call(tmp_path):
     state = {"w": np.arange(4, dtype=np.float32)}
     with tc.CheckpointManager(tmp_path) as manager:
-        with pytest.raises(TypeError, match=r"args=ocp\.args\.Standard\.\.\.\(x\) is a plain argument here: manager\.save\(step, state\)"):
+        with pytest.raises(
+            TypeError,
+            match=r"args=ocp\.args\.Standard\.\.\.\(x\) is a plain argument here: "
+                  r"manager\.save\(step, state\)",
+        ):
             manager.save(1, args=ocp.args.StandardSave(state))
         with pytest.raises(TypeError, match=r"needs the tree to save: manager\.save\(step, state\)"):
             manager.save(1)
@@ -37,7 +41,9 @@ def test_exporting_an_nnx_checkpoint_names_the_keys_it_has(tmp_path):
     model = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
     tc.save(tmp_path / "nnx", {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}).wait()
-    with pytest.raises(tc.TargetMismatchError, match=r"subtree 'params' is not in checkpoint .*\['model', 'optimizer'\]: pass one"):
+    with pytest.raises(
+        tc.TargetMismatchError, match=r"subtree 'params' is not in checkpoint .*\['model', 'optimizer'\]: pass one"
+    ):
         tc.export_for_serving(tmp_path / "nnx", tmp_path / "serve")
     tc.export_for_serving(tmp_path / "nnx", tmp_path / "serve", subtree="model")
     np.testing.assert_array_equal(tc.restore(tmp_path / "serve")["kernel"]["value"], np.asarray(model.kernel.value))

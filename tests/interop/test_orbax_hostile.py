@@ -71,14 +71,17 @@ def deep_json(path):
 # Each: the id, whether the checkpoint is OCDBT, the damage (given the checkpoint's path),
 # what the error says, and the array it names (None: the checkpoint as a whole).
 CASES = [
-    ("fifo _METADATA", True, lambda s: replace_by_fifo(s / "_METADATA"), r"_METADATA is a FIFO, not a regular file", None),
+    ("fifo _METADATA", True, lambda s: replace_by_fifo(s / "_METADATA"),
+     r"_METADATA is a FIFO, not a regular file", None),
     ("fifo chunk", False, lambda s: replace_by_fifo(s / "w" / "0.0"), r"w/0\.0 is a FIFO", None),
     ("fifo OCDBT data file", True, lambda s: [replace_by_fifo(p) for p in ocdbt_data_files(s)], "is a FIFO", None),
     ("/dev/zero as _METADATA", True, lambda s: (os.unlink(s / "_METADATA"), os.symlink("/dev/zero", s / "_METADATA")),
      r"_METADATA leads, through a symbolic link, to /dev/zero", None),
     ("chunk linked out", False, lambda s: (os.rename(s / "w" / "0.0", s.parent / "outside"),
-                                           os.symlink(s.parent / "outside", s / "w" / "0.0")), r"w/0\.0 leads.* outside", None),
-    ("deeply nested _METADATA", True, lambda s: deep_json(s / "_METADATA"), r"the metadata cannot be read \(RecursionError", None),
+                                           os.symlink(s.parent / "outside", s / "w" / "0.0")),
+     r"w/0\.0 leads.* outside", None),
+    ("deeply nested _METADATA", True, lambda s: deep_json(s / "_METADATA"),
+     r"the metadata cannot be read \(RecursionError", None),
     ("missing chunk", False, lambda s: os.unlink(s / "w" / "0.0"), r"array 'w' cannot be read .*NOT_FOUND", "w"),
     ("missing OCDBT data files", True, lambda s: [os.unlink(p) for p in ocdbt_data_files(s)],
      r"the metadata cannot be read .*NOT_FOUND", None),
@@ -91,10 +94,12 @@ CASES = [
      r"array 'w' cannot be read .*Not enough data", "w"),
     ("unsupported dtype", True, lambda s: edit_zarray(s, "w", lambda d: d.replace(b'"<f4"', b'"|O"'), True),
      r'the metadata cannot be read .*Unsupported zarr dtype: "\|O"', None),
-    ("malformed .zarray", False, lambda s: edit_zarray(s, "w", lambda d: d[:30], False), r"w/\.zarray is not valid JSON", None),
+    ("malformed .zarray", False, lambda s: edit_zarray(s, "w", lambda d: d[:30], False),
+     r"w/\.zarray is not valid JSON", None),
     ("malformed .zarray in OCDBT", True, lambda s: edit_zarray(s, "w", lambda d: d[:30], True),
      r"'w/\.zarray' in .*manifest\.ocdbt is not valid JSON", None),
-    (".zarray not an object", False, lambda s: edit_zarray(s, "w", lambda d: b"[1, 2]", False), "is not a JSON object", None),
+    (".zarray not an object", False, lambda s: edit_zarray(s, "w", lambda d: b"[1, 2]", False),
+     "is not a JSON object", None),
     ("negative shape", True, lambda s: edit_zarray(s, "w", with_shape([-3, 4]), True), r'"w/\.zarray".*"shape"', None),
 ]
 
@@ -172,10 +177,12 @@ def test_a_2gib_array_is_refused_where_the_process_may_have_1gib_more(tmp_path):
     src = orbax_save(tmp_path / "orbax")
     edit_zarray(src, "w", with_shape([1 << 27, 4]), True)
     (tmp_path / "out").mkdir()
-    run = subprocess.run([sys.executable, "-c", SMALL_HOST, str(src), str(tmp_path / "out" / "tc")], capture_output=True,
-                         text=True, timeout=240, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    run = subprocess.run([sys.executable, "-c", SMALL_HOST, str(src), str(tmp_path / "out" / "tc")],
+                         capture_output=True, text=True, timeout=240, cwd=ROOT,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
-    assert run.stdout.startswith("refused: ") and "declares array 'w' as float32[134217728, 4]" in run.stdout, run.stdout
+    assert run.stdout.startswith("refused: "), run.stdout
+    assert "declares array 'w' as float32[134217728, 4]" in run.stdout, run.stdout
     assert os.listdir(tmp_path / "out") == []
 
 
@@ -187,7 +194,8 @@ def test_a_zarray_nested_too_deeply_for_tensorstore_is_refused_before_it_parses_
     src = orbax_save(tmp_path / "orbax", ocdbt=ocdbt)
     edit_zarray(src, "w", lambda data: b"[" * 200_000 + b"]" * 200_000, ocdbt)
     (tmp_path / "out").mkdir()
-    assert_one_line_error(run_cli(src, tmp_path / "out" / "tc"), ".zarray" + ("' in " if ocdbt else " is not valid JSON"))
+    says = ".zarray" + ("' in " if ocdbt else " is not valid JSON")
+    assert_one_line_error(run_cli(src, tmp_path / "out" / "tc"), says)
     assert os.listdir(tmp_path / "out") == []
 
 
@@ -250,7 +258,9 @@ def test_a_damaged_step_of_a_manager_stops_the_import_there_and_leaves_no_stagin
         manager_step(tmp_path / "orbax", step, TREE)
     for path in ocdbt_data_files(tmp_path / "orbax" / "1" / "default"):
         corrupt(path)
-    with pytest.raises(tc.CorruptCheckpointError, match=f"Orbax checkpoint {tmp_path / 'orbax' / '1' / 'default'} is damaged"):
+    with pytest.raises(
+        tc.CorruptCheckpointError, match=f"Orbax checkpoint {tmp_path / 'orbax' / '1' / 'default'} is damaged"
+    ):
         tc.import_orbax(tmp_path / "orbax", tmp_path / "tc")
     assert os.listdir(tmp_path / "tc") == ["step_0"] and sorted(os.listdir(tmp_path)) == ["orbax", "tc"]
     np.testing.assert_array_equal(tc.restore(tmp_path / "tc" / "step_0")["w"], TREE["w"])

@@ -70,7 +70,10 @@ def assert_bit_exact(restored, original):
 
 def array_leaves(path):
     """(key, dtype, shape, is_slot) of each array leaf in a tpu_ckpt manifest."""
-    return {(e["key"], e["dtype"], tuple(e["shape"]), e["is_slot"]) for e in manifest(path)["leaves"] if e["kind"] == "array"}
+    return {
+        (e["key"], e["dtype"], tuple(e["shape"]), e["is_slot"])
+        for e in manifest(path)["leaves"] if e["kind"] == "array"
+    }
 
 
 def orbax_save(path, state):
@@ -173,7 +176,8 @@ def test_a_checkpoint_manager_directory_converts_step_by_step_and_resumes(mesh42
 def test_a_step_with_several_items_needs_the_item_named(state, tmp_path):
     with ocp.CheckpointManager(tmp_path / "orbax", item_names=("state", "ema", "notes")) as manager:
         args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state), ema=ocp.args.StandardSave(state.params), notes=ocp.args.JsonSave({"a": 1})
+            state=ocp.args.StandardSave(state), ema=ocp.args.StandardSave(state.params),
+            notes=ocp.args.JsonSave({"a": 1}),
         )
         manager.save(5, args=args)
         manager.wait_until_finished()
@@ -216,7 +220,8 @@ def test_a_target_decides_the_slot_flags_as_in_tc_save(mesh42, tmp_path):
 def test_the_commands_convert_both_ways(orbax_ckpt, state, tmp_path, capsys):
     assert cli.main(["import-orbax", str(orbax_ckpt), str(tmp_path / "tc"), "--max-batch-bytes", str(BOUND)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith(f"wrote {tmp_path / 'tc'}: 12 leaves, 419.3 KB read in ") and out[0].endswith("batches of at most 131.1 KB")
+    assert out[0].startswith(f"wrote {tmp_path / 'tc'}: 12 leaves, 419.3 KB read in ")
+    assert out[0].endswith("batches of at most 131.1 KB")
     assert out[1].startswith("converted 1 checkpoint in ")
     assert cli.main(["inspect", "--json", str(tmp_path / "tc")]) == 0
     inspected = json.loads(capsys.readouterr().out)

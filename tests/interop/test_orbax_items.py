@@ -25,7 +25,8 @@ def orbax_run(directory, state, steps=(10, 20)):
         for step in steps:
             iterator = {**ITERATOR, "next_index": step * 8}
             args = ocp.args.Composite(
-                state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(CONFIG), iterator=ocp.args.JsonSave(iterator)
+                state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(CONFIG),
+                iterator=ocp.args.JsonSave(iterator),
             )
             manager.save(step, args=args)
         manager.wait_until_finished()
@@ -67,7 +68,8 @@ def test_export_and_import_of_a_lone_checkpoint_take_relative_paths(state, tmp_p
 def test_an_empty_list_in_a_json_item_is_left_out_with_a_warning(tmp_path, caplog):
     with ocp.CheckpointManager(tmp_path / "orbax") as manager:
         args = ocp.args.Composite(
-            state=ocp.args.StandardSave({"w": np.ones(4, np.float32)}), iterator=ocp.args.JsonSave({"buffer": [], "i": 1})
+            state=ocp.args.StandardSave({"w": np.ones(4, np.float32)}),
+            iterator=ocp.args.JsonSave({"buffer": [], "i": 1}),
         )
         manager.save(0, args=args)
         manager.wait_until_finished()
@@ -80,7 +82,9 @@ def test_an_empty_list_in_a_json_item_is_left_out_with_a_warning(tmp_path, caplo
 @pytest.mark.parametrize("damage", ["fifo", "huge", "outside"])
 def test_a_damaged_json_item_is_refused_before_orbax_reads_it(tmp_path, damage):
     with ocp.CheckpointManager(tmp_path / "orbax") as manager:
-        args = ocp.args.Composite(state=ocp.args.StandardSave({"w": np.ones(4, np.float32)}), config=ocp.args.JsonSave(CONFIG))
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave({"w": np.ones(4, np.float32)}), config=ocp.args.JsonSave(CONFIG)
+        )
         manager.save(0, args=args)
         manager.wait_until_finished()
     [name] = [f for f in os.listdir(tmp_path / "orbax" / "0" / "config") if "commit" not in f]

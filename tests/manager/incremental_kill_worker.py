@@ -22,7 +22,9 @@ ROWS = 1024
 
 
 def frozen() -> dict:
-    return {"np": np.arange(ROWS * 512, dtype=np.float32).reshape(ROWS, 512), "jax": np.full((ROWS, 256), 3.0, np.float32)}
+    return {
+        "np": np.arange(ROWS * 512, dtype=np.float32).reshape(ROWS, 512), "jax": np.full((ROWS, 256), 3.0, np.float32)
+    }
 
 
 def trained(step: int) -> dict:

@@ -56,7 +56,9 @@ def assert_restores(url: str, steps: list[int]) -> None:
 @pytest.mark.parametrize("enable_async", [False, True])
 def test_gc_during_a_managers_save_removes_none_of_it(run_url, enable_async, capsys):
     gc_said = []
-    sabotage = Sabotage(data_written(run_url), lambda: gc_said.append((cli.main(["gc", run_url]), capsys.readouterr().out)))
+    sabotage = Sabotage(
+        data_written(run_url), lambda: gc_said.append((cli.main(["gc", run_url]), capsys.readouterr().out))
+    )
     options = tc.CheckpointOptions(sharding_callback=sabotage, enable_async=enable_async)
     with tc.CheckpointManager(run_url, max_to_keep=None, options=options) as manager:
         manager.save(1, tree())
@@ -79,7 +81,8 @@ def test_two_managers_on_one_directory_lose_no_step(run_url):
     """Manager B saves (and cleans up) while manager A's save of another step is in flight."""
     other = tc.CheckpointManager(run_url, max_to_keep=None)
     sabotage = Sabotage(data_written(run_url), lambda: other.save(3, tree()))
-    with tc.CheckpointManager(run_url, max_to_keep=None, options=tc.CheckpointOptions(sharding_callback=sabotage)) as manager:
+    options = tc.CheckpointOptions(sharding_callback=sabotage)
+    with tc.CheckpointManager(run_url, max_to_keep=None, options=options) as manager:
         manager.save(2, tree())
     other.close()
     assert sabotage.acted

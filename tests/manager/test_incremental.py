@@ -96,7 +96,8 @@ def test_lora_loop_writes_only_the_adapter_and_every_kept_step_restores(tmp_path
         assert sizes[step] <= 1.05 * trained, (step, sizes[step], trained)
         assert full_sizes[step] > 10 * trained  # the base is ≥ 10x the adapter and its state
     assert sorted(os.listdir(tmp_path / "inc")) == ["step_0", "step_3", "step_4"]
-    assert os.listdir(tmp_path / "inc" / "step_0") != [] and not (tmp_path / "inc" / "step_0" / "manifest.json").exists()
+    assert os.listdir(tmp_path / "inc" / "step_0") != []
+    assert not (tmp_path / "inc" / "step_0" / "manifest.json").exists()
     manager = tc.CheckpointManager(tmp_path / "inc", incremental=True)
     assert manager.all_steps() == [3, 4]
     for step in (3, 4):

@@ -75,7 +75,9 @@ def lora_loop(directory, steps: int):
             manager.save(step, state)
             states[step] = jax.tree.map(np.asarray, state)
             sizes[step] = written(os.path.join(directory, f"step_{step}"))
-    adapter = nbytes([leaf for leaf, kind in zip(jax.tree.leaves(params), jax.tree.leaves(label(params))) if kind == "trained"])
+    adapter = nbytes(
+        [leaf for leaf, kind in zip(jax.tree.leaves(params), jax.tree.leaves(label(params))) if kind == "trained"]
+    )
     return states, sizes, adapter + nbytes(opt_state)
 
 

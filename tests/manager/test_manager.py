@@ -256,7 +256,9 @@ def test_restore_without_a_checkpoint_raises_not_found(tmp_path):
 
 def test_async_saves_with_device_buffers_deleted_at_once(tmp_path, mesh42):
     gates = {"step_1": threading.Event(), "step_2": threading.Event()}
-    options = tc.CheckpointOptions(enable_async=True, write_callbacks=[lambda path: gates[os.path.basename(path)].wait()])
+    options = tc.CheckpointOptions(
+        enable_async=True, write_callbacks=[lambda path: gates[os.path.basename(path)].wait()]
+    )
     manager = tc.CheckpointManager(tmp_path, max_to_keep=1, options=options)
     values = {}
     for step in (1, 2):

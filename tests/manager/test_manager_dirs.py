@@ -32,7 +32,8 @@ def ckpts(tmp_path_factory):
 def expected_message(directory) -> str:
     return (
         f"{directory} is a directory of checkpoints, not a checkpoint: it holds step_100, step_200, step_300. "
-        f'Name one of them, e.g. tc.restore("{directory}/step_300") or tc.CheckpointManager("{directory}").restore(300).'
+        f'Name one of them, e.g. tc.restore("{directory}/step_300") or '
+        f'tc.CheckpointManager("{directory}").restore(300).'
     )
 
 

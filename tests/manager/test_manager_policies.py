@@ -44,10 +44,14 @@ def test_restore_takes_the_target_first_like_orbax(tmp_path):
         for step in (1, 2):
             state, _ = train_step(state, X, Y)
             manager.save(step, state)
-    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), new_state(optax.adamw(1e-2)))
+    abstract = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), new_state(optax.adamw(1e-2))
+    )
     restored = tc.CheckpointManager(tmp_path).restore(abstract)  # the latest step, into the target
     assert type(restored) is train_state.TrainState and int(restored.step) == 2
-    np.testing.assert_array_equal(restored.params["params"]["Dense_0"]["kernel"], state.params["params"]["Dense_0"]["kernel"])
+    np.testing.assert_array_equal(
+        restored.params["params"]["Dense_0"]["kernel"], state.params["params"]["Dense_0"]["kernel"]
+    )
     assert int(tc.CheckpointManager(tmp_path).restore(1, abstract).step) == 1
 
 

@@ -101,7 +101,9 @@ def test_two_managers_interleaving_async_and_sync_saves_lose_no_acknowledged_ste
     with max_to_keep=2 on one run, 10 rounds: B lists the run while A's save is in flight. After
     every round each listed step restores, and the two newest acknowledged steps are listed."""
     url = run_url
-    a = tc.CheckpointManager(url, max_to_keep=2, incremental=a_incremental, options=tc.CheckpointOptions(enable_async=True))
+    a = tc.CheckpointManager(
+        url, max_to_keep=2, incremental=a_incremental, options=tc.CheckpointOptions(enable_async=True)
+    )
     b = tc.CheckpointManager(url, max_to_keep=2, incremental=not a_incremental)
     acknowledged = []
     for round_ in range(10):
@@ -126,4 +128,6 @@ def test_an_object_listing_around_known_steps_lists_only_the_others(prefix):
             store.write(name, [b"1"]).result()
         assert store.list() == names
         assert store.list(outside=["step_1", "step_2"]) == ["a.json", "step_10/x", "step_1a/x", "step_3/z", "zz/w"]
-        assert store.list(outside=["zz", "a.json", "step_3"]) == [n for n in names if not n.startswith(("zz/", "step_3/"))]
+        assert store.list(outside=["zz", "a.json", "step_3"]) == [
+            n for n in names if not n.startswith(("zz/", "step_3/"))
+        ]

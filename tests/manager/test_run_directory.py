@@ -42,7 +42,8 @@ def test_the_run_is_listed_once_and_its_objects_are_only_the_steps(faulty):
         assert manager.all_steps() == [1, 2] and manager.latest_step() == 2
         run_prefix = urllib.parse.urlparse(bucket.url("run/")).path.lstrip("/")
         assert not [p for p in listings(proxy) if p.endswith(run_prefix)], listings(proxy)  # the run never listed again
-    assert {key.split("/")[1] for key in bucket.keys("run/")} == {"step_1", "step_2"}  # retention; nothing of ours added
+    # retention; nothing of ours added
+    assert {key.split("/")[1] for key in bucket.keys("run/")} == {"step_1", "step_2"}
     np.testing.assert_array_equal(tc.restore(bucket.url("run/step_2"))["w3"], tree(2)["w3"])
 
 

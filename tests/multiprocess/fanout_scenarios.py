@@ -103,7 +103,9 @@ def replica_fanout(directory: str) -> dict:
         out[f"{label}_read"] = got["bytes"]
         out[f"{label}_mismatches"] = _bitwise_mismatches(restored, expected, targets)
     # A mesh over half the processes: not every process joins its collective, so the relay serves it.
-    half = Mesh(np.array(devices[: len(devices) // 2]).reshape(max(1, jax.process_count() // 2), -1), ("replica", "model"))
+    half = Mesh(
+        np.array(devices[: len(devices) // 2]).reshape(max(1, jax.process_count() // 2), -1), ("replica", "model")
+    )
     mixed = {"w": targets["w"], "small": jax.ShapeDtypeStruct((4,), np.float32, sharding=NamedSharding(half, P()))}
     restored = tc.restore(path, mixed, options=tc.CheckpointOptions(load_and_broadcast=True, coordination_timeout=60))
     out["mixed_mismatches"] = _bitwise_mismatches(restored, {k: expected[k] for k in mixed}, mixed)

@@ -107,7 +107,8 @@ def train(directory: str, kill_at: str = "") -> dict:
     with tc.CheckpointManager(os.path.join(directory, "run"), max_to_keep=2, options=options) as manager:
         step = manager.latest_step()
         if step is None:
-            state, position, step = _fresh_state(replicated), {"start": me, "stride": count, "iterator": {"next_index": 0}}, 0
+            position = {"start": me, "stride": count, "iterator": {"next_index": 0}}
+            state, step = _fresh_state(replicated), 0
         else:
             back = manager.restore(step, _target(replicated))
             assert back["config"] == CONFIG, back["config"]
@@ -119,7 +120,9 @@ def train(directory: str, kill_at: str = "") -> dict:
             step += 1
             key = _host(jax.random.key_data(state["rng"]))
             state = step_function(state, jax.make_array_from_process_local_data(by_process, batch))
-            log.append({"step": step, "batch": batch.tolist(), "key": key.tolist(), "w": _host(state["w"]).tobytes().hex()})
+            log.append(
+                {"step": step, "batch": batch.tolist(), "key": key.tolist(), "w": _host(state["w"]).tobytes().hex()}
+            )
             position = {"start": position["start"], "stride": position["stride"], "iterator": iterator.get_state()}
             manager.save(step, {"state": state, "data": tc.PerProcess(position), "config": CONFIG})
             if step == int(kill_at or -1):
@@ -173,7 +176,9 @@ def killed_job(tmp_path_factory):
 def _resume(killed, tmp_path, processes: int) -> list[dict]:
     copy = tmp_path / f"resumed-by-{processes}"
     shutil.copytree(killed, copy, ignore=shutil.ignore_patterns("dying-*"))
-    results = process_group.run("multiprocess.test_grain_resume.train", processes, str(copy), timeout=300, devices_per_process=1)
+    results = process_group.run(
+        "multiprocess.test_grain_resume.train", processes, str(copy), timeout=300, devices_per_process=1
+    )
     return _succeeded(results)
 
 

@@ -73,7 +73,10 @@ def _check(restored: dict, step: int, specs: dict, mesh: jax.sharding.Mesh) -> N
 
 def _target(mesh: jax.sharding.Mesh, specs: dict) -> dict:
     return {
-        **{key: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, specs[key])) for key, v in expected(0).items()},
+        **{
+            key: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, specs[key]))
+            for key, v in expected(0).items()
+        },
         "step": 0,
     }
 
@@ -109,7 +112,8 @@ def incremental_loop(directory: str) -> dict:
     for step in steps:
         _check(manager.restore(step, _target(mesh, SAVED_SPECS)), step, SAVED_SPECS, mesh)
     other = jax.sharding.Mesh(np.array(jax.devices()[::-1]).reshape(DEVICES_PER_PROCESS, PROCESSES), ("model", "data"))
-    _check(tc.restore(os.path.join(run, f"step_{steps[-1]}"), _target(other, OTHER_SPECS)), steps[-1], OTHER_SPECS, other)
+    restored = tc.restore(os.path.join(run, f"step_{steps[-1]}"), _target(other, OTHER_SPECS))
+    _check(restored, steps[-1], OTHER_SPECS, other)
     return {"process": jax.process_index(), "steps": steps, "written": written}
 
 

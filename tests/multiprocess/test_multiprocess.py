@@ -117,7 +117,9 @@ def test_four_processes_save_async_and_restore_with_balanced_writes(tmp_path):
     assert all(r["needs_other_process_pieces"] for r in results), results
     written = [r["bytes_written"] for r in results]
     unique = 16 * 8 * 4 + (2 << 20) * 4 + 4 * (2 << 20)  # w + 4 replicated leaves + big_replicated, once
-    data = sum(os.path.getsize(tmp_path / "ckpt" / f) for f in helpers.files(tmp_path / "ckpt") if f.endswith(".safetensors"))
+    data = sum(
+        os.path.getsize(tmp_path / "ckpt" / f) for f in helpers.files(tmp_path / "ckpt") if f.endswith(".safetensors")
+    )
     assert unique <= data < unique * 1.01  # every block written exactly once
     # Replicated state is spread over the holders: nobody writes much more than a quarter.
     assert max(written) < 1.3 * unique / 4, written
@@ -190,10 +192,10 @@ def test_every_operation_deletes_its_coordination_keys(tmp_path):
 
 
 def test_a_manager_lists_its_directory_on_the_leader_only_once_per_call(tmp_path):
-    """Each process notes the listings and removals it makes under the run directory, as
-    Python's audit hooks report them (see mp_scenarios._watch_storage): the leader lists the
-    run directory itself, once per manager call (retention after a commit lists it again, twice when
-    it removes a step) and never inside a step, and removes the leftover and the expired steps; the other processes neither list nor remove anything."""
+    """Each process notes the listings and removals it makes under the run directory, as Python's audit hooks report
+    them (see mp_scenarios._watch_storage): the leader lists the run directory itself, once per manager call (retention
+    after a commit lists it again, twice when it removes a step) and never inside a step, and removes the leftover and
+    the expired steps; the other processes neither list nor remove anything."""
     os.makedirs(tmp_path / "run" / "step_0")  # a leftover: no manifest
     (tmp_path / "run" / "step_0" / "d00000-00000.safetensors").write_bytes(b"partial")
     leader, other = _ok(process_group.run("manager_lists_on_the_leader_only", 2, str(tmp_path)))
@@ -238,9 +240,8 @@ def _pod_like(tmp_path, processes: int, devices_per_process: int) -> list[dict]:
     assert results[0]["seen"] == [listed] * 6 + [["shutil.rmtree", "step_1"], listed, listed], results[0]["seen"]
     assert [r["seen"] for r in results[1:]] == [[]] * (processes - 1)
     # Every process names the straggler, the straggler included.
-    assert [(r["late_error"], r["late_missing"]) for r in results] == [("CoordinationTimeoutError", [late])] * processes, [
-        r["late_message"] for r in results
-    ]
+    named = [(r["late_error"], r["late_missing"]) for r in results]
+    assert named == [("CoordinationTimeoutError", [late])] * processes, [r["late_message"] for r in results]
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "io", "run"]  # nothing of the failed save
     assert helpers.manifest(tmp_path / "ckpt")["process_count"] == processes
     assert helpers.manifest(tmp_path / "io")["process_count"] == processes

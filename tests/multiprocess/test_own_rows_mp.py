@@ -33,9 +33,15 @@ def own_rows(directory: str) -> dict:
     with CountingStore(storage.Store(storage.location(path))) as store, catalog.open_checkpoint(store) as checkpoint:
         restored, _, _ = restoring.restore_from(checkpoint, target, tc.CheckpointOptions(), None, None)
         entries = sum(len(leaf.pieces.so_far()) for leaf in checkpoint.manifest.leaves)
-    exact = all(np.array_equal(np.asarray(s.data), values[k][s.index]) for k, a in restored.items() for s in a.addressable_shards)
+    exact = all(
+        np.array_equal(np.asarray(s.data), values[k][s.index])
+        for k, a in restored.items() for s in a.addressable_shards
+    )
     table = sum(n for name, n in store.read_bytes.items() if name.startswith("pieces-"))
-    return {"exact": exact, "entries": entries, "table_bytes": table, "manifest_reads": store.whole_reads.count("manifest.json")}
+    return {
+        "exact": exact, "entries": entries, "table_bytes": table,
+        "manifest_reads": store.whole_reads.count("manifest.json"),
+    }
 
 
 def test_each_process_reads_only_its_own_rows(tmp_path):

@@ -38,17 +38,24 @@ def per_process_job(directory: str) -> dict:
     keys = jax.random.wrap_key_data(data)
     path = os.path.join(directory, "c")
     tc.save(path, {"w": w, "keys": keys, "it": tc.PerProcess(own_value(me)), "cfg": {"lr": 0.5}, "step": 3}).wait()
-    target = {"w": jax.ShapeDtypeStruct(W.shape, W.dtype, sharding=sharding), "keys": jax.ShapeDtypeStruct((8,), keys.dtype, sharding=sharding), "it": tc.PerProcess()}
+    target = {
+        "w": jax.ShapeDtypeStruct(W.shape, W.dtype, sharding=sharding),
+        "keys": jax.ShapeDtypeStruct((8,), keys.dtype, sharding=sharding),
+        "it": tc.PerProcess(),
+    }
     back = tc.restore(path, target)
     plain = tc.restore(path)["it"]
-    with tc.CheckpointManager(os.path.join(directory, "run"), options=tc.CheckpointOptions(enable_async=True)) as manager:
+    options = tc.CheckpointOptions(enable_async=True)
+    with tc.CheckpointManager(os.path.join(directory, "run"), options=options) as manager:
         state = {"next_index": me}
         manager.save(0, {"w": w, "it": tc.PerProcess(state)})
         state["next_index"] = -1
         manager.wait_until_finished()
         managed = manager.restore(0, {"w": target["w"], "it": tc.PerProcess()})["it"]
     relayed_path = os.path.join(directory, "relayed")  # io_device: the others write their values through the leader
-    tc.save(relayed_path, {"w": w, "it": tc.PerProcess(own_value(me))}, options=tc.CheckpointOptions(io_device=0)).wait()
+    tc.save(
+        relayed_path, {"w": w, "it": tc.PerProcess(own_value(me))}, options=tc.CheckpointOptions(io_device=0)
+    ).wait()
     relayed = tc.restore(relayed_path, {"it": tc.PerProcess()}, options=tc.CheckpointOptions(io_device=0))["it"]
     try:
         tc.save(os.path.join(directory, "bad"), {"w": w, "cfg": {"name": f"process-{me}"}}).wait()
@@ -57,11 +64,13 @@ def per_process_job(directory: str) -> dict:
         refused = f"{type(error).__name__}: {error}"
     return {
         "process": me,
-        "own_value": back["it"]["next_index"] == own_value(me)["next_index"] and back["it"]["state"] == own_value(me)["state"]
+        "own_value": back["it"]["next_index"] == own_value(me)["next_index"]
+        and back["it"]["state"] == own_value(me)["state"]
         and np.array_equal(back["it"]["seen"], own_value(me)["seen"]),
         "plain_is_own": plain["next_index"] == own_value(me)["next_index"],
         "keys_typed_exact": back["keys"].dtype == keys.dtype and all(
-            np.array_equal(np.asarray(s.data), KEY_DATA[s.index]) for s in jax.random.key_data(back["keys"]).addressable_shards
+            np.array_equal(np.asarray(s.data), KEY_DATA[s.index])
+            for s in jax.random.key_data(back["keys"]).addressable_shards
         ),
         "managed": managed,
         "relayed": relayed["state"] == own_value(me)["state"],
@@ -100,7 +109,9 @@ def test_two_processes_save_their_own_values_and_one_restores_them(tmp_path):
         return {"next_index": max(v["next_index"] for v in values), "states": [v["state"][:1] for v in values]}
 
     key_type = jax.random.key(0).dtype
-    back = tc.restore(path, {"it": tc.PerProcess(reshard=reshard), "keys": jax.ShapeDtypeStruct((8,), key_type), "step": 0})
+    back = tc.restore(
+        path, {"it": tc.PerProcess(reshard=reshard), "keys": jax.ShapeDtypeStruct((8,), key_type), "step": 0}
+    )
     assert back["it"] == {"next_index": 129, "states": [b"\x01", b"\x02"]} and back["step"] == 3
     assert back["keys"].dtype == key_type
     np.testing.assert_array_equal(np.asarray(jax.random.key_data(back["keys"])), KEY_DATA)

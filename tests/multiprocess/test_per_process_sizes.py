@@ -67,7 +67,10 @@ def sizes_job(directory: str) -> dict:
     real = global_state.client
     global_state.client = recording = _SizeRecordingClient(real)
     try:
-        tc.save(with_values, {"w": w, "step": 1, "it": tc.PerProcess(own_value(me))}, options=tc.CheckpointOptions(coordination_timeout=120)).wait()
+        tc.save(
+            with_values, {"w": w, "step": 1, "it": tc.PerProcess(own_value(me))},
+            options=tc.CheckpointOptions(coordination_timeout=120),
+        ).wait()
         back = tc.restore(with_values, {"it": tc.PerProcess()})
     finally:
         global_state.client = real

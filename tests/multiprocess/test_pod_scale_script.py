@@ -20,7 +20,10 @@ SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 def _run(script: str, *args: str, tmp_path) -> tuple[str, dict]:
     out = tmp_path / "result.json"
     done = subprocess.run(
-        [sys.executable, os.path.join(SCRIPTS, script), *args, "--dir", str(tmp_path), "--json", str(out), "--timeout", "120"],
+        [
+            sys.executable, os.path.join(SCRIPTS, script), *args,
+            "--dir", str(tmp_path), "--json", str(out), "--timeout", "120",
+        ],
         capture_output=True, text=True, timeout=420,  # a hang guard: a loaded 2-core machine is slow
     )
     assert done.returncode == 0, done.stdout + done.stderr
@@ -28,7 +31,9 @@ def _run(script: str, *args: str, tmp_path) -> tuple[str, dict]:
 
 
 def test_pod_scale_runs_several_processes_and_checks_the_restore(tmp_path):
-    stdout, summary = _run("pod_scale.py", "--processes", "2", "--devices-per-process", "2", "--leaves", "8", tmp_path=tmp_path)
+    stdout, summary = _run(
+        "pod_scale.py", "--processes", "2", "--devices-per-process", "2", "--leaves", "8", tmp_path=tmp_path
+    )
     runs = summary["runs"]
     assert sorted(runs) == ["1", "2"]
     # the one-process baseline runs as 2 one-process jobs side by side, sharing the cores as the 2 processes did
@@ -36,7 +41,8 @@ def test_pod_scale_runs_several_processes_and_checks_the_restore(tmp_path):
     for processes, run in runs.items():
         assert run["pieces"] == int(processes) * 2 * 8
         jobs = run["concurrent_jobs"]
-        assert [r["process"] for r in run["save"]] == [r["process"] for r in run["restore"]] == list(range(int(processes))) * jobs
+        in_order = list(range(int(processes))) * jobs
+        assert [r["process"] for r in run["save"]] == [r["process"] for r in run["restore"]] == in_order
         for saved in run["save"]:
             assert saved["pieces"] == 2 * 8  # this process's devices' pieces
             for stage in ("planning", "save"):

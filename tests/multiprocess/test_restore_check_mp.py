@@ -34,7 +34,8 @@ def cross_process_reads(directory: str) -> dict:
     # Columns dealt out one by one over the reversed devices: each process needs half of
     # every saved piece, and reads them all.
     reversed_mesh = jax.sharding.Mesh(np.array(jax.devices()[::-1]).reshape(2, 4), ("data", "model"))
-    target = {"w": jax.ShapeDtypeStruct(W.shape, W.dtype, sharding=NamedSharding(reversed_mesh, P(None, ("model", "data"))))}
+    sharding = NamedSharding(reversed_mesh, P(None, ("model", "data")))
+    target = {"w": jax.ShapeDtypeStruct(W.shape, W.dtype, sharding=sharding)}
     report = tc.check_restore(path, target)
     with open_checkpoint(storage.location(path)) as checkpoint:
         _, _, nbytes = restore_from(checkpoint, target, tc.CheckpointOptions(), None, None)

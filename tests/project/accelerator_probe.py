@@ -23,7 +23,9 @@ devices = jax.devices()
 mesh = jax.make_mesh((len(devices),), ("data",), devices=devices)
 rows = megabytes * (1 << 20) // (4 * 1024)
 rows -= rows % len(devices)
-x = jax.jit(lambda: jnp.arange(rows * 1024, dtype=jnp.float32).reshape(rows, 1024), out_shardings=NamedSharding(mesh, P("data")))()
+x = jax.jit(
+    lambda: jnp.arange(rows * 1024, dtype=jnp.float32).reshape(rows, 1024), out_shardings=NamedSharding(mesh, P("data"))
+)()
 x.block_until_ready()
 tc.save(os.path.join(directory, "warmup"), {"x": jnp.ones(8)}).wait()
 out = {"state_bytes": int(x.nbytes), "platform": devices[0].platform}
@@ -33,7 +35,9 @@ bounded = tc.CheckpointOptions(host_memory_limit=limit)
 measured(out, "sync_save", lambda: tc.save(os.path.join(directory, "sync"), {"x": x}))
 measured(out, "bounded_save", lambda: tc.save(os.path.join(directory, "bounded"), {"x": x}, options=bounded))
 target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)}
-restored = measured(out, "bounded_restore", lambda: tc.restore(os.path.join(directory, "bounded"), target, options=bounded))
+restored = measured(
+    out, "bounded_restore", lambda: tc.restore(os.path.join(directory, "bounded"), target, options=bounded)
+)
 out["restored_exactly"] = bool(np.array_equal(np.asarray(restored["x"]), np.asarray(x)))
 out["restored_on"] = restored["x"].sharding.device_set == x.sharding.device_set
 print(json.dumps(out))

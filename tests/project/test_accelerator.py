@@ -62,8 +62,13 @@ def test_a_sharded_train_state_restores_bit_exactly_on_the_same_devices_and_on_t
     same = tc.restore(tmp_path / "c", abstract(state))
     assert exact(same) == exact(state)
     assert same.params["params"]["Dense_0"]["kernel"].sharding == state.params["params"]["Dense_0"]["kernel"].sharding
-    cpus = jax.make_mesh((4, 2), ("data", "model"), devices=jax.devices("cpu")[:8]) if len(jax.devices("cpu")) >= 8 else None
-    elsewhere = NamedSharding(cpus, P()) if cpus is not None else jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    cpus = (
+        jax.make_mesh((4, 2), ("data", "model"), devices=jax.devices("cpu")[:8]) if len(jax.devices("cpu")) >= 8
+        else None
+    )
+    elsewhere = (
+        NamedSharding(cpus, P()) if cpus is not None else jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    )
     moved = tc.restore(tmp_path / "c", abstract(state, elsewhere))
     assert exact(moved) == exact(state)
 

@@ -65,10 +65,19 @@ def test_a_face_is_imports_and_all_one_name_a_line():
     for package, face in FACES.items():
         tree = ast.parse(face.read_text())
         body = tree.body[1:] if ast.get_docstring(tree) else tree.body
-        wrong += [f"{package}:{n.lineno} is neither an import nor __all__" for n in body if not isinstance(n, (ast.ImportFrom, ast.Assign))]
+        wrong += [
+            f"{package}:{n.lineno} is neither an import nor __all__"
+            for n in body if not isinstance(n, (ast.ImportFrom, ast.Assign))
+        ]
         lines = [a.lineno for n in body if isinstance(n, ast.ImportFrom) for a in n.names]
         lines += [e.lineno for e in _listed(face)]
-        wrong += [f"{package}:{line} holds more than one name" for line, count in collections.Counter(lines).items() if count > 1]
+        wrong += [
+            f"{package}:{line} holds more than one name"
+            for line, count in collections.Counter(lines).items() if count > 1
+        ]
         assignments = [n for n in body if isinstance(n, ast.Assign)]
-        wrong += [f"{package}:{n.lineno} starts __all__ with a name on its line" for n in assignments if any(e.lineno == n.lineno for e in _listed(face))]
+        wrong += [
+            f"{package}:{n.lineno} starts __all__ with a name on its line"
+            for n in assignments if any(e.lineno == n.lineno for e in _listed(face))
+        ]
     assert not wrong, wrong

@@ -133,7 +133,9 @@ def test_benchmarks_reach_only_the_private_modules_listed_for_them():
         private = {module for _, module, _ in imports(path) if any(p.startswith("_") for p in module.split(".")[2:])}
         if private:
             reached[str(path.relative_to(BENCHMARKS))] = private
-    assert reached == BENCHMARK_PRIVATE_MODULES, "name the private modules a benchmark uses in BENCHMARK_PRIVATE_MODULES"
+    assert reached == BENCHMARK_PRIVATE_MODULES, (
+        "name the private modules a benchmark uses in BENCHMARK_PRIVATE_MODULES"
+    )
 
 
 def _is_module(name: str) -> bool:
@@ -183,7 +185,8 @@ def test_no_circle_anywhere_inside_packages_too():
         if path.name != "__init__.py":
             me = unit_of(path)
             own_face = f"tpu_ckpt.{me}"
-            assert own_face not in {m for _, m, _ in imports(path)} or path.parent == PACKAGE, f"{path}: imports its own face"
+            imported = {m for _, m, _ in imports(path)}
+            assert own_face not in imported or path.parent == PACKAGE, f"{path}: imports its own face"
     state: dict[str, int] = {}
 
     def visit(module: str, trail: list[str]) -> None:
@@ -201,8 +204,14 @@ def test_no_circle_anywhere_inside_packages_too():
 
 
 def test_the_reading_packages_import_no_jax():
-    code = f"import sys; import {', '.join(f'tpu_ckpt.{p}' for p in NO_JAX)}; print(sorted(m for m in ('jax', 'ml_dtypes', 'tensorstore') if m in sys.modules))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})
+    code = (
+        f"import sys; import {', '.join(f'tpu_ckpt.{p}' for p in NO_JAX)}; "
+        "print(sorted(m for m in ('jax', 'ml_dtypes', 'tensorstore') if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)},
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
 
@@ -234,7 +243,10 @@ def test_library_code_never_prints():
     for path in library_files():
         if unit_of(path) == "cli":
             continue
-        calls = [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "print"]
+        calls = [
+            n for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "print"
+        ]
         assert not calls, path
 
 
@@ -250,15 +262,20 @@ def test_modules_and_functions_stay_readable_in_one_sitting():
         if source.count("\n") > MAX_MODULE_LINES:
             too_long.append(f"{path.relative_to(PACKAGE)}: {source.count(chr(10))} lines")
         for node in ast.walk(ast.parse(source)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= MAX_FUNCTION_LINES:
-                too_long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines")
+            function = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if function and node.end_lineno - node.lineno >= MAX_FUNCTION_LINES:
+                length = node.end_lineno - node.lineno + 1
+                too_long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}: {length} lines")
     assert not too_long, too_long
 
 
 def test_ruff_is_clean():
     """`make lint` in the suite, so its rules (complexity <= 10 among them) hold in CI too."""
     ruff = os.path.join(os.path.dirname(sys.executable), "ruff")
-    result = subprocess.run([ruff, "check", "tpu_ckpt", "tests", "scripts", "benchmarks"], cwd=PACKAGE.parent, capture_output=True, text=True)
+    result = subprocess.run(
+        [ruff, "check", "tpu_ckpt", "tests", "scripts", "benchmarks"],
+        cwd=PACKAGE.parent, capture_output=True, text=True,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -132,7 +132,9 @@ def test_write_callback_arity():
 
 def test_kwargs_only_callback_is_called_without_the_path(tmp_path):
     calls = []
-    tc.save(tmp_path / "c", {"a": np.ones(1)}, options=tc.CheckpointOptions(write_callbacks=[lambda **k: calls.append(k)]))
+    tc.save(
+        tmp_path / "c", {"a": np.ones(1)}, options=tc.CheckpointOptions(write_callbacks=[lambda **k: calls.append(k)])
+    )
     assert calls == [{}]  # TF would pass the path positionally and crash
 
 
@@ -164,9 +166,10 @@ def test_bad_coordination_timeout():
 def test_positional_order_follows_the_design():
     policy = tc.ShardByTaskPolicy()
     o = tc.CheckpointOptions(2, True, [_zero], True, policy, 5.0)
-    assert (o.io_device, o.enable_async, o.write_callbacks, o.skip_slot_variables, o.sharding_callback, o.coordination_timeout) == (
-        2, True, (_zero,), True, policy, 5.0
-    )
+    assert (
+        o.io_device, o.enable_async, o.write_callbacks, o.skip_slot_variables, o.sharding_callback,
+        o.coordination_timeout,
+    ) == (2, True, (_zero,), True, policy, 5.0)
 
 
 _FLAGS = [

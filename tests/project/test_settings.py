@@ -54,7 +54,11 @@ def test_relay_socket_buffers_may_be_left_to_the_kernel():
 
 
 @pytest.mark.parametrize(
-    "knob", ["io_threads", "writes_in_flight", "read_batch_bytes", "object_bytes", "object_reads_in_flight", "relay_heartbeat_seconds", "relay_connect_seconds"]
+    "knob",
+    [
+        "io_threads", "writes_in_flight", "read_batch_bytes", "object_bytes", "object_reads_in_flight",
+        "relay_heartbeat_seconds", "relay_connect_seconds",
+    ],
 )
 def test_a_knob_must_be_positive(knob):
     with pytest.raises(ValueError, match=f"Settings.{knob} must be positive"):
@@ -86,7 +90,9 @@ def test_the_relay_follows_its_connection_knob(tmp_path, restored_settings):
 
 @pytest.mark.parametrize("text", ["1e-300", "1e-9", "0.001"])
 def test_a_request_pace_so_slow_one_request_would_wait_hours_is_refused_naming_the_variable(text):
-    with pytest.raises(ValueError, match="TPU_CKPT_OBJECT_REQUESTS_PER_SECOND\\) must be 0 \\(no limit\\) or at least 0.01"):
+    with pytest.raises(
+        ValueError, match="TPU_CKPT_OBJECT_REQUESTS_PER_SECOND\\) must be 0 \\(no limit\\) or at least 0.01"
+    ):
         Settings.from_environment({"TPU_CKPT_OBJECT_REQUESTS_PER_SECOND": text})
     assert Settings.from_environment({"TPU_CKPT_OBJECT_REQUESTS_PER_SECOND": "0.01"}).object_requests_per_second == 0.01
     assert Settings.from_environment({"TPU_CKPT_OBJECT_REQUESTS_PER_SECOND": "0"}).object_requests_per_second == 0

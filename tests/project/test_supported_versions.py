@@ -88,11 +88,16 @@ def test_the_fast_tier_installs_what_its_modules_import():
     collects (tests/conftest.py leaves the heavy ones uncollected), and every tests module they
     import, imports only the standard library, pytest, the library and its core dependencies."""
     extras = PROJECT["optional-dependencies"]
-    assert {re.match(r"[\w-]+", r)[0] for r in extras["test-fast"]} == {"pytest", "pytest-timeout", "pytest-xdist", "safetensors"}
+    assert {re.match(r"[\w-]+", r)[0] for r in extras["test-fast"]} == {
+        "pytest", "pytest-timeout", "pytest-xdist", "safetensors"
+    }
     assert "tpu_ckpt[test-fast]" in extras["test"]
-    allowed = set(sys.stdlib_module_names) | {"pytest", "safetensors", "tpu_ckpt", "jax", "numpy", "ml_dtypes", "tensorstore", "crc32c"}
+    allowed = set(sys.stdlib_module_names) | {
+        "pytest", "safetensors", "tpu_ckpt", "jax", "numpy", "ml_dtypes", "tensorstore", "crc32c"
+    }
     todo = [p for p in (ROOT / "tests").rglob("test_*.py") if not _is_heavy(p)]
-    plugins = {ROOT / "tests" / "conftest.py", ROOT / "tests" / "support" / "object_stores.py"}  # their fixtures run on use only
+    # their fixtures run on use only
+    plugins = {ROOT / "tests" / "conftest.py", ROOT / "tests" / "support" / "object_stores.py"}
     todo += plugins
     seen: set[pathlib.Path] = set()
     while todo:

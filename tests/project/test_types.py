@@ -20,7 +20,9 @@ def test_write_callbacks_are_run_in_one_shape_told_when_the_options_are_built():
     def with_path(path: str, tag: str = "default") -> None:
         calls.append(f"path {path} {tag}")
 
-    options = tc.CheckpointOptions(write_callbacks=[lambda: calls.append("plain"), with_path, lambda **kw: calls.append(f"kw {kw}")])
+    options = tc.CheckpointOptions(
+        write_callbacks=[lambda: calls.append("plain"), with_path, lambda **kw: calls.append(f"kw {kw}")]
+    )
     for callback in path_callbacks(options.replace(enable_async=True)):
         callback("/ckpt/7")
     assert calls == ["plain", "path /ckpt/7 default", "kw {}"]

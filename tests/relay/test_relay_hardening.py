@@ -122,9 +122,12 @@ def test_millions_of_zero_length_ranges_are_refused_before_they_are_read(store):
         conn.sendall(relay_wire._HEADER.pack(len(request), 0))
         answer = relay_wire.receive(conn)[0]
         assert answer["error"]["type"] == "RelayRequestError"
-        assert f"a {len(request)}-byte message where at most {relay_wire.MAX_REQUEST_BYTES} may come" in answer["error"]["message"]
+        said = f"a {len(request)}-byte message where at most {relay_wire.MAX_REQUEST_BYTES} may come"
+        assert said in answer["error"]["message"]
         assert conn.recv(1) == b""  # the rest of that stream cannot be followed: dropped
-    with relay.RelayStore(storage.Location("ckpt"), server.contact(), timeout=10, server_process=0, connections=1) as client:
+    with relay.RelayStore(
+        storage.Location("ckpt"), server.contact(), timeout=10, server_process=0, connections=1
+    ) as client:
         client.write("d.bin", [b"abcdef"]).result()
         chunks = client.read("d.bin", 1, [0] * 100_000 + [3, 0, 2]).result()  # pieces are the client's bookkeeping
         assert len(chunks) == 100_003 and chunks[-3].tobytes() == b"bcd" and chunks[-1].tobytes() == b"ef"
@@ -181,7 +184,9 @@ def test_export_follows_no_link_out_of_the_checkpoint(linked_out, tmp_path, link
 @pytest.mark.slow
 def test_tpu_ckpt_export_names_the_link_in_one_line(linked_out, tmp_path):
     cli = os.path.join(os.path.dirname(sys.executable), "tpu-ckpt")
-    result = subprocess.run([cli, "export", linked_out, tmp_path / "serve"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [cli, "export", linked_out, tmp_path / "serve"], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode != 0 and result.stderr.count("\n") == 1, result.stderr
     assert "outside checkpoint" in result.stderr and str(linked_out) in result.stderr
     assert not os.path.exists(tmp_path / "serve" / "manifest.json")

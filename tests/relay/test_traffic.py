@@ -9,7 +9,9 @@ from tpu_ckpt.relay._wire import traffic
 
 def test_connections_and_bytes_are_counted_at_both_ends(tmp_path):
     store = storage.open_staging(storage.Location(str(tmp_path / "ckpt")))
-    server = relay.RelayServer(store, "127.0.0.1", timeout=10, peers=1, serves={"d.bin": 1 << 20}, accepts={"d.bin"}.__contains__)
+    server = relay.RelayServer(
+        store, "127.0.0.1", timeout=10, peers=1, serves={"d.bin": 1 << 20}, accepts={"d.bin"}.__contains__
+    )
     before = traffic()
     client = relay.RelayStore(storage.Location("ckpt"), server.contact(), timeout=10, server_process=0, connections=2)
     try:

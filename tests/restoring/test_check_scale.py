@@ -26,16 +26,25 @@ def many(tmp_path, mesh42):
     scalar and a numpy leaf: leaves of one layout share their plan, the others their own."""
     path = str(tmp_path / "many")
     rows_cols = NamedSharding(mesh42, P("data", "model"))
-    state = {f"w{i:02d}": jax.device_put(np.arange(128, dtype=np.float32).reshape(16, 8) + i, rows_cols) for i in range(LEAVES)}
-    state.update({f"b{i}": jax.device_put(np.arange(8, dtype=np.int32) + i, NamedSharding(mesh42, P("data"))) for i in range(4)})
+    state = {
+        f"w{i:02d}": jax.device_put(np.arange(128, dtype=np.float32).reshape(16, 8) + i, rows_cols)
+        for i in range(LEAVES)
+    }
+    rows = NamedSharding(mesh42, P("data"))
+    state.update({f"b{i}": jax.device_put(np.arange(8, dtype=np.int32) + i, rows) for i in range(4)})
     state.update(step=jax.device_put(np.float32(3), NamedSharding(mesh42, P())), host=np.arange(6, dtype=np.int64))
     tc.save(path, state).wait()
     return path
 
 
 def _target(mesh, spec):
-    out = {f"w{i:02d}": jax.ShapeDtypeStruct((16, 8), np.float32, sharding=NamedSharding(mesh, spec)) for i in range(LEAVES)}
-    out.update({f"b{i}": jax.ShapeDtypeStruct((8,), np.int32, sharding=NamedSharding(mesh, P(spec[0]))) for i in range(4)})
+    out = {
+        f"w{i:02d}": jax.ShapeDtypeStruct((16, 8), np.float32, sharding=NamedSharding(mesh, spec))
+        for i in range(LEAVES)
+    }
+    out.update(
+        {f"b{i}": jax.ShapeDtypeStruct((8,), np.int32, sharding=NamedSharding(mesh, P(spec[0]))) for i in range(4)}
+    )
     out.update(step=jax.ShapeDtypeStruct((), np.float32, sharding=NamedSharding(mesh, P())), host=np.zeros(6, np.int64))
     return out
 
@@ -58,8 +67,8 @@ def _per_piece_leaves(plan):
 @pytest.mark.parametrize("batch", [256 << 20, 64], ids=["one batch", "a unit per region"])
 @pytest.mark.parametrize("layout", ["as saved", "columns cut", "reversed devices"])
 def test_many_leaves_of_one_layout_report_what_the_restore_reads(many, mesh42, mesh24, batch, layout):
-    mesh = {"as saved": mesh42, "columns cut": mesh24,
-            "reversed devices": jax.sharding.Mesh(np.array(jax.devices()[::-1]).reshape(4, 2), ("data", "model"))}[layout]
+    reversed_devices = jax.sharding.Mesh(np.array(jax.devices()[::-1]).reshape(4, 2), ("data", "model"))
+    mesh = {"as saved": mesh42, "columns cut": mesh24, "reversed devices": reversed_devices}[layout]
     target = _target(mesh, P("data", "model"))
     previous = settings.configure(settings.Settings(read_batch_bytes=batch))
     try:
@@ -70,7 +79,8 @@ def test_many_leaves_of_one_layout_report_what_the_restore_reads(many, mesh42, m
     assert report.ok and (report.bytes_per_process[0], report.requests_per_process[0]) == measured
     assert {x.key: (x.read_bytes, x.over_read, x.resharded) for x in report.leaves} == _per_piece_leaves(plan)
     assert report.over_read_per_process[0] == sum(x.over_read for x in report.leaves)
-    assert len(report.leaves) == LEAVES + 6 and (layout == "columns cut") == bool(report.resharded)  # devices alone: as saved
+    # devices alone: as saved
+    assert len(report.leaves) == LEAVES + 6 and (layout == "columns cut") == bool(report.resharded)
 
 
 def test_processes_share_one_layout_plan_and_each_reads_its_rows(many, mesh24):
@@ -82,7 +92,8 @@ def test_processes_share_one_layout_plan_and_each_reads_its_rows(many, mesh24):
     assert one_host.reads == tc.check_restore(many, target).reads
     w_bytes = LEAVES * 128 * 4
     assert report.bytes_per_process[0] == report.bytes_per_process[1] >= w_bytes // 2
-    assert sum(report.bytes_per_process.values()) - one_host.bytes_per_process[0] == 4 + 6 * 8  # scalar, host leaf: both hosts
+    # scalar, host leaf: both hosts
+    assert sum(report.bytes_per_process.values()) - one_host.bytes_per_process[0] == 4 + 6 * 8
     assert report.over_read_per_process == {0: 0, 1: 0}
 
 
@@ -90,7 +101,9 @@ def test_a_sharding_is_asked_for_its_devices_once_per_shape_not_once_per_leaf(ma
     calls = []
     for name in ("devices_indices_map", "addressable_devices_indices_map"):
         real = getattr(NamedSharding, name)
-        monkeypatch.setattr(NamedSharding, name, lambda self, shape, real=real: calls.append(shape) or real(self, shape))
+        monkeypatch.setattr(
+            NamedSharding, name, lambda self, shape, real=real: calls.append(shape) or real(self, shape)
+        )
     report = tc.check_restore(many, _target(mesh24, P("data", "model")))
     assert report.ok and len(report.leaves) == LEAVES + 6
     assert len(calls) <= 2 * 3  # three shapes (w, b, step), each map at most twice, for 17 sharded leaves
@@ -120,7 +133,12 @@ def test_requests_are_those_coalesce_makes(seed):
     [
         (lambda rows, doc: rows["file"].__setitem__(3, len(doc["files"])), "file index"),
         (lambda rows, doc: rows["offset"].__setitem__(3, 1 << 62), "offset"),
-        (lambda rows, doc: (rows["offset"].__setitem__(3, rows["offset"][2]), rows["file"].__setitem__(3, rows["file"][2])), "overlapping"),
+        (
+            lambda rows, doc: (
+                rows["offset"].__setitem__(3, rows["offset"][2]), rows["file"].__setitem__(3, rows["file"][2])
+            ),
+            "overlapping",
+        ),
     ],
     ids=["file_index", "offset_past_file", "two_rows_same_bytes"],
 )

@@ -129,7 +129,12 @@ MALFORMED = {
     "length_not_elements_times_itemsize": (lambda d: _leaf(d, "a")["pieces"][0].__setitem__(3, 1 << 40), "length"),
     "file_shorter_than_its_pieces": (lambda d: d["files"][0].__setitem__(1, 10), "runs past"),
     "duplicate_key": (lambda d: d["leaves"].append(dict(_leaf(d, "a"))), "appears twice"),
-    "leaf_inside_leaf": (lambda d: d["leaves"].append({"key": "a/x", "path": [["dict", "a"], ["dict", "x"]], "kind": "value", "value": 1}), "both a leaf and a subtree"),
+    "leaf_inside_leaf": (
+        lambda d: d["leaves"].append(
+            {"key": "a/x", "path": [["dict", "a"], ["dict", "x"]], "kind": "value", "value": 1}
+        ),
+        "both a leaf and a subtree",
+    ),
     "key_not_its_path": (lambda d: _leaf(d, "a").__setitem__("key", "z"), "does not match its path"),
     "value_is_a_list": (lambda d: _leaf(d, "b/1").__setitem__("value", [1, 2]), "value"),
     "unknown_kind": (lambda d: _leaf(d, "a").__setitem__("kind", "tensor"), "kind"),
@@ -209,6 +214,9 @@ def test_the_command_line_reports_a_malformed_manifest_without_a_traceback(ckpt,
     edit(doc)
     write_manifest(ckpt, doc)
     for command in ("verify", "inspect"):
-        result = subprocess.run([sys.executable, "-m", "tpu_ckpt", command, str(ckpt)], capture_output=True, text=True, timeout=120)
+        result = subprocess.run(
+            [sys.executable, "-m", "tpu_ckpt", command, str(ckpt)], capture_output=True, text=True, timeout=120
+        )
         assert result.returncode != 0, (command, result.stdout)
-        assert "Traceback" not in result.stderr and "manifest.json" in result.stdout + result.stderr, (command, result.stderr)
+        assert "Traceback" not in result.stderr, (command, result.stderr)
+        assert "manifest.json" in result.stdout + result.stderr, (command, result.stderr)

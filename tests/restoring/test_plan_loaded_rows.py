@@ -32,7 +32,9 @@ def _grid_leaf(key: str, shape: tuple[int, int], rows: int, cols: int) -> LeafEn
     """A float32 leaf cut into a rows x cols grid, its pieces back to back in one data file."""
     h, w = shape[0] // rows, shape[1] // cols
     pieces = [
-        PieceEntry(((r * h, (r + 1) * h), (c * w, (c + 1) * w)), FILE, 4 * h * w * (r * cols + c), 4 * h * w, r * cols + c)
+        PieceEntry(
+            ((r * h, (r + 1) * h), (c * w, (c + 1) * w)), FILE, 4 * h * w * (r * cols + c), 4 * h * w, r * cols + c
+        )
         for r in range(rows) for c in range(cols)
     ]
     return LeafEntry(key, [("dict", key)], "array", shape, "float32", False, None, tuple(pieces))
@@ -65,7 +67,8 @@ def test_a_plan_is_made_from_the_loaded_rows_alone(mesh24):
     assert tables.reads == [(0, 8)]  # w's 8 rows in one read; b (not in the target) untouched
     tables.closed = True
     (entry,) = plan_restore(manifest, target).leaves
-    assert {r.slice: sorted(p.slice for p in r.pieces) for r in entry.regions}[((0, 4), (0, 2))] == [((0, 2), (0, 4)), ((2, 4), (0, 4))]
+    by_region = {r.slice: sorted(p.slice for p in r.pieces) for r in entry.regions}
+    assert by_region[((0, 4), (0, 2))] == [((0, 2), (0, 4)), ((2, 4), (0, 4))]
     assert plan_restore(manifest, target) == plan_restore(manifest, target)
 
 

@@ -166,7 +166,8 @@ def test_processes_are_counted_from_the_target_shardings(ckpt, mesh24):
     assert report.over_read_per_process == {0: W.nbytes // 2, 1: W.nbytes // 2}
     rows = {"w": sds((8, 8), np.float32, mesh24, P("data", "model"))}  # host 0 rows 0-3: its pieces exactly
     by_rows = tc.check_restore(ckpt, rows, subtree="params", devices_per_process=4)
-    assert by_rows.bytes_per_process == {0: W.nbytes // 2, 1: W.nbytes // 2} and by_rows.over_read_per_process == {0: 0, 1: 0}
+    assert by_rows.bytes_per_process == {0: W.nbytes // 2, 1: W.nbytes // 2}
+    assert by_rows.over_read_per_process == {0: 0, 1: 0}
     one_host = tc.check_restore(ckpt, rows, subtree="params", devices_per_process=8)  # the plan's own count
     assert one_host.reads == tc.check_restore(ckpt, rows, subtree="params").reads
 

@@ -72,8 +72,12 @@ def test_restore_onto_other_mesh_single_device_and_numpy(tmp_path, mesh42, mesh2
     targets = {
         "other mesh": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh24, P("model", "data"))),
         "replicated": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh24, P())),
-        "partially replicated": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh24, P(None, "model"))),
-        "single device": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[5])),
+        "partially replicated": jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=NamedSharding(mesh24, P(None, "model"))
+        ),
+        "single device": jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[5])
+        ),
         "no sharding": jax.ShapeDtypeStruct(x.shape, x.dtype),
         "array": jnp.zeros_like(host),
     }
@@ -96,7 +100,9 @@ def test_flax_train_state_restores_into_a_train_state(tmp_path, mesh42, mesh24):
     )
     tc.save(tmp_path / "c", state)
     abstract = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh24, P("model") if x.ndim == 2 else P())),
+        lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=NamedSharding(mesh24, P("model") if x.ndim == 2 else P())
+        ),
         state,
     )
     out = tc.restore(tmp_path / "c", abstract)
@@ -127,7 +133,9 @@ def test_cast_rule_float_to_float_only(tmp_path):
     tc.save(tmp_path / "c", {"w": np.linspace(0, 1, 8, dtype=np.float32), "i": np.array([16777217], np.int32)})
     out = tc.restore(tmp_path / "c", {"w": jax.ShapeDtypeStruct((8,), jnp.bfloat16)})
     assert out["w"].dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(out["w"]), np.linspace(0, 1, 8, dtype=np.float32).astype(ml_dtypes.bfloat16))
+    np.testing.assert_array_equal(
+        np.asarray(out["w"]), np.linspace(0, 1, 8, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    )
     with pytest.raises(tc.TargetMismatchError, match="'i'.*int32.*float->float") as e:
         tc.restore(tmp_path / "c", {"i": np.zeros(1, np.float32)})
     assert e.value.key == "i"
@@ -337,7 +345,9 @@ def test_library_never_uses_pickle():
 
 def test_an_io_error_names_the_file_and_leaves_nothing(tmp_path):
     (tmp_path / "plain_file").write_text("not a directory")
-    with pytest.raises(tc.CheckpointError, match=r"staging directory .*plain_file/\.c\.tmp-\w+ failed: Not a directory") as e:
+    with pytest.raises(
+        tc.CheckpointError, match=r"staging directory .*plain_file/\.c\.tmp-\w+ failed: Not a directory"
+    ) as e:
         tc.save(tmp_path / "plain_file" / "c", {"a": np.ones(3)})
     assert "plain_file/.c.tmp-" in e.value.file
     assert sorted(os.listdir(tmp_path)) == ["plain_file"]
@@ -379,5 +389,6 @@ def test_a_format_1_0_checkpoint_with_unaligned_pieces_restores(tmp_path):
     np.testing.assert_array_equal(out["a"], tree["a"])
     np.testing.assert_array_equal(out["b"], tree["b"])
     mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
-    on_devices = tc.restore(tmp_path / "c", {"b": jax.ShapeDtypeStruct((2, 3), np.float32, sharding=NamedSharding(mesh, P("x")))}, subtree="")
+    target = {"b": jax.ShapeDtypeStruct((2, 3), np.float32, sharding=NamedSharding(mesh, P("x")))}
+    on_devices = tc.restore(tmp_path / "c", target, subtree="")
     np.testing.assert_array_equal(np.asarray(on_devices["b"]), tree["b"])

@@ -9,8 +9,11 @@ from tpu_ckpt.restoring import _shared_reads as shared_reads
 
 def _host_leaves(count: int) -> list[tuple[LeafEntry, None]]:
     """Leaves every process wants whole, on the host (numpy targets: the relay's path)."""
-    return [(LeafEntry(f"l{i}", [f"l{i}"], "array", (16,), "float32", pieces=(PieceEntry(((0, 16),), f"f{i}", 0, 64, 0),)), None)
-            for i in range(count)]
+    leaves = [
+        LeafEntry(f"l{i}", [f"l{i}"], "array", (16,), "float32", pieces=(PieceEntry(((0, 16),), f"f{i}", 0, 64, 0),))
+        for i in range(count)
+    ]
+    return [(leaf, None) for leaf in leaves]
 
 
 def test_the_readers_of_pieces_the_whole_job_needs_are_at_most_max_servers_whatever_the_job():

@@ -1,10 +1,10 @@
 """Measures the host memory of one asynchronous save in a fresh process (for test_host_copies).
 
-Prints one JSON line: the state's bytes, the RSS growth when ``save`` returned, its peak until
-``wait()`` returned, and what is left after; then the same for a second save of the same
-state (whose snapshot reuses the first one's buffers unless ``no-reuse`` is passed). Peaks are read from VmHWM after resetting it
-through /proc/self/clear_refs. Shards are 64 MiB, above glibc's largest mmap threshold, so a
-freed host copy leaves RSS at once instead of waiting in the allocator's free lists.
+Prints one JSON line: the state's bytes, the RSS growth when ``save`` returned, its peak until ``wait()`` returned, and
+what is left after; then the same for a second save of the same state (whose snapshot reuses the first one's buffers
+unless ``no-reuse`` is passed). Peaks are read from VmHWM after resetting it through /proc/self/clear_refs. Shards are
+64 MiB, above glibc's largest mmap threshold, so a freed host copy leaves RSS at once instead of waiting in the
+allocator's free lists.
 """
 
 import dataclasses
@@ -43,6 +43,7 @@ for name in ("first", "second"):
     returned = rss("VmRSS") - base
     result.wait()
     out[name] = {"returned": returned, "peak": rss("VmHWM") - base, "after": rss("VmRSS") - base}
-restored = tc.restore(os.path.join(directory, "second"), {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)})
+target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)}
+restored = tc.restore(os.path.join(directory, "second"), target)
 out["second_restores_exactly"] = bool((restored["x"] == x).all())
 print(json.dumps(out))

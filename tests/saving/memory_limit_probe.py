@@ -34,11 +34,13 @@ out = {"state_bytes": n * 4}
 
 
 measured(out, "sync_save", lambda: tc.save(os.path.join(directory, "sync"), {"x": x}, options=bounded))
-measured(out, "async_save", lambda: tc.save(os.path.join(directory, "async"), {"x": x}, options=bounded.replace(enable_async=True)).wait())
+measured(out, "async_save",
+         lambda: tc.save(os.path.join(directory, "async"), {"x": x}, options=bounded.replace(enable_async=True)).wait())
 target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)}
 restored = measured(out, "restore", lambda: tc.restore(os.path.join(directory, "async"), target, options=bounded))
 out["restored_exactly"] = all(
-    np.array_equal(np.asarray(a.data), np.asarray(b.data)) for a, b in zip(restored["x"].addressable_shards, x.addressable_shards)
+    np.array_equal(np.asarray(a.data), np.asarray(b.data))
+    for a, b in zip(restored["x"].addressable_shards, x.addressable_shards)
 )
 out["files"] = len([f for f in os.listdir(os.path.join(directory, "async")) if f.endswith(".safetensors")])
 print(json.dumps(out))

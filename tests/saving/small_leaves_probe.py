@@ -26,7 +26,8 @@ out = {"state_bytes": leaves * 16384, "pieces": leaves}
 
 
 measured(out, "sync_save", lambda: tc.save(os.path.join(directory, "sync"), tree, options=bounded))
-measured(out, "async_save", lambda: tc.save(os.path.join(directory, "async"), tree, options=bounded.replace(enable_async=True)).wait())
+measured(out, "async_save",
+         lambda: tc.save(os.path.join(directory, "async"), tree, options=bounded.replace(enable_async=True)).wait())
 target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
 restored = measured(out, "restore", lambda: tc.restore(os.path.join(directory, "async"), target, options=bounded))
 out["restored_exactly"] = all(np.array_equal(np.asarray(restored[k]), np.asarray(v)) for k, v in tree.items())

@@ -61,7 +61,9 @@ def test_second_save_waits_for_the_first(tmp_path):
         time.sleep(1.0)
         order.append(("first done", os.path.basename(path)))
 
-    first = tc.save(tmp_path / "a", {"x": np.ones(2)}, options=tc.CheckpointOptions(enable_async=True, write_callbacks=[slow]))
+    first = tc.save(
+        tmp_path / "a", {"x": np.ones(2)}, options=tc.CheckpointOptions(enable_async=True, write_callbacks=[slow])
+    )
     assert not first.done()  # still in its callback
     second = tc.save(tmp_path / "b", {"x": np.ones(2)}, options=ASYNC)
     assert first.done() and order == [("first done", "a")]  # the second save waited for all of it
@@ -72,7 +74,9 @@ def test_callbacks_run_in_order_on_the_background_thread_after_commit(tmp_path):
     seen = []
 
     def record(path):
-        seen.append((threading.current_thread() is threading.main_thread(), os.path.exists(os.path.join(path, "manifest.json"))))
+        seen.append(
+            (threading.current_thread() is threading.main_thread(), os.path.exists(os.path.join(path, "manifest.json")))
+        )
 
     options = tc.CheckpointOptions(enable_async=True, write_callbacks=[record, lambda: seen.append("second")])
     tc.save(tmp_path / "c", {"x": np.ones(2)}, options=options).wait()
@@ -83,7 +87,9 @@ def test_background_failure_is_raised_by_wait_and_not_twice(tmp_path):
     def boom():
         raise RuntimeError("callback failed")
 
-    result = tc.save(tmp_path / "c", {"x": np.ones(2)}, options=tc.CheckpointOptions(enable_async=True, write_callbacks=[boom]))
+    result = tc.save(
+        tmp_path / "c", {"x": np.ones(2)}, options=tc.CheckpointOptions(enable_async=True, write_callbacks=[boom])
+    )
     with pytest.raises(RuntimeError, match="callback failed"):
         result.wait()
     with pytest.raises(RuntimeError, match="callback failed"):
@@ -115,7 +121,8 @@ def test_planning_errors_are_raised_synchronously(tmp_path):
 
 def test_wait_with_timeout(tmp_path):
     gate = threading.Event()
-    result = tc.save(tmp_path / "c", {"x": np.ones(2)}, options=tc.CheckpointOptions(enable_async=True, write_callbacks=[lambda: gate.wait()]))
+    options = tc.CheckpointOptions(enable_async=True, write_callbacks=[lambda: gate.wait()])
+    result = tc.save(tmp_path / "c", {"x": np.ones(2)}, options=options)
     with pytest.raises(TimeoutError, match="still in progress"):
         result.wait(timeout=0.05)
     assert not result.done()

@@ -70,7 +70,9 @@ def _indexes(slices_of=_slices, processes=3):
             length = ITEMSIZE[key]
             for a, b in spec:
                 length *= b - a
-            pieces[p].setdefault(key, []).append(PieceEntry(spec, f"d{p:05d}-00000.safetensors", offsets[p], length, 1000 + n if length else 0))
+            pieces[p].setdefault(key, []).append(
+                PieceEntry(spec, f"d{p:05d}-00000.safetensors", offsets[p], length, 1000 + n if length else 0)
+            )
             offsets[p] += length + 64
     return [index(own, {f"d{p:05d}-00000.safetensors": FILE_BYTES}) for p, own in enumerate(pieces)]
 
@@ -164,7 +166,9 @@ def _random_layout(rng):
         d = int(rng.integers(0, rank))
         a, b = specs[i][d]
         if b - a > 1:
-            specs[i : i + 1] = [specs[i][:d] + ((a, a + 1),) + specs[i][d + 1 :], specs[i][:d] + ((a + 1, b),) + specs[i][d + 1 :]]
+            specs[i : i + 1] = [
+                specs[i][:d] + ((a, a + 1),) + specs[i][d + 1 :], specs[i][:d] + ((a + 1, b),) + specs[i][d + 1 :]
+            ]
     return shape, specs
 
 
@@ -180,7 +184,9 @@ def test_the_vectorised_grid_check_agrees_with_the_per_piece_one_on_random_layou
             length = 1
             for a, b in spec:
                 length *= b - a
-            pieces[n % 2].append(PieceEntry(spec, f"d{n % 2:05d}-00000.safetensors", ends[n % 2], length, 5 if length else 0))
+            pieces[n % 2].append(
+                PieceEntry(spec, f"d{n % 2:05d}-00000.safetensors", ends[n % 2], length, 5 if length else 0)
+            )
             ends[n % 2] += length
         indexes = [index({"x": p}, {f"d{q:05d}-00000.safetensors": ends[q]}) for q, p in enumerate(pieces)]
         try:
@@ -216,7 +222,8 @@ def test_index_rows_made_a_file_at_a_time_encode_as_the_manifest_form_does():
     for own in _indexes():
         names = list(own.files)
         one_by_one = [
-            piece_rows(plan, names.index(p.file), [leaf.key], [p]) for leaf in reversed(own.leaves) for p in reversed(leaf.pieces)
+            piece_rows(plan, names.index(p.file), [leaf.key], [p])
+            for leaf in reversed(own.leaves) for p in reversed(leaf.pieces)
         ]
         assert encode_parts(plan, list(own.files.items()), one_by_one) == encode_index(own, plan)
     with pytest.raises(CheckpointError, match="'nowhere' was written but is not in the planned tree"):

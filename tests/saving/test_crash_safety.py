@@ -183,7 +183,9 @@ def test_sigkill_during_save_keeps_previous_step_and_never_exposes_a_partial_one
     # The killed step is complete or absent, never partial.
     final = os.path.join(directory, "step_2")
     leftovers = staging_dirs(directory, "step_2")
-    assert sorted(os.listdir(directory)) == sorted(["step_1", *leftovers, *(["step_2"] if os.path.exists(final) else [])])
+    assert sorted(os.listdir(directory)) == sorted(
+        ["step_1", *leftovers, *(["step_2"] if os.path.exists(final) else [])]
+    )
     if os.path.exists(final):
         # On a local disk the final name is created only by the commit rename.
         assert os.path.exists(os.path.join(final, "manifest.json")), f"{final} exists without a manifest"

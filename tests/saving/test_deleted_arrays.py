@@ -23,7 +23,9 @@ def tree_with_a_deleted_leaf():
 @pytest.mark.parametrize("enable_async", [False, True], ids=["sync", "async"])
 def test_tc_save_names_the_deleted_leaf_and_writes_nothing(tmp_path, enable_async):
     with pytest.raises(ValueError, match=WORDS):
-        tc.save(tmp_path / "c", tree_with_a_deleted_leaf(), options=tc.CheckpointOptions(enable_async=enable_async)).wait()
+        tc.save(
+            tmp_path / "c", tree_with_a_deleted_leaf(), options=tc.CheckpointOptions(enable_async=enable_async)
+        ).wait()
     assert not os.path.exists(tmp_path / "c") or os.listdir(tmp_path / "c") == []
     assert os.listdir(tmp_path) in ([], ["c"])
 

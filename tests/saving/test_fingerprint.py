@@ -32,7 +32,9 @@ def test_host_fingerprints_are_128_bits_and_a_changed_sample_skips_the_hash():
     assert len(first) == 17 and first == same != other and len(sample) == 64 * 4
     changed = a.copy()
     changed[-1] += 1  # the last element: the sample always holds the first and the last
-    [(_, unknown), (_, hashed), (_, small)] = fingerprints([changed, a.copy(), changed[1:]], [(sample, first)] * 3, [False] * 3)
+    [(_, unknown), (_, hashed), (_, small)] = fingerprints(
+        [changed, a.copy(), changed[1:]], [(sample, first)] * 3, [False] * 3
+    )
     assert unknown == b"" and hashed == first and len(small) == 17
     # Known unchanged (the same jax.Array as last time): the last fingerprint, not hashed again.
     assert fingerprints([changed], [(sample, first)], [True]) == [(sample, first)]
@@ -64,4 +66,5 @@ def test_a_piece_of_several_chunks_is_hashed_by_chunks(monkeypatch):
     [(_, whole), (_, same), (_, other)] = fingerprints([a, a.copy(), changed], [None] * 3, [False] * 3)
     assert len(whole) == 17 and whole == same != other
     monkeypatch.setattr(_fingerprint, "_CHUNK", 16 << 20)
-    assert fingerprints([a], [None], [False])[0][1] not in (whole, other)  # one chunk: the digest of the bytes themselves
+    # one chunk: the digest of the bytes themselves
+    assert fingerprints([a], [None], [False])[0][1] not in (whole, other)

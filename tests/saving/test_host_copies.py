@@ -69,7 +69,8 @@ def test_each_file_is_let_go_once_written(tmp_path):
     arrays = [np.full((256, 256), i, np.float32) for i in range(3)]
     alive = [weakref.ref(a) for a in arrays]
     files = collections.deque(
-        DataFile(f"d{i}.safetensors", (PlannedPiece(f"k{i}", full_slice(a.shape), a, a.nbytes),), a.nbytes) for i, a in enumerate(arrays)
+        DataFile(f"d{i}.safetensors", (PlannedPiece(f"k{i}", full_slice(a.shape), a, a.nbytes),), a.nbytes)
+        for i, a in enumerate(arrays)
     )
     del arrays
     store = storage.Store(location, threads=1)
@@ -85,7 +86,9 @@ def test_each_file_is_let_go_once_written(tmp_path):
 def _probe(tmp_path, mode: str) -> dict:
     megabytes = 256  # 4 shards of 64 MiB
     probe = os.path.join(os.path.dirname(__file__), "host_copies_probe.py")
-    out = subprocess.run([sys.executable, probe, str(tmp_path), str(megabytes), mode], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, probe, str(tmp_path), str(megabytes), mode], capture_output=True, text=True, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -118,7 +121,8 @@ def test_a_failed_write_leaves_no_other_write_running(tmp_path):
     os.mkdir(os.path.join(location.local_path, "d0.safetensors"))
     arrays = [np.full(1 << 10, 0, np.float32)] + [np.full(16 << 20, i, np.float32) for i in (1, 2, 3)]
     files = collections.deque(
-        DataFile(f"d{i}.safetensors", (PlannedPiece(f"k{i}", full_slice(a.shape), a, a.nbytes),), a.nbytes) for i, a in enumerate(arrays)
+        DataFile(f"d{i}.safetensors", (PlannedPiece(f"k{i}", full_slice(a.shape), a, a.nbytes),), a.nbytes)
+        for i, a in enumerate(arrays)
     )
     store = storage.Store(location, threads=4)
     try:

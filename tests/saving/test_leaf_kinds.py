@@ -34,7 +34,9 @@ def test_a_damaged_bytes_leaf_fails_its_crc(tmp_path):
 
 
 def test_per_process_value_round_trips_plain(tmp_path):
-    value = {"next_index": 96, "grain": b"\x00\x01" * 100, "seen": np.arange(5, dtype=np.int16), "t": (1, 2.5, None, "s")}
+    value = {
+        "next_index": 96, "grain": b"\x00\x01" * 100, "seen": np.arange(5, dtype=np.int16), "t": (1, 2.5, None, "s")
+    }
     tc.save(tmp_path / "c", {"it": tc.PerProcess(value), "w": np.ones(2)}).wait()
     back = tc.restore(tmp_path / "c")["it"]
     assert back.keys() == value.keys() and back["grain"] == value["grain"] and back["t"] == value["t"]
@@ -43,11 +45,19 @@ def test_per_process_value_round_trips_plain(tmp_path):
     assert tc.restore(tmp_path / "c", {"it": tc.PerProcess()})["it"]["next_index"] == 96
     meta = tc.metadata(tmp_path / "c")["it"]
     assert isinstance(meta, tc.PerProcessMetadata) and meta.process_count == 1 and meta.sizes[0] > 200
-    shown = subprocess.run([sys.executable, "-m", "tpu_ckpt", "inspect", str(tmp_path / "c")], capture_output=True, text=True)
+    shown = subprocess.run(
+        [sys.executable, "-m", "tpu_ckpt", "inspect", str(tmp_path / "c")], capture_output=True, text=True
+    )
     assert "per-process" in shown.stdout and "1 process" in shown.stdout
-    doc = json.loads(subprocess.run([sys.executable, "-m", "tpu_ckpt", "inspect", "--json", str(tmp_path / "c")], capture_output=True, text=True).stdout)
-    assert [leaf for leaf in doc["leaves"] if leaf["key"] == "it"] == [{"key": "it", "kind": "per_process", "process_count": 1, "sizes": list(meta.sizes)}]
-    verified = subprocess.run([sys.executable, "-m", "tpu_ckpt", "verify", str(tmp_path / "c")], capture_output=True, text=True)
+    doc = json.loads(subprocess.run(
+        [sys.executable, "-m", "tpu_ckpt", "inspect", "--json", str(tmp_path / "c")], capture_output=True, text=True
+    ).stdout)
+    assert [leaf for leaf in doc["leaves"] if leaf["key"] == "it"] == [
+        {"key": "it", "kind": "per_process", "process_count": 1, "sizes": list(meta.sizes)}
+    ]
+    verified = subprocess.run(
+        [sys.executable, "-m", "tpu_ckpt", "verify", str(tmp_path / "c")], capture_output=True, text=True
+    )
     assert verified.returncode == 0, verified.stdout + verified.stderr
 
 

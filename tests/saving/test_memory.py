@@ -18,7 +18,9 @@ SLACK = 96 << 20  # interpreter, allocator and page-table noise
 def test_save_and_restore_peak_memory(tmp_path):
     megabytes = 768  # 8 data files of 96 MB
     probe = os.path.join(os.path.dirname(__file__), "memory_probe.py")
-    out = subprocess.run([sys.executable, probe, str(tmp_path), str(megabytes)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, probe, str(tmp_path), str(megabytes)], capture_output=True, text=True, check=True
+    )
     peaks = json.loads(out.stdout.strip().splitlines()[-1])
     state = peaks["state_bytes"]
     # Beyond the live arrays, a save holds at most the files in flight (none at all on CPU,

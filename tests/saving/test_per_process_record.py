@@ -14,7 +14,9 @@ from tpu_ckpt.saving._per_process import write_values
 
 def test_a_16_mib_value_sends_the_leader_a_few_bytes(tmp_path):
     value = {"grain": os.urandom(16 << 20), "positions": np.arange(1000)}
-    plan = plan_save({"it": tc.PerProcess(value), "config": {"lr": 0.1, "name": "x" * 1000}}, process_index=3, process_count=4)
+    plan = plan_save(
+        {"it": tc.PerProcess(value), "config": {"lr": 0.1, "name": "x" * 1000}}, process_index=3, process_count=4
+    )
     with storage.Store(storage.location(str(tmp_path))) as store:
         record = write_values(store, plan.manifest, 3, "")
     assert len(record) < 200  # the coordination service sees this, and nothing else

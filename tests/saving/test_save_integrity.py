@@ -89,7 +89,9 @@ def test_an_object_store_prefix_that_lost_a_data_file_is_not_committed():
     store = storage.Store(storage.location(url))
     third = lambda: next(n for n in store.list() if n.endswith("d00000-00002.safetensors"))  # noqa: E731 (its name carries the save's token)
     sabotage = Sabotage(lambda: bool(store.list()), lambda: store.delete(third()))
-    with pytest.raises(tc.CheckpointError, match=r"lost_file/[0-9a-f]{4}-[0-9a-f]+-d00000-00002\.safetensors is missing") as e:
+    with pytest.raises(
+        tc.CheckpointError, match=r"lost_file/[0-9a-f]{4}-[0-9a-f]+-d00000-00002\.safetensors is missing"
+    ) as e:
         tc.save(url, tree(), options=tc.CheckpointOptions(sharding_callback=sabotage))
     store.close()
     assert sabotage.acted and e.value.file.startswith(f"{url}/") and e.value.file.endswith("-d00000-00002.safetensors")
@@ -125,7 +127,9 @@ def test_a_file_that_does_not_fit_fails_the_save_naming_it_and_leaves_nothing(tm
     assert sorted(results) == ["data-async", "data-sync", "manifest-async", "manifest-sync"]
     for case, result in results.items():
         # the commit writes the piece tables, then the manifest: either may be the one that does not fit
-        names = ("/manifest.json", "/pieces-00000.bin") if case.startswith("manifest") else ("/d00000-00000.safetensors",)
+        names = (
+            ("/manifest.json", "/pieces-00000.bin") if case.startswith("manifest") else ("/d00000-00000.safetensors",)
+        )
         assert result["types"] and "CheckpointError" in result["types"], result
         assert f"/{case}/c.tmp-" in result["file"] and result["file"].endswith(names), result
         assert result["file"] in result["message"], result

@@ -36,8 +36,13 @@ def test_a_sharded_array_is_written_one_piece_per_device_each_into_its_own_file(
         for n in range(8)
     }
     entry = leaf(plan, "w")
-    assert (entry.kind, entry.shape, entry.dtype, entry.is_slot, entry.pieces) == ("array", (8, 4), "float32", False, ())
-    assert entry.sharding == {"type": "NamedSharding", "mesh": {"data": 4, "model": 2}, "spec": ["data", "model"], **helpers.axis_types(mesh42)}
+    assert (entry.kind, entry.shape, entry.dtype, entry.is_slot, entry.pieces) == (
+        "array", (8, 4), "float32", False, ()
+    )
+    assert entry.sharding == {
+        "type": "NamedSharding", "mesh": {"data": 4, "model": 2}, "spec": ["data", "model"],
+        **helpers.axis_types(mesh42),
+    }
     assert plan.manifest.files == {} and plan.manifest.process_count == 1
     (piece,) = plan.files[3].pieces
     np.testing.assert_array_equal(np.asarray(piece.data), np.asarray(x)[2:4, 2:4])
@@ -81,9 +86,11 @@ def test_built_in_policies_plan_the_same_files_through_arrange_as_through_their_
         pass
 
     arranged, called = (
-        plan_save(tree, tc.CheckpointOptions(sharding_callback=p), process_index=0, process_count=1) for p in (policy(), Same())
+        plan_save(tree, tc.CheckpointOptions(sharding_callback=p), process_index=0, process_count=1)
+        for p in (policy(), Same())
     )
-    assert written(arranged) == written(called) and len(arranged.files) == (9 if policy is tc.ShardByDevicePolicy else 1)
+    assert written(arranged) == written(called)
+    assert len(arranged.files) == (9 if policy is tc.ShardByDevicePolicy else 1)
     assert [f.nbytes for f in arranged.files] == [f.nbytes for f in called.files]
     for a, c in zip(arranged.files, called.files):
         assert all(np.shares_memory(np.asarray(x.data), np.asarray(y.data)) for x, y in zip(a.pieces, c.pieces))
@@ -197,7 +204,8 @@ def test_merging_indexes_makes_a_new_manifest_and_changes_no_input():
     source = TableSource(lambda name, start, length: tables[name][start : start + length], lambda name: name)
     merged = decode_manifest(body, where="the merged manifest", tables=source)
     assert merged.files == {"d00000-00000.safetensors": 100, "d00001-00000.safetensors": 90}
-    assert [p.slice for p in next(e for e in merged.leaves if e.key == "w").pieces] == [((0, 2), (0, 2)), ((2, 4), (0, 2))]
+    w = next(e for e in merged.leaves if e.key == "w")
+    assert [p.slice for p in w.pieces] == [((0, 2), (0, 2)), ((2, 4), (0, 2))]
     assert (merged.process_count, merged.sharding_callback) == (2, plan.manifest.sharding_callback)
     assert (plan.manifest, dict(own.files), own.leaves, dict(theirs.files)) == before
 
@@ -233,5 +241,6 @@ def test_two_processes_plan_balanced_writes_and_log_only_their_own_files(tmp_pat
     assert sorted(saved) == sorted(name for files in plans.values() for name in files)
     for process in (0, 1):
         own = {name: size for name, size in saved.items() if name.startswith(f"d{process:05d}-")}
-        (line,) = [line for line in next(r.result["log"] for r in runs if r.result["process"] == process) if "saved" in line]
+        log = next(r.result["log"] for r in runs if r.result["process"] == process)
+        (line,) = [line for line in log if "saved" in line]
         assert re.search(rf"{len(own)} files, {sum(own.values()) / 1e6:.1f} MB from this process", line), line

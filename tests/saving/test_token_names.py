@@ -105,7 +105,10 @@ class SaveBeforeCommit(tc.MaxShardSizePolicy):
 
 @pytest.mark.parametrize("where", ["memory", "s3"])
 def test_the_loser_of_two_saves_removes_only_its_own_objects(where, request):
-    url = "memory://token_names/race" if where == "memory" else Bucket(request.getfixturevalue("s3_server"), "race-" + os.urandom(4).hex()).url("c")
+    url = (
+        "memory://token_names/race" if where == "memory"
+        else Bucket(request.getfixturevalue("s3_server"), "race-" + os.urandom(4).hex()).url("c")
+    )
     winner: set[str] = set()
 
     def other() -> None:

@@ -25,7 +25,10 @@ def plain_restore_index_entries(directory: str) -> dict:
     values = {f"w{n}": np.arange(16 * 8 * (n + 1), dtype=np.float32).reshape(16 * (n + 1), 8) for n in range(6)}
     path = os.path.join(directory, "ckpt")
     tc.save(path, {k: _global_array(flat, P("model"), v) for k, v in values.items()})
-    targets = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(square, P("b", "a"))) for k, v in values.items()}
+    targets = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(square, P("b", "a")))
+        for k, v in values.items()
+    }
     counts = {"global_entries": 0, "local_entries": 0}
     global_map, block_indices = Sharding.devices_indices_map, _local_indices.block_indices
 

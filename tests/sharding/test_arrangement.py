@@ -57,4 +57,6 @@ def test_a_subclass_of_a_built_in_policy_is_called_and_its_shards_used(tmp_path)
     tc.save(tmp_path / "one", _tree(), options=tc.CheckpointOptions(sharding_callback=_OneFile()))
     assert len(_data_files(tmp_path / "by_device")) == 8  # one per device: the built-in's arrangement
     assert len(_data_files(tmp_path / "one")) == 1
-    np.testing.assert_array_equal(np.asarray(tc.restore(tmp_path / "one")["w"]), np.arange(64, dtype=np.float32).reshape(8, 8))
+    np.testing.assert_array_equal(
+        np.asarray(tc.restore(tmp_path / "one")["w"]), np.arange(64, dtype=np.float32).reshape(8, 8)
+    )

@@ -51,9 +51,10 @@ def test_shardable_tensor_is_frozen_and_hashable():
 
 def test_describe_sharding(mesh42):
     x = jax.device_put(np.ones((8, 4)), NamedSharding(mesh42, P(("data", "model"))))
+    # jax.make_mesh's axes are Explicit on recent JAX; a mesh of Auto axes (the classic jax.sharding.Mesh) records none
     assert describe_sharding(x) == {
         "type": "NamedSharding", "mesh": {"data": 4, "model": 2}, "spec": [["data", "model"]], **axis_types(mesh42)
-    }  # jax.make_mesh's axes are Explicit on recent JAX; a mesh of Auto axes (the classic jax.sharding.Mesh) records none
+    }
     auto = jax.sharding.Mesh(mesh42.devices, mesh42.axis_names)
     assert "axis_types" not in describe_sharding(jax.device_put(np.ones((8, 4)), NamedSharding(auto, P("data"))))
     assert describe_sharding(np.ones(2)) is None

@@ -34,7 +34,8 @@ def test_a_sharded_key_restores_onto_another_mesh(tmp_path):
     devices = jax.devices()
     mesh = jax.sharding.Mesh(np.array(devices), ("x",))
     keys = jax.device_put(jax.random.split(jax.random.key(1), 8), NamedSharding(mesh, P("x")))
-    tc.save(tmp_path / "c", {"keys": keys, "replicated": jax.device_put(jax.random.key(2), NamedSharding(mesh, P()))}).wait()
+    replicated = jax.device_put(jax.random.key(2), NamedSharding(mesh, P()))
+    tc.save(tmp_path / "c", {"keys": keys, "replicated": replicated}).wait()
     other = jax.sharding.Mesh(np.array(devices[::-1]).reshape(-1, 1), ("a", "b"))
     target = {
         "keys": jax.ShapeDtypeStruct((8,), keys.dtype, sharding=NamedSharding(other, P("a"))),

@@ -83,7 +83,9 @@ def test_skip_slots_with_a_train_state_target(tmp_path):
     target = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), state)
     out = tc.restore(tmp_path / "c", target, options=tc.CheckpointOptions(skip_slot_variables=True))
     assert type(out) is train_state.TrainState
-    np.testing.assert_array_equal(np.asarray(out.params["Dense_0"]["kernel"]), np.asarray(state.params["Dense_0"]["kernel"]))
+    np.testing.assert_array_equal(
+        np.asarray(out.params["Dense_0"]["kernel"]), np.asarray(state.params["Dense_0"]["kernel"])
+    )
     assert int(out.opt_state[0].count) == 1  # non-slot optimizer state is restored
     assert out.opt_state[0].mu["Dense_0"]["kernel"] is target.opt_state[0].mu["Dense_0"]["kernel"]  # unchanged
     assert isinstance(out.opt_state[0].mu["Dense_0"]["kernel"], jax.ShapeDtypeStruct)
@@ -117,7 +119,10 @@ def test_a_serving_restore_reads_no_slot_bytes_and_needs_no_optax(tmp_path):
     tc.save(tmp_path / "c", train_state.TrainState.create(apply_fn=None, params=big, tx=optax.adam(1e-3)))
 
     def run(mode):
-        out = subprocess.run([sys.executable, "-c", SERVING_SCRIPT, str(tmp_path / "c"), mode], capture_output=True, text=True, check=True, cwd=ROOT)
+        out = subprocess.run(
+            [sys.executable, "-c", SERVING_SCRIPT, str(tmp_path / "c"), mode],
+            capture_output=True, text=True, check=True, cwd=ROOT,
+        )
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     full, serving = run("full"), run("skip")

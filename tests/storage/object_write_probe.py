@@ -55,5 +55,7 @@ tc.save(url, state, options=options)
 save_peak = rss("VmHWM") - base
 target = {key: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for key, x in state.items()}
 restored = tc.restore(url, target)
-exact = all(np.array_equal(np.asarray(restored[k]).view(np.uint32), np.asarray(x).view(np.uint32)) for k, x in state.items())
+exact = all(
+    np.array_equal(np.asarray(restored[k]).view(np.uint32), np.asarray(x).view(np.uint32)) for k, x in state.items()
+)
 print(json.dumps({"state_bytes": n * 4 * len(specs), "save_peak": save_peak, "exact": exact}))

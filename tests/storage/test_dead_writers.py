@@ -57,7 +57,8 @@ def leftovers(url: str) -> list[str]:
 def test_a_marker_records_its_writer(tmp_path):
     name = staged_by_a_dead_process(str(tmp_path))
     doc = json.loads((tmp_path / name / STAGING_MARKER).read_text())
-    assert doc["host"]["name"] == os.uname().nodename and doc["host"]["boot_id"] == open("/proc/sys/kernel/random/boot_id").read().strip()
+    assert doc["host"]["name"] == os.uname().nodename
+    assert doc["host"]["boot_id"] == open("/proc/sys/kernel/random/boot_id").read().strip()
     assert isinstance(doc["pid"], int) and doc["pid"] != os.getpid() and isinstance(doc["pid_start"], int)
 
 
@@ -77,7 +78,8 @@ def test_gc_keeps_a_leftover_whose_writer_may_live(run_url, change, capsys):  # 
     elif change == "old_marker":  # written before markers recorded their writer
         rewrite_marker(run_url, name, host=None, pid=None, pid_start=None)
     else:  # this very process, as it started
-        rewrite_marker(run_url, name, pid=os.getpid(), pid_start=int(open(f"/proc/{os.getpid()}/stat").read().rpartition(")")[2].split()[19]))
+        started = int(open(f"/proc/{os.getpid()}/stat").read().rpartition(")")[2].split()[19])
+        rewrite_marker(run_url, name, pid=os.getpid(), pid_start=started)
     assert cli.main(["gc", run_url]) == 0
     assert f"kept {name} (a save that may still be running" in capsys.readouterr().out
     assert leftovers(run_url) == [name]
@@ -92,7 +94,9 @@ def test_a_reused_process_id_is_a_dead_writer(tmp_path, capsys):
 
 def test_gc_grace_shortens_the_grace_period_of_another_hosts_save(run_url, capsys):  # noqa: F811
     name = staged_by_a_dead_process(run_url)
-    rewrite_marker(run_url, name, host={"name": "elsewhere", "boot_id": "b", "pid_ns": "pid:[1]"}, started=time.time() - 100)
+    rewrite_marker(
+        run_url, name, host={"name": "elsewhere", "boot_id": "b", "pid_ns": "pid:[1]"}, started=time.time() - 100
+    )
     assert cli.main(["gc", "--grace", "600", run_url]) == 0
     assert leftovers(run_url) == [name]
     assert cli.main(["gc", "--grace", "60", "--dry-run", run_url]) == 0

@@ -35,5 +35,6 @@ def test_an_object_store_step_whose_referenced_step_was_deleted_says_so(bucket):
         bucket.delete(key)
     with pytest.raises(tc.CorruptCheckpointError) as raised:
         tc.restore(bucket.url("run/step_2"))
-    assert "references data file ../step_1/" in str(raised.value) and "which lies in no step of the run" in str(raised.value)
+    assert "references data file ../step_1/" in str(raised.value)
+    assert "which lies in no step of the run" in str(raised.value)
     assert "edited or damaged" not in str(raised.value)

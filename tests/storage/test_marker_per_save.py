@@ -107,8 +107,12 @@ def test_gc_removes_a_stale_saves_strays_with_its_marker_and_keeps_a_running_sav
     assert set(found[RUNNING].files) == running and found[RUNNING].held_until > time.time() + STAGING_GRACE_S - 60
     assert main(["gc", bucket.url("run")]) == 0
     removed, kept = capsys.readouterr().out.splitlines()
-    assert removed == f"removed {len(stalled)} stray objects in step_1 (written by a save {STALLED} that never committed it)"
-    assert kept.startswith(f"kept {len(running)} stray objects in step_1 (a save that may still be running; removable in ")
+    assert removed == (
+        f"removed {len(stalled)} stray objects in step_1 (written by a save {STALLED} that never committed it)"
+    )
+    assert kept.startswith(
+        f"kept {len(running)} stray objects in step_1 (a save that may still be running; removable in "
+    )
     assert objects(bucket, "run/step_1") == committed | running
 
     # Beside the running save's marker, step_1 is as committed as ever.

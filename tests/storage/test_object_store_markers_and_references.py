@@ -58,7 +58,8 @@ HUGE = "1" + "0" * 400  # a JSON integer no float holds
 @pytest.mark.parametrize(
     "hostile",
     [f'{{"final":"step_5","started":{HUGE},"grace_s":1}}', '{"final":"step_5","started":NaN,"grace_s":1}',
-     '{"final":"step_5","started":1,"grace_s":NaN}', '{"final":"step_5","started":Infinity,"grace_s":-Infinity}', "[" * 60000],
+     '{"final":"step_5","started":1,"grace_s":NaN}', '{"final":"step_5","started":Infinity,"grace_s":-Infinity}',
+     "[" * 60000],
 )
 def test_a_hostile_marker_neither_crashes_a_listing_nor_lets_gc_remove_a_running_save(bucket, capsys, hostile):
     """A marker whose numbers are no time (too large for a float, NaN) is an unreadable one:
@@ -86,7 +87,9 @@ def test_a_plain_marker_naming_another_checkpoint_leaves_an_object_store_checkpo
     plain ``staging.json`` naming another checkpoint (an older version's, copied with the
     checkpoint to a new name) makes it no staging area that ``gc`` may remove."""
     tc.save(bucket.url("run/best"), {"w": np.arange(8, dtype=np.float32)})
-    marker = {"final": "step_5", "token": "5c0e9b21", "started": time.time() - 2 * STAGING_GRACE_S, "grace_s": STAGING_GRACE_S}
+    marker = {
+        "final": "step_5", "token": "5c0e9b21", "started": time.time() - 2 * STAGING_GRACE_S, "grace_s": STAGING_GRACE_S
+    }
     put_marker(bucket, "run/best", STAGING_MARKER, json.dumps(marker))
     assert catalog.checkpoints_in(bucket.url("run")) == {"best": None}
     assert main(["gc", bucket.url("run")]) == 0
@@ -131,7 +134,9 @@ def test_a_leftover_committed_since_it_was_listed_stays_whatever_its_plain_marke
     """A cleanup that listed ``best`` before its save committed finds its manifest just before
     deleting it: on an object store that is the commit, whatever checkpoint an expired plain
     marker beside it names."""
-    marker = {"final": "step_5", "token": "5c0e9b21", "started": time.time() - 2 * STAGING_GRACE_S, "grace_s": STAGING_GRACE_S}
+    marker = {
+        "final": "step_5", "token": "5c0e9b21", "started": time.time() - 2 * STAGING_GRACE_S, "grace_s": STAGING_GRACE_S
+    }
     put_marker(bucket, "run/best", STAGING_MARKER, json.dumps(marker))
     assert [e.name for e in catalog.scan(bucket.url("run"))] == ["best"]  # a leftover, as listed
     tc.save(bucket.url("run/best"), {"w": np.arange(8, dtype=np.float32)})  # committed since

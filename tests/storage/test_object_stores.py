@@ -197,7 +197,8 @@ def test_keep_every_n_hours_is_refused_where_there_are_no_mtimes(bucket):
 
 def test_cli_export_writes_params_only_into_the_bucket(bucket):
     params = {"dense": {"kernel": np.arange(32, dtype=np.float32).reshape(8, 4)}, "ids": np.arange(3)}
-    tc.save(bucket.url("train"), {"params": params, "opt_state": {"mu": {"dense": {"kernel": np.ones((8, 4))}}}, "step": 3}).wait()
+    opt_state = {"mu": {"dense": {"kernel": np.ones((8, 4))}}}
+    tc.save(bucket.url("train"), {"params": params, "opt_state": opt_state, "step": 3}).wait()
     done = subprocess.run(
         [sys.executable, "-m", "tpu_ckpt", "export", bucket.url("train"), bucket.url("serve"), "--dtype", "bfloat16"],
         capture_output=True, text=True, env=os.environ.copy(), timeout=300,
@@ -252,7 +253,8 @@ def test_a_permanent_error_is_not_retried_and_nothing_is_left_behind(faulty):
     options = tc.CheckpointOptions(sharding_callback=tc.MaxShardSizePolicy(24))  # two files
     with pytest.raises(tc.CheckpointError, match="403") as raised:
         tc.save(bucket.url("c"), {"x": np.ones(3), "y": np.ones(2)}, options=options).wait()
-    assert raised.value.file.startswith(bucket.url("c/")) and raised.value.file.endswith("-d00000-00001.safetensors")  # <hash>-<token>-
+    # <hash>-<token>-
+    assert raised.value.file.startswith(bucket.url("c/")) and raised.value.file.endswith("-d00000-00001.safetensors")
     assert [r.status for r in proxy.requests if second_file(r.method, r.path)] == [403]
     assert bucket.keys("c/") == []  # the file that was written is removed again
 

@@ -28,7 +28,9 @@ def tree(mesh) -> dict:
     return {
         "big": np.arange(96 * 70, dtype=np.float32).reshape(96, 70),  # 26,880 B: cut into slabs
         "wide": np.arange(3 * 5 * 700, dtype=np.int16).reshape(3, 5, 700),  # rows of 1,400 B
-        "sharded": jax.device_put(np.arange(64 * 32, dtype=np.float64).reshape(64, 32), NamedSharding(mesh, P("data", "model"))),
+        "sharded": jax.device_put(
+            np.arange(64 * 32, dtype=np.float64).reshape(64, 32), NamedSharding(mesh, P("data", "model"))
+        ),
         "tiny": {f"t{i:03d}": np.full((1,), i, np.int32) for i in range(300)},  # headers outweigh data
         "scalar": np.float32(2.5),
         "empty": np.zeros((0, 4), np.float32),
@@ -64,7 +66,9 @@ def test_the_plan_bounds_every_file_and_its_pieces_still_tile_every_leaf(mesh42)
     big = [p for f in plan.files for p in f.pieces if p.key == "big"]
     assert len(big) > 2 and all(p.nbytes <= bound for p in big)  # cut into sub-blocks
     assert any(len([p for p in f.pieces if p.key.startswith("tiny/")]) > 1 for f in plan.files)
-    leaves = {"big": state["big"], "wide": state["wide"], "sharded": np.asarray(state["sharded"]), "empty": state["empty"]}
+    leaves = {
+        "big": state["big"], "wide": state["wide"], "sharded": np.asarray(state["sharded"]), "empty": state["empty"]
+    }
     leaves |= {f"tiny/{k}": v for k, v in state["tiny"].items()}
     for key, value in leaves.items():
         out, cover = assembled(plan, key, value)
@@ -92,7 +96,9 @@ def test_bounded_files_view_only_the_pieces_they_cut():
 
 def test_a_custom_callbacks_files_are_cut_too():
     options = tc.CheckpointOptions(sharding_callback=tc.MaxShardSizePolicy(1 << 20))
-    plan = plan_save({"w": np.ones((64, 64), np.float32)}, options, process_index=0, process_count=1, max_file_bytes=4096)
+    plan = plan_save(
+        {"w": np.ones((64, 64), np.float32)}, options, process_index=0, process_count=1, max_file_bytes=4096
+    )
     # A sixteenth of the bound is kept for headers: slabs of 15 rows of 64 float32 (3,840 B).
     assert len(plan.files) == 5 and max(map(planned_bytes, plan.files)) <= 4096
 

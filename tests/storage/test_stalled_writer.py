@@ -59,10 +59,12 @@ def test_a_stalled_writer_resumes_after_another_committed_and_fails_typed(faulty
         pytest.skip("gcp-storage-emulator ignores ifGenerationMatch (tests/storage/test_object_retries.py)")
     worker = tmp_path / "stalled_writer.py"
     worker.write_text(WORKER)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(__file__)))}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root}
     proxy.delay_s = 0.3  # every request of the writer: its ~20 data objects take seconds
     proc = subprocess.Popen(
-        [sys.executable, str(worker), bucket.url("c"), "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        [sys.executable, str(worker), bucket.url("c"), "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     try:
         wait_for(lambda: bool(data_objects(bucket)), "its first data object", proc)
@@ -80,7 +82,8 @@ def test_a_stalled_writer_resumes_after_another_committed_and_fails_typed(faulty
             proc.wait()
     assert proc.returncode == 3, output
     assert "FAILED CheckpointExistsError" in output and "another save committed" in output, output
-    assert "c/manifest.json" in committed and set(bucket.keys("c/")) == committed  # none of the winner's went, all of its own did
+    # none of the winner's went, all of its own did
+    assert "c/manifest.json" in committed and set(bucket.keys("c/")) == committed
     restored = tc.restore(bucket.url("c"))
     for key, expected in state(2).items():
         assert np.asarray(restored[key]).tobytes() == np.asarray(expected).tobytes(), key

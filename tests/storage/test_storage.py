@@ -17,7 +17,9 @@ from tpu_ckpt.storage._local import LocalStore
 def test_locations_map_to_kvstore_specs(tmp_path):
     assert storage.location(tmp_path / "c").kvstore_spec() == {"driver": "file", "path": str(tmp_path / "c") + "/"}
     assert storage.location("memory://a/b").kvstore_spec() == {"driver": "memory", "path": "a/b/"}
-    assert storage.location("gs://bucket/run/step_1").kvstore_spec() == {"driver": "gcs", "bucket": "bucket", "path": "run/step_1/"}
+    assert storage.location("gs://bucket/run/step_1").kvstore_spec() == {
+        "driver": "gcs", "bucket": "bucket", "path": "run/step_1/"
+    }
     previous = configure(Settings(aws_endpoint_url="http://127.0.0.1:9000"))
     try:
         assert storage.location("s3://b/p").kvstore_spec() == {"driver": "s3", "bucket": "b", "path": "p/", "endpoint": "http://127.0.0.1:9000"}

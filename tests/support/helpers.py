@@ -17,7 +17,10 @@ def bits(x) -> np.ndarray:
 def mixed_state(seed: int = 23) -> dict:
     """A small tree of a float array, an int64 array and a value, different for each seed."""
     rng = np.random.default_rng(seed)
-    return {"w": rng.standard_normal((64, 33)).astype(np.float32), "ids": np.arange(3000, dtype=np.int64) * seed, "step": seed}
+    return {
+        "w": rng.standard_normal((64, 33)).astype(np.float32), "ids": np.arange(3000, dtype=np.int64) * seed,
+        "step": seed,
+    }
 
 
 def assert_bit_exact(restored: dict, expected: dict) -> None:
@@ -55,7 +58,10 @@ def leaf(path: str, key: str) -> dict:
 
     decoded = next(e for e in read_manifest(storage.location(str(path))).leaves if e.key == key)
     entry["pieces"] = [
-        {"slice": [list(ab) for ab in p.slice], "file": p.file, "offset": p.offset, "length": p.length, "crc32c": p.crc32c}
+        {
+            "slice": [list(ab) for ab in p.slice], "file": p.file, "offset": p.offset, "length": p.length,
+            "crc32c": p.crc32c,
+        }
         for p in decoded.pieces
     ]
     return entry
@@ -178,13 +184,17 @@ def merge_indexes(planned, indexes, check: bool = True):
         files.update(one.files)
         for entry in one.leaves:
             pieces.setdefault(entry.key, []).extend(entry.pieces)
-    leaves = tuple(dataclasses.replace(e, pieces=tuple(sorted(pieces.get(e.key, ()), key=lambda p: p.slice))) for e in planned.leaves)
+    leaves = tuple(
+        dataclasses.replace(e, pieces=tuple(sorted(pieces.get(e.key, ()), key=lambda p: p.slice)))
+        for e in planned.leaves
+    )
     merged = dataclasses.replace(planned, leaves=leaves, files=dict(sorted(files.items())))
     for entry in merged.leaves if check else ():
         problem = None if entry.kind != "array" else tiling_problem(entry.shape, [p.slice for p in entry.pieces])
         if problem:
             raise CheckpointError(
-                f"Leaf {entry.key!r}: {problem}; refusing to commit an inconsistent checkpoint. Are all processes saving the same tree?", key=entry.key
+                f"Leaf {entry.key!r}: {problem}; refusing to commit an inconsistent checkpoint. "
+                "Are all processes saving the same tree?", key=entry.key
             )
     return merged
 

@@ -56,7 +56,9 @@ def save_and_restore_across_meshes(directory: str) -> dict:
     files = sorted(os.listdir(path))
     reversed_mesh = jax.sharding.Mesh(np.array(jax.devices()[::-1]).reshape(2, 4), ("data", "model"))
     target = {
-        "w": jax.ShapeDtypeStruct(GLOBAL.shape, GLOBAL.dtype, sharding=NamedSharding(reversed_mesh, P("model", "data"))),
+        "w": jax.ShapeDtypeStruct(
+            GLOBAL.shape, GLOBAL.dtype, sharding=NamedSharding(reversed_mesh, P("model", "data"))
+        ),
         "replicated": jax.ShapeDtypeStruct((6,), np.int32, sharding=NamedSharding(reversed_mesh, P())),
         "big_replicated": jax.ShapeDtypeStruct(BIG.shape, BIG.dtype, sharding=NamedSharding(reversed_mesh, P("data"))),
         "a_on_zero": jax.ShapeDtypeStruct((1 << 18,), np.float32, sharding=NamedSharding(reversed_mesh, P())),
@@ -64,7 +66,9 @@ def save_and_restore_across_meshes(directory: str) -> dict:
     }
     before = {s.device.id for s in tree["w"].addressable_shards}
     try:
-        tc.save(os.path.join(directory, "bad"), tree, options=tc.CheckpointOptions(sharding_callback=_ReturnsGlobalArrays()))
+        tc.save(
+            os.path.join(directory, "bad"), tree, options=tc.CheckpointOptions(sharding_callback=_ReturnsGlobalArrays())
+        )
         altered_task_error = ""
     except tc.InvalidShardsError as e:
         altered_task_error = str(e)
@@ -158,7 +162,9 @@ def async_save_with_buffers_deleted(directory: str) -> dict:
     result = tc.save(path, {"w": w}, options=tc.CheckpointOptions(enable_async=True))
     w.delete()
     result.wait()
-    restored = tc.restore(path, {"w": jax.ShapeDtypeStruct(GLOBAL.shape, GLOBAL.dtype, sharding=NamedSharding(mesh, P("model")))})
+    restored = tc.restore(
+        path, {"w": jax.ShapeDtypeStruct(GLOBAL.shape, GLOBAL.dtype, sharding=NamedSharding(mesh, P("model")))}
+    )
     return {"mismatches": _shard_mismatches(restored["w"], GLOBAL, "w")}
 
 
@@ -237,7 +243,9 @@ def io_device_save_and_restore(directory: str, io: str) -> dict:
         "process": me,
         "bytes_written_by_save": written,
         "local_files": sorted(os.listdir(local)),
-        "mismatches": _mismatches(restored, values) + _mismatches(restored_async, values) + _mismatches(from_shared, values),
+        "mismatches": (
+            _mismatches(restored, values) + _mismatches(restored_async, values) + _mismatches(from_shared, values)
+        ),
         "needs_other_process_pieces": _needs_pieces_of_other_processes(tree["w"], restored["w"]),
         "missing_error": missing_error,
     }
@@ -328,7 +336,9 @@ def _manager_loop(manager: tc.CheckpointManager, mesh: jax.sharding.Mesh, last: 
     for step in range(1, last + 1):
         manager.save(step, {"w": _global_array(mesh, P("data", "model"), GLOBAL + step), "step": step})
     manager.wait_until_finished()
-    target = {"w": jax.ShapeDtypeStruct(GLOBAL.shape, GLOBAL.dtype, sharding=NamedSharding(_reversed_mesh(), P())), "step": 0}
+    target = {
+        "w": jax.ShapeDtypeStruct(GLOBAL.shape, GLOBAL.dtype, sharding=NamedSharding(_reversed_mesh(), P())), "step": 0
+    }
     return manager.all_steps(), manager.restore(target=target)
 
 
@@ -392,19 +402,26 @@ def coordination_keys_are_deleted(directory: str) -> dict:
 
     mesh = _job_mesh()
     tree = {"w": _global_array(mesh, P("data", "model")), "big_replicated": _global_array(mesh, P(), BIG)}
-    target = {key: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(_reversed_mesh(), P())) for key, v in tree.items()}
+    target = {
+        key: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(_reversed_mesh(), P()))
+        for key, v in tree.items()
+    }
     tc.save(os.path.join(directory, "sync"), tree)  # the first save into a directory proves it shared
     tc.save(os.path.join(directory, "async"), tree, options=tc.CheckpointOptions(enable_async=True)).wait()
     tc.save(os.path.join(directory, "io"), tree, options=tc.CheckpointOptions(io_device=1))
     for options in (tc.CheckpointOptions(load_and_broadcast=True), tc.CheckpointOptions(io_device=1)):
         tc.restore(os.path.join(directory, "sync"), target, options=options)
     try:
-        tc.save(os.path.join(directory, "fails"), tree, options=tc.CheckpointOptions(sharding_callback=_FailsOnProcessOne()))
+        tc.save(
+            os.path.join(directory, "fails"), tree, options=tc.CheckpointOptions(sharding_callback=_FailsOnProcessOne())
+        )
         failed = None
     except Exception as e:  # noqa: BLE001 - the scenario reports what was raised
         failed = type(e).__name__
     options = tc.CheckpointOptions(io_device=1, enable_async=True)
-    with tc.CheckpointManager(os.path.join(directory, "run"), max_to_keep=2, save_interval_seconds=0, options=options) as manager:
+    with tc.CheckpointManager(
+        os.path.join(directory, "run"), max_to_keep=2, save_interval_seconds=0, options=options
+    ) as manager:
         for step in range(1, 4):
             manager.save(step, tree)
         manager.wait_until_finished()
@@ -457,7 +474,10 @@ def pod_like(directory: str, late: str) -> dict:
     late, last = int(late), jax.process_count() - 1
     mesh, reversed_mesh = _job_mesh(), _reversed_mesh()
     values = {"w": GLOBAL, "replicated": np.arange(16, dtype=np.int32), "step": 7}
-    tree = {"w": _global_array(mesh, P("data", "model")), "replicated": _global_array(mesh, P(), values["replicated"]), "step": 7}
+    tree = {
+        "w": _global_array(mesh, P("data", "model")), "replicated": _global_array(mesh, P(), values["replicated"]),
+        "step": 7,
+    }
     targets = _targets(tree, reversed_mesh)
     tc.save(os.path.join(directory, "ckpt"), tree)
     restored = tc.restore(os.path.join(directory, "ckpt"), targets)
@@ -474,7 +494,10 @@ def pod_like(directory: str, late: str) -> dict:
         latest = manager.restore(target=targets)
     return {
         "process": jax.process_index(),
-        "mismatches": _mismatches(restored, values) + _mismatches(through_io, values) + _mismatches(latest, {**values, "step": 3}),
+        "mismatches": (
+            _mismatches(restored, values) + _mismatches(through_io, values)
+            + _mismatches(latest, {**values, "step": 3})
+        ),
         "needs_other_process_pieces": _needs_pieces_of_other_processes(tree["w"], restored["w"]),
         "steps": steps,
         "seen": seen,
@@ -521,7 +544,9 @@ def straggler_while_the_staging_area_is_removed(directory: str, files: str) -> d
     if jax.process_index() == 0:
         threading.Thread(target=_fill_the_staging_area, args=(directory, int(files)), daemon=True).start()
     many_files = tc.MaxShardSizePolicy(4 << 10)
-    return _save_with_a_straggler(os.path.join(directory, "late"), tree, jax.process_count() - 1, sharding_callback=many_files)
+    return _save_with_a_straggler(
+        os.path.join(directory, "late"), tree, jax.process_count() - 1, sharding_callback=many_files
+    )
 
 
 def _fill_the_staging_area(directory: str, files: int) -> None:

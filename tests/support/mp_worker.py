@@ -13,7 +13,8 @@ jax.config.update("jax_enable_x64", True)
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=int(num_processes), process_id=int(process_id))
 
 module, _, function = scenario.rpartition(".")  # "tiers.tier_scenarios.f": another module's scenario
-scenarios = importlib.import_module(f"tests.{module or 'support.mp_scenarios'}")  # after initialize, like a training script
+# after initialize, like a training script
+scenarios = importlib.import_module(f"tests.{module or 'support.mp_scenarios'}")
 result = getattr(scenarios, function)(*args)
 print("RESULT " + json.dumps(result), flush=True)
 if result.get("peer_killed"):

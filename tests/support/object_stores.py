@@ -298,7 +298,9 @@ class FaultyProxy:
         with self._lock:
             self._storms.append((match, status, time.monotonic() + seconds))
 
-    def flaky(self, fraction: float, status: int, match: Callable[[str, str], bool] = lambda method, path: True) -> None:
+    def flaky(
+        self, fraction: float, status: int, match: Callable[[str, str], bool] = lambda method, path: True
+    ) -> None:
         with self._lock:
             self._flaky.append((match, status, fraction))
 
@@ -338,7 +340,8 @@ class FaultyProxy:
             status = self._injected(method, path)
             if status is not None:
                 return status, [("Content-Type", "text/plain")], b"injected by the test"
-            return self._forward(method, path, {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}, body)
+            forwarded = {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
+            return self._forward(method, path, forwarded, body)
         finally:
             with self._lock:
                 self._in_flight -= 1
@@ -365,7 +368,9 @@ class FaultyProxy:
                     return
                 arrived = time.monotonic()
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                status, reply_headers, payload = proxy._answer(self.command, self.path, dict(self.headers.items()), body)
+                status, reply_headers, payload = proxy._answer(
+                    self.command, self.path, dict(self.headers.items()), body
+                )
                 with proxy._lock:
                     proxy.requests.append(Request(self.command, self.path, status, arrived))
                 if status == DROP:

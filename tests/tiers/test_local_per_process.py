@@ -37,7 +37,8 @@ def _manager(persistent: str):
     import tpu_ckpt as tc
 
     return tc.CheckpointManager(persistent, save_interval_steps=100, local_directory="local", local_max_to_keep=2,
-                                local_replicas=1, options=tc.CheckpointOptions(enable_async=True, coordination_timeout=60))
+                                local_replicas=1,
+                                options=tc.CheckpointOptions(enable_async=True, coordination_timeout=60))
 
 
 def _tree(step: int) -> dict:
@@ -71,8 +72,9 @@ def saved_by_two(directory: str) -> dict:
     with _manager(persistent) as manager:
         step = manager.latest_step()
         lost = manager.restore(None, {"it": tc.PerProcess()})["it"]
-    return {"process": me, "files": files, "alive": [_seen(alive["it"]), alive["cfg"]], "persistent_steps": persistent_steps,
-            "uploaded": _seen(uploaded), "latest_after_loss": step, "lost": _seen(lost)}
+    return {"process": me, "files": files, "alive": [_seen(alive["it"]), alive["cfg"]],
+            "persistent_steps": persistent_steps, "uploaded": _seen(uploaded), "latest_after_loss": step,
+            "lost": _seen(lost)}
 
 
 def restored_by_one(directory: str) -> dict:
@@ -80,10 +82,14 @@ def restored_by_one(directory: str) -> dict:
     import tpu_ckpt as tc
 
     def reshard(values, process_index, process_count):
-        return {"from": [(v["process"], v["step"], len(v["state"])) for v in values], "as": [process_index, process_count]}
+        return {
+            "from": [(v["process"], v["step"], len(v["state"])) for v in values], "as": [process_index, process_count]
+        }
 
     with _manager(_enter_host(directory)) as manager:
-        return {"step": manager.latest_step(), "it": manager.restore(None, {"it": tc.PerProcess(reshard=reshard)})["it"]}
+        return {
+            "step": manager.latest_step(), "it": manager.restore(None, {"it": tc.PerProcess(reshard=reshard)})["it"]
+        }
 
 
 def _ok(results: list[process_group.ProcessResult]) -> list[dict]:
@@ -93,12 +99,15 @@ def _ok(results: list[process_group.ProcessResult]) -> list[dict]:
 
 
 def test_per_process_values_live_in_the_local_tier_its_replicas_and_its_uploads(tmp_path):
-    for res in _ok(process_group.run("tiers.test_local_per_process.saved_by_two", 2, str(tmp_path), devices_per_process=2)):
+    results = process_group.run("tiers.test_local_per_process.saved_by_two", 2, str(tmp_path), devices_per_process=2)
+    for res in _ok(results):
         me = res["process"]
         assert res["files"] == ["values-00000.bin", "values-00001.bin"]  # its own, and its peer's replica
         assert res["alive"] == [[me, 3, True], {"lr": 0.5}]  # local step 3 (the persistent tier has step 1)
         assert res["persistent_steps"] == [1] and res["uploaded"] == [me, 1, True]
         assert res["latest_after_loss"] == 3 and res["lost"] == [me, 3, True]  # process 1's from its replica on 0
-    (res,) = _ok(process_group.run("tiers.test_local_per_process.restored_by_one", 1, str(tmp_path), devices_per_process=2))
+    (res,) = _ok(
+        process_group.run("tiers.test_local_per_process.restored_by_one", 1, str(tmp_path), devices_per_process=2)
+    )
     assert res["step"] == 3
     assert res["it"] == {"from": [[0, 3, 4096], [1, 3, 4097]], "as": [0, 1]}  # both saved values, in process order

@@ -14,7 +14,8 @@ from tpu_ckpt.tiers._local_steps import held_steps
 
 def tiered(tmp_path) -> tc.CheckpointManager:
     return tc.CheckpointManager(
-        str(tmp_path / "persistent"), save_interval_steps=3, local_directory=str(tmp_path / "local"), local_interval_steps=2
+        str(tmp_path / "persistent"), save_interval_steps=3, local_directory=str(tmp_path / "local"),
+        local_interval_steps=2,
     )
 
 
@@ -60,7 +61,9 @@ def test_of_two_whole_saves_of_one_step_the_newer_is_chosen(tmp_path):
     assert choice.step == 3 and choice.holders == {0: 0}  # process 0 holds the newer save
 
 
-@pytest.mark.parametrize("other", [{"w": np.ones((4, 4), np.float32), "v": np.ones(3)}, {"w": np.ones((16, 4), np.float32)}])
+@pytest.mark.parametrize(
+    "other", [{"w": np.ones((4, 4), np.float32), "v": np.ones(3)}, {"w": np.ones((16, 4), np.float32)}]
+)
 def test_a_local_steps_plan_from_another_save_is_named_as_corrupt(tmp_path, other):
     # plan.json and the parts' indexes, each intact (crc-sealed) but of different saves (a
     # host's disk restored from an old image, a hand copy): a raw IndexError from the tiling

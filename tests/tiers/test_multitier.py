@@ -88,7 +88,8 @@ def test_the_tier_merge_is_spread_over_the_processes_none_reads_another_part_s_i
     for me, res in enumerate(results):
         assert res["step"] == 2 and res["mismatches"] == [], res
         assert not [n for n in res["names"] if n.startswith("index-")], res["names"]
-        assert [n for n in res["names"] if n.startswith("rows-")] == [f"rows-{o:05d}-{me:05d}.bin" for o in range(4)], res
+        rows = [f"rows-{o:05d}-{me:05d}.bin" for o in range(4)]
+        assert [n for n in res["names"] if n.startswith("rows-")] == rows, res
 
 
 def test_async_local_saves_keep_host_memory_limit_on_every_process(tmp_path):

@@ -48,7 +48,8 @@ def _part(step_dir) -> tuple[IndexPlan, Manifest]:
     """A local step's plan, and its part 0's index in manifest form."""
     planned = decode_manifest((step_dir / "plan.json").read_bytes(), where="plan.json", tiled=False)
     plan = IndexPlan.of(planned)
-    return plan, index_manifest(decode_index((step_dir / "index-00000.bin").read_bytes(), where="index", plan=plan), plan)
+    rows = decode_index((step_dir / "index-00000.bin").read_bytes(), where="index", plan=plan)
+    return plan, index_manifest(rows, plan)
 
 
 @pytest.fixture
@@ -121,7 +122,10 @@ def _leaf(key, shape):
 
 
 PLANNED = Manifest(
-    (_leaf("grid", (8, 6)), _leaf("cut", (4, 4)), _leaf("scalar", ()), LeafEntry("step", [["dict", "step"]], "value", value=7)),
+    (
+        _leaf("grid", (8, 6)), _leaf("cut", (4, 4)), _leaf("scalar", ()),
+        LeafEntry("step", [["dict", "step"]], "value", value=7),
+    ),
     {}, 3, "test callback",
 )
 SLICES = {

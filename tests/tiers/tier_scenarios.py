@@ -236,7 +236,9 @@ def async_local_saves_under_a_memory_limit(directory: str) -> dict:
     with tc.CheckpointManager(persistent, local_directory="local", options=options) as manager:
         local = manager.restore(None, target)
     uploaded = tc.restore(os.path.join(persistent, "step_1"), target)
-    return {"local": _mismatches(local, {"w": big, "step": 2}), "persistent": _mismatches(uploaded, {"w": big, "step": 1})}
+    return {
+        "local": _mismatches(local, {"w": big, "step": 2}), "persistent": _mismatches(uploaded, {"w": big, "step": 1})
+    }
 
 
 def damaged_data_falls_back(directory: str) -> dict:
@@ -266,8 +268,9 @@ def spread_merge(directory: str) -> dict:
     from tpu_ckpt.tiers import _restore as tier_restore
 
     persistent = _enter_host(directory)
-    state = lambda step: {**{f"w{i}": _global_array(_job_mesh(), P("data", "model"), GLOBAL + step + i) for i in range(5)},  # noqa: E731
-                          "step": step}
+    state = lambda step: {  # noqa: E731
+        **{f"w{i}": _global_array(_job_mesh(), P("data", "model"), GLOBAL + step + i) for i in range(5)}, "step": step
+    }
     names: set[str] = set()
     read, read_file = tier_restore._Parts.read, tier_restore._Parts.read_file
 

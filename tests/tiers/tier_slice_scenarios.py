@@ -60,7 +60,8 @@ def whole_slice_lost(directory: str) -> dict:
     with open(os.path.join("local", "step_3", "tier.json")) as f:
         out["copy"] = json.load(f)["copy"]
     target = _targets(_state(0), _slice_mesh())
-    out["persistent_1"] = _mismatches(tc.restore(os.path.join(persistent, "step_1"), target), {"w": GLOBAL + 1, "step": 1})
+    restored = tc.restore(os.path.join(persistent, "step_1"), target)
+    out["persistent_1"] = _mismatches(restored, {"w": GLOBAL + 1, "step": 1})
     if me in (2, 3):
         shutil.rmtree("local")  # the slice was recreated: its hosts' RAM disks are empty
     opened = _watch_opens(persistent)

@@ -75,7 +75,9 @@ def swapped(directory: str) -> dict:
             out[case] = {
                 "latest_before": latest, "step": step, "latest_after": manager.latest_step(),
                 "mismatches": _mismatches(restored, {"w": GLOBAL + step, "step": step}),
-                "again": _mismatches(manager.restore(None, _targets(_state(0), _job_mesh())), {"w": GLOBAL + step, "step": step}),
+                "again": _mismatches(
+                    manager.restore(None, _targets(_state(0), _job_mesh())), {"w": GLOBAL + step, "step": step}
+                ),
             }
     return out
 
