@@ -8,15 +8,15 @@ from tpu_ckpt import cluster
 from tpu_ckpt.errors import CoordinationTimeoutError
 
 
-def busy_leader(steps: str, stall: str) -> dict:
-    """Process 0 works ``steps`` seconds, reporting progress each second, then stalls
-    ``stall`` seconds without a word before it publishes; the others wait for it with a
-    2.5 s timeout."""
-    with cluster.Coordinator("busy leader", timeout=2.5) as coord:
+def busy_leader(steps: str, stall: str, timeout: str = "2.5") -> dict:
+    """Process 0 works ``steps`` beats of ``timeout`` / 2.5 seconds (a second at the default
+    timeout), reporting progress after each, then stalls ``stall`` seconds without a word
+    before it publishes; the others wait for it with ``timeout``."""
+    with cluster.Coordinator("busy leader", timeout=float(timeout)) as coord:
         started = time.monotonic()
         if coord.me == 0:
             for done in range(int(steps)):
-                time.sleep(1.0)
+                time.sleep(float(timeout) / 2.5)
                 coord.progress(f"merging indexes ({done + 1} of {steps})")
             time.sleep(float(stall))
             coord.publish("committed")
