@@ -159,7 +159,8 @@ def test_reads_keep_the_configured_number_of_requests_in_flight(faulty, monkeypa
     monkeypatch.setattr(object_store, "REQUEST_BYTES", 64 << 10)
     # A distant store: requests pile up unless they are sent together. A long delay, so that
     # a loaded machine still issues them all before the first answers (never more than allowed).
-    proxy.delay_s = 1.0
+    # Only the data file's reads wait: the manifest's and index's come one after another.
+    proxy.delay_s, proxy.delayed = 1.0, lambda method, path: ".safetensors" in path
     np.testing.assert_array_equal(tc.restore(bucket.url("c"))["x"], x)
     assert 24 <= proxy.most_in_flight <= Settings().object_reads_in_flight == 32, proxy.most_in_flight
     knobs(object_reads_in_flight=48)  # more than tensorstore's default limit for the process
@@ -171,18 +172,19 @@ def test_reads_keep_the_configured_number_of_requests_in_flight(faulty, monkeypa
 @pytest.mark.emulator
 @pytest.mark.slow
 def test_a_big_sync_save_holds_a_few_objects_and_writes_none_above_the_bound(s3_server):
-    """1 GiB in objects of 64 MiB, with pieces both smaller and bigger than an object. The
-    peak does not grow with the state (1 GiB measured +327 to +384 MiB, 2 GiB +383 to +508
+    """512 MiB in objects of 32 MiB, with pieces both smaller and bigger than an object: 16
+    objects at least, and a bound (320 MiB) well under the state. The peak follows the object
+    size, not the state (64 MiB objects: 1 GiB measured +327 to +384 MiB, 2 GiB +383 to +508
     MiB, whose pieces are more often cut across their rows and made contiguous to be
-    written), and 2 GiB takes this 2-core box twice as long (~40 s against moto)."""
-    bucket, object_bytes = Bucket(s3_server, f"big-save-{uuid.uuid4().hex[:8]}"), 64 << 20
+    written); half the bytes and objects of 1 GiB / 64 MiB, in half the time against moto."""
+    bucket, object_bytes = Bucket(s3_server, f"big-save-{uuid.uuid4().hex[:8]}"), 32 << 20
     probe = os.path.join(os.path.dirname(__file__), "object_write_probe.py")
     done = subprocess.run(
-        [sys.executable, probe, bucket.url("c"), "1024", str(object_bytes)], capture_output=True, text=True, timeout=300
+        [sys.executable, probe, bucket.url("c"), "512", str(object_bytes)], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["exact"] and result["state_bytes"] == 1 << 30
+    assert result["exact"] and result["state_bytes"] == 1 << 29
     # Each write in flight holds tensorstore's copy of its object, and the one being issued
     # up to three more for a moment (object_store.py): writes_in_flight + 4 objects at most
     # in the worst case, 2 * writes_in_flight for the default 4. The slack, test_memory's,
@@ -191,7 +193,7 @@ def test_a_big_sync_save_holds_a_few_objects_and_writes_none_above_the_bound(s3_
     sizes = bucket.sizes("c/")
     data = {k: v for k, v in sizes.items() if k.endswith(".safetensors")}
     assert len(data) >= 16 and max(data.values()) <= object_bytes, sizes
-    assert sum(data.values()) > 1 << 30
+    assert sum(data.values()) > 1 << 29
 
 
 @pytest.mark.emulator

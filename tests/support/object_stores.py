@@ -270,8 +270,9 @@ class FaultyProxy:
     ``storm(status, seconds)``: every matching request gets ``status`` for that long, from
     now. ``flaky(fraction, status)``: that fraction of matching requests, drawn at random
     (seeded), gets ``status`` until ``calm()``. ``requests`` records every request seen, in order of arrival.
-    ``delay_s`` holds every request that long before it is answered (a distant store), and
-    ``most_in_flight`` is the most requests it held at once.
+    ``delay_s`` holds every request for which ``delayed(method, path)`` holds (all, unless
+    set) that long before it is answered (a distant store), and ``most_in_flight`` is the most
+    requests it held at once.
     """
 
     def __init__(self, target: str):
@@ -283,6 +284,7 @@ class FaultyProxy:
         self._lock = threading.Lock()
         self.requests: list[Request] = []
         self.delay_s = 0.0
+        self.delayed: Callable[[str, str], bool] = lambda method, path: True
         self.most_in_flight = 0
         self._in_flight = 0
         self._server = _ProxyServer(("127.0.0.1", 0), self._handler())
@@ -336,7 +338,8 @@ class FaultyProxy:
             self._in_flight += 1
             self.most_in_flight = max(self.most_in_flight, self._in_flight)
         try:
-            time.sleep(self.delay_s)
+            if self.delayed(method, path):
+                time.sleep(self.delay_s)
             status = self._injected(method, path)
             if status is not None:
                 return status, [("Content-Type", "text/plain")], b"injected by the test"
