@@ -14,6 +14,11 @@ COMPAT := .venv-compat
 COMPAT_STAMP := $(COMPAT)/.installed
 FAST_TIER := not slow and not multiprocess and not emulator and not notebook and not heavy
 
+# PYTHONDONTWRITEBYTECODE emptied for the suites, where the environment sets it: their ~400
+# interpreters (process groups, CLI runs, probes) then read the library and the tests as bytecode
+# written once, instead of each compiling them again (~0.2 s of CPU each).
+test test-fast test-compat: export PYTHONDONTWRITEBYTECODE =
+
 .PHONY: demo test test-fast test-compat bench pod-scale lint wheel docs clean
 
 $(PY):
@@ -35,10 +40,8 @@ demo: $(DEMO_STAMP)
 # Multi-process and emulator tests each run on one worker (tests/conftest.py: xdist_group), the rest
 # wherever a worker is free (`make test WORKERS=0`: serially, in one process).
 # Then the compatibility tier, the docs and the linters side by side (-O: each one's output in one piece).
-# PYTHONDONTWRITEBYTECODE emptied: the suite's ~400 interpreters (process groups, CLI runs, probes)
-# read the library and tests as bytecode written once, instead of each compiling them again (~0.2 s).
 test: $(STAMP)
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q --durations=25 -n $(WORKERS) --dist $(DIST)
+	$(PY) -m pytest -q --durations=25 -n $(WORKERS) --dist $(DIST)
 	$(MAKE) -j3 -O test-compat docs lint
 
 # The API reference (docs/api.md: every public name's docstring) as HTML in site/, offline;
@@ -49,7 +52,7 @@ docs: $(STAMP)
 # The inner loop (<= 45 s on a quiet 2-core machine): in-process tests only, no emulators, notebooks,
 # process groups, subprocesses, Orbax or Flax (tests/conftest.py marks those heavy and leaves them uncollected).
 test-fast: $(STAMP)
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -m "$(FAST_TIER)" -n $(WORKERS)
+	$(PY) -m pytest -q -m "$(FAST_TIER)" -n $(WORKERS)
 
 # The fast tier again, on the oldest versions pyproject.toml accepts (a couple of minutes to
 # build the first time, then about a minute): the supported range's lower end, tested.
