@@ -109,6 +109,21 @@ def test_the_direct_writes_setting_turns_the_bounce_buffer_off(tmp_path, monkeyp
     assert direct == []
 
 
+def test_a_json_document_of_any_size_is_written_through_the_page_cache(tmp_path, monkeypatch):
+    """A manifest of many leaves (14 MB for 65,536) is written buffered: through the bounce
+    buffer, a process's first such save created 8 MiB of it, kept, beyond host_memory_limit
+    (issue 39's many small leaves). A data file of the same size still goes direct."""
+    document = [b'{"leaves": [' + b"0," * CHUNK + b"0]}"]
+    direct = _counting(monkeypatch, "write_file")
+    with storage.Store(storage.location(tmp_path)) as store:
+        store.write("manifest.json", document).result()
+        assert direct == []
+        store.write("d00000-00000.safetensors", document).result()
+    assert len(direct) == 1
+    assert (tmp_path / "manifest.json").read_bytes() == document[0]
+    assert (tmp_path / "d00000-00000.safetensors").read_bytes() == document[0]
+
+
 @pytest.mark.parametrize("out_of_order", [False, True])
 def test_a_file_writer_goes_direct_while_its_parts_come_in_order(tmp_path, monkeypatch, out_of_order):
     """A Hugging Face export's file (storage.FileWriter with its size): parts in order go
