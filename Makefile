@@ -37,10 +37,12 @@ $(STAMP): pyproject.toml | $(PY)
 demo: $(DEMO_STAMP)
 	$(PY) scripts/demo.py
 
+# Both virtualenvs first, side by side (pip waits on the network and the disk as much as it computes).
 # Multi-process and emulator tests each run on one worker (tests/conftest.py: xdist_group), the rest
 # wherever a worker is free (`make test WORKERS=0`: serially, in one process).
 # Then the compatibility tier, the docs and the linters side by side (-O: each one's output in one piece).
-test: $(STAMP)
+test:
+	$(MAKE) -j2 $(STAMP) $(COMPAT_STAMP)
 	$(PY) -m pytest -q --durations=25 -n $(WORKERS) --dist $(DIST)
 	$(MAKE) -j3 -O test-compat docs lint
 
