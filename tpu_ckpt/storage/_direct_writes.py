@@ -64,9 +64,11 @@ class _Bounces:
 _BOUNCES = _Bounces()
 
 
-def wanted(nbytes: int) -> bool:
-    """Whether a file of ``nbytes`` is written here (the ``direct_writes`` setting)."""
-    return SUPPORTED and nbytes >= CHUNK and settings().direct_writes
+def wanted(name: str, nbytes: int) -> bool:
+    """Whether file ``name`` of ``nbytes`` is written here (the ``direct_writes`` setting).
+    Never a JSON document (a manifest of many leaves: 14 MB for 65,536): its process's first
+    such save would create a bounce buffer, kept, to spare milliseconds of page faults."""
+    return SUPPORTED and nbytes >= CHUNK and settings().direct_writes and not name.endswith(".json")
 
 
 def write_file(fd: int, views: Sequence[Any]) -> None:

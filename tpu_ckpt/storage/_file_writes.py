@@ -44,7 +44,7 @@ class FileWriter:
                 self._fd = os.open(self._partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except OSError as e:
                 raise failed("Creating", self._partial, e) from e
-            if size is not None and direct_writes.wanted(size):
+            if size is not None and direct_writes.wanted(name, size):
                 in_flight = WRITES_IN_FLIGHT if memory is None else min(WRITES_IN_FLIGHT, memory // direct_writes.CHUNK)
                 self._append = direct_writes.Appender(self._fd, max(1, in_flight))
 

@@ -5,9 +5,8 @@ extra copies of every value it writes (a 512 MB write peaks at +1 GB of RSS) and
 reading one, and it only accepts ``bytes``. A small file is written with ``os.writev``
 straight from the arrays' buffers; one of ``direct_writes.CHUNK`` bytes or more goes around
 the page cache, through a reused bounce buffer with ``O_DIRECT`` (``_direct_writes.py``: on a
-VM, the fresh page-cache pages a buffered write fills cost up to ten times the write itself),
-but a JSON document (a manifest of many leaves: 14 MB for 65,536) is always buffered: its
-first save would create an 8 MiB bounce buffer, kept, to save milliseconds of page faults.
+VM, the fresh page-cache pages a buffered write fills cost up to ten times the write itself);
+a JSON document never does (``direct_writes.wanted``).
 Reads ``preadv`` into fresh aligned arrays, which JAX's CPU backend adopts without a copy,
 through ``safe_reads``, which trusts no file or name it is given: no FIFO, device or
 oversized manifest, nothing outside the checkpoint, and never a mapping a later edit could
@@ -98,7 +97,7 @@ class LocalStore(PooledStore):
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 views = [v for v in map(safe_reads.byte_view, buffers) if len(v)]
-                if direct_writes.wanted(sum(map(len, views))) and not name.endswith(".json"):
+                if direct_writes.wanted(name, sum(map(len, views))):
                     direct_writes.write_file(fd, views)
                     views = []
                 while views:
