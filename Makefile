@@ -30,8 +30,8 @@ $(DEMO_STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e ".[flax]"
 	touch $(DEMO_STAMP)
 
-$(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e ".[test,bench,docs]"
+$(STAMP): pyproject.toml constraints-test.txt | $(PY)
+	$(PY) -m pip install --quiet -e ".[test,bench,docs]" -c constraints-test.txt
 	touch $(STAMP) $(DEMO_STAMP)
 
 demo: $(DEMO_STAMP)

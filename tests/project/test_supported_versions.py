@@ -80,7 +80,8 @@ def test_the_demo_and_the_wheel_install_only_what_they_need():
     demo = [c for c in _make_commands("demo") if "pip install" in c and "--upgrade pip" not in c]
     assert demo == ['.venv/bin/python -m pip install --quiet -e ".[flax]"']
     assert not [c for c in _make_commands("wheel") if "pip install" in c and "--upgrade pip" not in c]
-    assert '.venv/bin/python -m pip install --quiet -e ".[test,bench,docs]"' in _make_commands("test")
+    suite = '.venv/bin/python -m pip install --quiet -e ".[test,bench,docs]" -c constraints-test.txt'
+    assert suite in _make_commands("test")
 
 
 def test_the_fast_tier_installs_what_its_modules_import():
