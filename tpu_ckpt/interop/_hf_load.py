@@ -5,13 +5,16 @@ every name, shape and dtype that does not fit is reported at once. Then, per lea
 distinct slices this process's devices hold (or the whole tensor, for a numpy target): their
 bounding box, read once when they tile it, else each by itself, a batch of rows at a time,
 each block read as the row-major runs of bytes it is made of (one run when its trailing
-dimensions are whole), and copied into the slices it overlaps, which are then placed.
+dimensions are whole), and copied into the slices it overlaps, which are then placed. The
+reads run ahead across leaves, and a leaf's transfers to its devices overlap the next
+leaves' reads: a model of many tensors waits on neither a leaf boundary nor a copy.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -29,7 +32,7 @@ from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.settings import settings
 from tpu_ckpt.sharding import index_to_slice
 
-IN_FLIGHT = 4  # blocks of a leaf whose reads are in flight at once: a batch's bytes in all
+IN_FLIGHT = 4  # blocks whose reads are in flight at once, across leaves: a batch's bytes in all
 PART_BYTES = 16 << 20  # at most, a block: several reads in flight keep a disk busy where one would not
 
 
@@ -68,10 +71,10 @@ def load_safetensors(
         entries = _catalog(store, folder, only)
         found = resolve(names, [(key, _default_name(key, entries)) for key, _, _ in triples])
         _check(triples, found, entries, folder.url)
-        results = [
-            leaf if named is None else _load_leaf(store, entries[named.name], named, leaf, batch)
-            for (_, _, leaf), named in zip(triples, found)
-        ]
+        plans = [_plan_leaf(entries[named.name], named, leaf, batch)
+                 for (_, _, leaf), named in zip(triples, found) if named is not None]
+        loaded = _load_leaves(store, plans, batch)
+        results = [leaf if named is None else next(loaded) for (_, _, leaf), named in zip(triples, found)]
     return jax.tree_util.tree_unflatten(treedef, results)
 
 
@@ -165,56 +168,88 @@ def _check(
         )
 
 
-def _load_leaf(store: storage.Backend, entry: layout.Entry, named: Named, leaf: Any, batch: int) -> Any:
-    dtype, shape = np.dtype(leaf.dtype), tuple(leaf.shape)
+@dataclasses.dataclass
+class _LeafPlan:
+    """One target leaf's reads: the distinct slices it needs as stored (``slices``, axes
+    reversed when ``transpose``), the devices that hold each (``None``: a numpy target, the
+    whole tensor), and the blocks of rows to read (``parts``), each a read in flight ahead."""
+
+    entry: layout.Entry
+    named: Named
+    leaf: Any
+    slices: list[SliceSpec]
+    devices: list[list[jax.Device]] | None
+    sharding: jax.sharding.Sharding | None
+    parts: list[SliceSpec]
+
+
+def _plan_leaf(entry: layout.Entry, named: Named, leaf: Any, batch: int) -> _LeafPlan:
+    """The slices this process's devices hold (or the whole tensor, for a numpy target); their
+    bounding box is read once when they tile it (a host's devices usually hold one block of the
+    mesh), else each slice by itself, in blocks of rows of at most ``PART_BYTES``."""
+    shape = tuple(leaf.shape)
+    devices: list[list[jax.Device]] | None = None
+    sharding = None
     if isinstance(leaf, np.ndarray):
-        whole = _read_slices(store, entry, named.transpose, [full_slice(shape)], batch)[0]
-        return _converted(whole, named.transpose, dtype)
-    sharding = leaf.sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    by_slice: dict[SliceSpec, list[jax.Device]] = {}
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
-        by_slice.setdefault(full_slice(shape) if index is None else index_to_slice(index, shape), []).append(device)
-    hosts = _read_slices(store, entry, named.transpose, list(by_slice), batch)
-    hosts.reverse()  # each slice let go of as soon as it is on its devices
-    arrays = []
-    for devices in by_slice.values():
-        host = _converted(hosts.pop(), named.transpose, dtype)
-        arrays.extend(jax.device_put([host] * len(devices), devices))
-        jax.block_until_ready(arrays[-1])
-    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
-
-
-def _read_slices(
-    store: storage.Backend, entry: layout.Entry, transpose: bool, specs: list[SliceSpec], batch: int
-) -> list[np.ndarray]:
-    """Distinct slices of the target leaf (a sharding's: they tile what they cover), as host
-    arrays as stored (axes reversed when ``transpose``, the file's dtype). Their bounding box
-    is read once when they tile it (a host's devices usually hold one block of the mesh),
-    else each slice by itself; a box in blocks of rows, ``IN_FLIGHT`` blocks' reads in flight
-    (a batch's bytes at most). A block that is exactly one slice is that slice, not copied."""
-    saved = dtype_from_name(entry.tensor.dtype)
-    stored = [tuple(reversed(s)) if transpose else s for s in specs]
-    hosts: list[np.ndarray | None] = [None] * len(stored)
+        specs = [full_slice(shape)]
+    else:
+        sharding = leaf.sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        by_slice: dict[SliceSpec, list[jax.Device]] = {}
+        for device, index in sharding.addressable_devices_indices_map(shape).items():
+            by_slice.setdefault(full_slice(shape) if index is None else index_to_slice(index, shape), []).append(device)
+        specs, devices = list(by_slice), list(by_slice.values())
+    stored = [tuple(reversed(s)) if named.transpose else s for s in specs]
     box = tuple((min(s[d][0] for s in stored), max(s[d][1] for s in stored)) for d in range(len(stored[0])))
-    size = max(1, min(batch // IN_FLIGHT, PART_BYTES))
-    parts = [part for each in ([box] if sum(map(volume, stored)) == volume(box) else stored)
-             for part in _row_blocks(each, saved.itemsize, size)]
-    reads = collections.deque(_start_box(store, entry, saved, part) for part in parts[:IN_FLIGHT])
-    for k, part in enumerate(parts):
-        if k + IN_FLIGHT < len(parts):
-            reads.append(_start_box(store, entry, saved, parts[k + IN_FLIGHT]))
-        data = _box(reads.popleft(), saved, part)
-        for i, spec in enumerate(stored):
-            overlap = intersect(spec, part)
-            if spec == part:
-                hosts[i] = data
-            elif overlap is not None:
-                host = hosts[i]
-                if host is None:
-                    empty = storage.aligned_empty(volume(spec) * saved.itemsize)
-                    host = hosts[i] = empty.view(saved).reshape(extent(spec))
-                host[relative(overlap, spec)] = data[relative(overlap, part)]
-    return [np.empty(extent(s), saved) if h is None else h for s, h in zip(stored, hosts)]  # None: an empty slice
+    itemsize, size = dtype_from_name(entry.tensor.dtype).itemsize, max(1, min(batch // IN_FLIGHT, PART_BYTES))
+    tiled = sum(map(volume, stored)) == volume(box)
+    parts = [part for each in ([box] if tiled else stored) for part in _row_blocks(each, itemsize, size)]
+    return _LeafPlan(entry, named, leaf, stored, devices, sharding, parts)
+
+
+def _load_leaves(store: storage.Backend, plans: Sequence[_LeafPlan], batch: int) -> Iterator[Any]:
+    """Each planned leaf, read and placed in order. The next ``IN_FLIGHT`` blocks' reads, of
+    the next leaves after a leaf's last, are in flight while a block is copied into its slices;
+    a leaf's transfers to its devices run while the next leaves are read, until those not yet
+    done hold more than ``batch`` bytes (then the oldest is waited for, its host copy let go)."""
+    steps = [(plan, part) for plan in plans for part in plan.parts]
+    reads = collections.deque(_start_box(store, *step) for step in steps[:IN_FLIGHT])
+    started = len(reads)
+    placing: collections.deque[tuple[list[jax.Array], int]] = collections.deque()
+    for plan in plans:
+        saved = dtype_from_name(plan.entry.tensor.dtype)
+        hosts: list[np.ndarray | None] = [None] * len(plan.slices)
+        for part in plan.parts:
+            if started < len(steps):
+                reads.append(_start_box(store, *steps[started]))
+                started += 1
+            _copy_into(hosts, plan.slices, part, _box(reads.popleft(), saved, part), saved)
+        want = np.dtype(plan.leaf.dtype)
+        slices = [_converted(np.empty(extent(s), saved) if h is None else h, plan.named.transpose, want)
+                  for s, h in zip(plan.slices, hosts)]  # None: an empty slice
+        if plan.devices is None or plan.sharding is None:
+            yield slices[0]
+            continue
+        arrays = [a for host, on in zip(slices, plan.devices) for a in jax.device_put([host] * len(on), on)]
+        placing.append((arrays, sum(host.nbytes for host in slices)))
+        while sum(nbytes for _, nbytes in placing) > batch:
+            jax.block_until_ready(placing.popleft()[0])
+        yield jax.make_array_from_single_device_arrays(tuple(plan.leaf.shape), plan.sharding, arrays)
+
+
+def _copy_into(
+    hosts: list[np.ndarray | None], slices: Sequence[SliceSpec], part: SliceSpec, data: np.ndarray, saved: np.dtype
+) -> None:
+    """A block read into the slices it overlaps; a block that is exactly one slice is that
+    slice, not copied."""
+    for i, spec in enumerate(slices):
+        overlap = intersect(spec, part)
+        if spec == part:
+            hosts[i] = data
+        elif overlap is not None:
+            host = hosts[i]
+            if host is None:
+                host = hosts[i] = storage.aligned_empty(volume(spec) * saved.itemsize).view(saved).reshape(extent(spec))
+            host[relative(overlap, spec)] = data[relative(overlap, part)]
 
 
 def _converted(host: np.ndarray, transpose: bool, dtype: np.dtype) -> np.ndarray:
@@ -235,11 +270,10 @@ def _row_blocks(box: SliceSpec, itemsize: int, batch: int) -> Iterator[SliceSpec
         yield ((k, min(k + rows, stop)), *rest)
 
 
-def _start_box(
-    store: storage.Backend, entry: layout.Entry, saved: np.dtype, box: SliceSpec
-) -> list[tuple[concurrent.futures.Future, int]]:
+def _start_box(store: storage.Backend, plan: _LeafPlan, box: SliceSpec) -> list[tuple[concurrent.futures.Future, int]]:
     """Starts reading a block of the stored tensor: the row-major runs of bytes it is made of."""
-    runs = layout.runs_of(entry.tensor.shape, saved.itemsize, box)
+    entry = plan.entry
+    runs = layout.runs_of(entry.tensor.shape, dtype_from_name(entry.tensor.dtype).itemsize, box)
     return [(store.read(entry.file, entry.start + start, [length]), length) for start, length in runs]
 
 
