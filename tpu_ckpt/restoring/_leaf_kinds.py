@@ -50,12 +50,18 @@ def is_key(x: Any) -> bool:
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
+def _any_key_or_bytes(target: Any) -> bool:
+    """Whether ``target`` holds a typed key or a bytes leaf, found without key paths: a
+    flatten with paths costs a restore of many small leaves ~13 us per leaf each time."""
+    return any(is_key(x) or isinstance(x, (bytes, bytearray, memoryview)) for x in jax.tree.leaves(target))
+
+
 def stored_target(manifest: Manifest, target: Any, subtree: str | None) -> Any:
     """``target`` with each typed-key leaf replaced by its key data's ``ShapeDtypeStruct``
     (same sharding) and each bytes leaf by a uint8 array of the saved length: what the
     reads fill in."""
-    if target is None:
-        return None
+    if not _any_key_or_bytes(target):  # the usual target: kept as given, not flattened with its paths
+        return target
     leaves = {leaf.key: leaf for leaf in manifest.leaves}
     keyed, treedef = flatten(target)
     prefix, _ = normalise_subtree(subtree)
@@ -75,7 +81,8 @@ def restored(manifest: Manifest, tree: Any, target: Any, subtree: str | None) ->
     """The restored ``tree`` with key data wrapped as typed keys (saved ones; and where the
     target asked for a typed key) and bytes leaves as ``bytes``."""
     leaves = {leaf.key: leaf for leaf in manifest.leaves}
-    asked = {} if target is None else {k: v for k, v in _target_leaves(target, subtree).items() if is_key(v)}
+    asking = _any_key_or_bytes(target)
+    asked = {k: v for k, v in _target_leaves(target, subtree).items() if is_key(v)} if asking else {}
     if not any(leaf.logical for leaf in manifest.leaves) and not asked:
         return tree
     keyed, treedef = flatten(tree)
@@ -133,6 +140,8 @@ def _wanted(manifest: Manifest, target: Any, subtree: str | None) -> list[tuple[
     """The per-process leaves a restore of ``target`` reads, by number, each with the
     ``reshard`` function its target gives (or None)."""
     prefix, _ = normalise_subtree(subtree)
+    if not any(leaf.kind == PER_PROCESS and under(leaf.key, prefix) for leaf in manifest.leaves):
+        return []
     asked = None if target is None else _target_leaves(target, subtree)
     wanted = []
     for n, leaf in enumerate(manifest.leaves):
