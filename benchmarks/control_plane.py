@@ -1,6 +1,7 @@
 """The restores' control plane and traffic between hosts, per process, with real processes (#37 item 6).
 
-    python benchmarks/control_plane.py [--processes 4 8 16] [--devices-per-process 2] [--leaves 64] [--json OUT]
+    python benchmarks/control_plane.py [--processes 4 8 16] [--devices-per-process 2] [--leaves 64] [--fanout K]
+                                       [--json OUT]
 
 For each process count P, P real JAX processes (jax.distributed on CPU, gloo collectives:
 ``benchmarks/workers.py``) stand in for P hosts in 2 slices (``TPU_CKPT_SLICES``: the first
@@ -14,9 +15,14 @@ slice writes its own copy), then restored four ways, all processes starting toge
 - ``plain``: ``tc.restore`` (each process reads its own share);
 - ``load_and_broadcast``: the same with ``CheckpointOptions(load_and_broadcast=True)``;
 - ``load_and_broadcast_host``: the same onto numpy targets (every process wants every leaf
-  whole, on the host: the relay's path, each piece read by one of at most ``cluster.MAX_SERVERS``);
+  whole, on the host: the relay's path, each piece read by one of at most ``cluster.fanout()``);
 - ``tier_intact``: the manager's restore of the local step, every slice copy whole;
 - ``tier_slice_wiped``: the same after slice 1's hosts lost their local directories.
+
+``--fanout K`` sets the control plane's fan-out (``cluster.fanout()``, 64 by default) in every
+process: below 64 processes the default is never reached, so a small K shows at P <= 16 what 64
+does at 1,536 hosts (the tier restore's merge tree, ``tiers/_merge_tree.py``, and the cap on
+load_and_broadcast's readers).
 
 Per process and restore it reports tpu_ckpt's key-value calls (JAX's coordination client
 wrapped and counted: gloo's own rendezvous is not tpu_ckpt's), relay connections opened and
@@ -48,6 +54,7 @@ def main() -> int:
     parser.add_argument("--processes", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--devices-per-process", type=int, default=2)
     parser.add_argument("--leaves", type=int, default=64)
+    parser.add_argument("--fanout", type=int, default=None, help="cluster.fanout() in every process (default 64)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one run, all its processes, may take")
     parser.add_argument("--json", default=None, help="also write the results here, as JSON")
     parser.add_argument("--dir", help=argparse.SUPPRESS)
@@ -70,7 +77,7 @@ def control_plane_rows(
     """The benchmark's rows (for ``benchmarks/benchmark.py``): per restore and P, the largest
     value of each metric over the processes."""
     args = argparse.Namespace(processes=list(processes), leaves=leaves, devices_per_process=devices_per_process,
-                              timeout=600.0)
+                              timeout=600.0, fanout=None)
     return table({p: _run(args, p) for p in processes})
 
 
@@ -88,6 +95,7 @@ def _run(args: argparse.Namespace, processes: int) -> list[dict]:
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices_per_process}",
            "TPU_CKPT_SLICES": ",".join(str(i * SLICES // processes) for i in range(processes))}
     command = [sys.executable, __file__, "--processes", str(processes), "--leaves", str(args.leaves), "--dir", scratch]
+    command += [] if args.fanout is None else ["--fanout", str(args.fanout)]
     try:
         results = workers.launch(command, processes, [], env, args.timeout)
     finally:
@@ -104,7 +112,10 @@ def _worker(args: argparse.Namespace, port: int, index: int) -> dict:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=args.processes[0], process_id=index)
     import tpu_ckpt as tc
+    from tpu_ckpt.cluster import _relays
 
+    if args.fanout is not None:
+        _relays.MAX_SERVERS = args.fanout
     host = os.path.join(args.dir, f"host{index}")
     os.makedirs(host)
     os.chdir(host)  # this process's private directory: its host's disk
@@ -224,8 +235,9 @@ def _counted(restore) -> tuple[dict, dict]:
 
 
 def _report(args: argparse.Namespace, results: dict[int, list[dict]], rows: list[dict]) -> str:
+    fanout = "64 (the default)" if args.fanout is None else args.fanout
     lines = [f"{len(CASES)} restores of {args.leaves} leaves + a step, {args.devices_per_process} devices a process,"
-             f" {SLICES} slices; per process, the largest over the processes (mean in brackets)"]
+             f" {SLICES} slices, fan-out {fanout}; per process, the largest over the processes (mean in brackets)"]
     lines.append(f"{'restore':<24}{'P':>4}" + "".join(f"{m:>20}" for m in METRICS))
     for case in CASES:
         for p, per in results.items():

@@ -93,3 +93,26 @@ def control_plane_counts(directory: str) -> dict:
     out["shared_host_mismatches"] = [key for key, value in expected.items() if not np.array_equal(restored[key], value)]
     return out
 
+
+
+def merge_tree_counts(directory: str, fanout: str) -> dict:
+    """A local step of 6 sharded leaves and a step restored by the tier with the control plane's
+    fan-out set to ``fanout`` (as every process must): the counts of the restore, and whether it
+    is bit-exact. No leaf is replicated across processes: each process's connections are then
+    the control plane's alone (a replicated leaf is read from the one part holding it)."""
+    from tpu_ckpt.cluster import _relays
+
+    _relays.MAX_SERVERS = int(fanout)
+    persistent = _enter_host(directory)
+    mesh = jax.sharding.Mesh(np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))), ("model",))
+    state = {f"w{i}": _global_array(mesh, P("model"), GLOBAL + i) for i in range(6)}
+    state |= {"step": 3}
+    expected = {f"w{i}": GLOBAL + i for i in range(6)} | {"step": 3}
+    targets = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, v.sharding.spec))
+               for k, v in state.items() if isinstance(v, jax.Array)} | {"step": 0}
+    options = tc.CheckpointOptions(enable_async=False, coordination_timeout=60)
+    with tc.CheckpointManager(persistent, save_interval_steps=10, local_directory="local", local_replicas=1,
+                              options=options) as manager:
+        manager.save(3, state)
+        restored, counts = _counted(lambda: manager.restore(None, targets))
+    return {**counts, "mismatches": _mismatches(restored, expected)}

@@ -41,6 +41,6 @@ def test_kv_calls_and_connections_per_process_do_not_grow_with_the_process_count
 
 def test_the_readers_are_capped_whatever_the_job():
     chosen = cluster.spread(list(range(1536)))
-    assert len(chosen) == cluster.MAX_SERVERS and chosen[0] == 0 and chosen[-1] == 1536 - 1536 // 64
+    assert len(chosen) == cluster.fanout() and chosen[0] == 0 and chosen[-1] == 1536 - 1536 // 64
     assert cluster.spread([3, 5]) == [3, 5]
 

@@ -1,5 +1,5 @@
 """load_and_broadcast's holders capped (#37 item 3): a piece several processes need over the
-relay is read by one of at most ``cluster.MAX_SERVERS`` of them, so each process fetches from
+relay is read by one of at most ``cluster.fanout()`` of them, so each process fetches from
 O(K) peers, however many processes the job has. Planned for a pod's process counts, no files."""
 
 from tpu_ckpt import cluster
@@ -22,7 +22,7 @@ def test_the_readers_of_pieces_the_whole_job_needs_are_at_most_max_servers_whate
         plan = shared_reads.plan(_host_leaves(1000), processes)
         assert all(needers == frozenset(range(processes)) for needers in plan.needers.values())
         peers[processes] = len(set(plan.readers.values()))  # each process connects to these (but itself)
-    assert peers == {16: 16, 128: cluster.MAX_SERVERS, 1536: cluster.MAX_SERVERS}
+    assert peers == {16: 16, 128: cluster.fanout(), 1536: cluster.fanout()}
 
 
 def test_the_readers_share_the_bytes_evenly():
@@ -30,4 +30,4 @@ def test_the_readers_share_the_bytes_evenly():
     per_reader: dict[int, int] = {}
     for reader in plan.readers.values():
         per_reader[reader] = per_reader.get(reader, 0) + 1
-    assert len(per_reader) == cluster.MAX_SERVERS and set(per_reader.values()) == {100}
+    assert len(per_reader) == cluster.fanout() and set(per_reader.values()) == {100}

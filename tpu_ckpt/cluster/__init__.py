@@ -10,9 +10,9 @@ from tpu_ckpt.cluster._coordinator import (
     relay_host,
 )
 from tpu_ckpt.cluster._relays import (
-    MAX_SERVERS,
     connect,
     contacts,
+    fanout,
     serve,
     spread,
 )
@@ -28,11 +28,11 @@ from tpu_ckpt.cluster._verdicts import (
 
 __all__ = [
     "Coordinator",
-    "MAX_SERVERS",
     "Proved",
     "agreed_verdict",
     "connect",
     "contacts",
+    "fanout",
     "preemption_sync_available",
     "process_count",
     "process_index",

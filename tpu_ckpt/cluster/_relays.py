@@ -11,10 +11,17 @@ from typing import Any
 from tpu_ckpt import relay, storage
 from tpu_ckpt.cluster._coordinator import Coordinator, relay_host
 
-# The most processes that serve one piece of a restore's control plane or of its replicated
-# bytes (range servers, load_and_broadcast's readers), whatever the job's size: each process
-# then connects to O(MAX_SERVERS) of them, never to every peer (docs/scaling.md).
+# The fan-out of a restore's control plane: the most processes that serve one piece of it or of
+# its replicated bytes (range servers, load_and_broadcast's readers), and the most peers one
+# process talks to in a tier restore's merge tree (tiers/_merge_tree.py), whatever the job's size
+# (docs/scaling.md). Every process must use the same value; read through fanout() at call time,
+# so that a test or a benchmark can show with a small one at P <= 16 what 64 does at 1,536 hosts.
 MAX_SERVERS = 64
+
+
+def fanout() -> int:
+    """``MAX_SERVERS`` as it is now."""
+    return MAX_SERVERS
 
 
 def serve(coord: Coordinator, stage: str | None, store: Any, peers: int, **options: Any) -> relay.RelayServer:
@@ -47,8 +54,10 @@ def connect(
     return relay.RelayStore(location, contact or coord.receive(stage, server), coord.timeout, server, **options)
 
 
-def spread(processes: list[int], most: int = MAX_SERVERS) -> list[int]:
-    """At most ``most`` of ``processes`` (sorted), evenly spaced: the same on every process."""
+def spread(processes: list[int], most: int | None = None) -> list[int]:
+    """At most ``most`` (default: :func:`fanout`) of ``processes`` (sorted), evenly spaced: the
+    same on every process."""
+    most = fanout() if most is None else most
     if len(processes) <= most:
         return processes
     return [processes[i * len(processes) // most] for i in range(most)]

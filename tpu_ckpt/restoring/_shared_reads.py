@@ -62,7 +62,7 @@ class Plan:
 
 def plan(wants: Sequence[tuple[LeafEntry, jax.sharding.Sharding | None]], process_count: int) -> Plan:
     """Assigns each piece needed by several processes to one of them (every process computes
-    the same plan), of at most ``cluster.MAX_SERVERS`` evenly spaced ones: a piece the whole
+    the same plan), of at most ``cluster.fanout()`` evenly spaced ones: a piece the whole
     job needs is served by a constant number of processes, so each connects to O(1) peers.
     A target without sharding (numpy, Python scalar) is wanted whole by all."""
     balance = WriteBalance()

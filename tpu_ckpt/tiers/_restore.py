@@ -11,16 +11,13 @@ checkpoint, and every piece is checked against its crc32c wherever it came from.
 
 from __future__ import annotations
 
-import abc
 import concurrent.futures
 import contextlib
 import functools
 import os
 import threading
-from collections.abc import Callable, Sequence
-from typing import Any, Self
-
-import numpy as np
+from collections.abc import Callable
+from typing import Any
 
 from tpu_ckpt import cluster, relay, storage
 from tpu_ckpt.catalog import OpenCheckpoint, store_tables
@@ -37,9 +34,11 @@ from tpu_ckpt.options import CheckpointOptions
 from tpu_ckpt.restoring import restore_from
 from tpu_ckpt.tiers import _local_steps as local_steps
 from tpu_ckpt.tiers import _local_values as local_values
+from tpu_ckpt.tiers import _merge_tree as merge_tree
 from tpu_ckpt.tiers import _part_checks as part_checks
 from tpu_ckpt.tiers import _range_merge as range_merge
 from tpu_ckpt.tiers._choice import Choice
+from tpu_ckpt.tiers._held_files import InMemory, Layered, Routed
 
 
 def restore_local(
@@ -58,7 +57,9 @@ def restore_local(
         try:
             mine = [o for o, h in holders.items() if h == coord.me]
             data, planned, ranges = _plan_and_serve(coord, store, own, mine, len(members), choice, serving)
-            manifest = _agreed_manifest(coord, store, data, planned, owners, members[: len(ranges)], ranges, serving)
+            parts = {owner: holders[owner] for owner in owners}
+            tree = merge_tree.MergeTree.of(members, len(ranges), list(parts.values()))
+            manifest = _agreed_manifest(coord, store, data, planned, parts, tree, ranges, serving)
             readers = _fill_from(choice, coord.count)
             tree, _, nbytes = restore_from(
                 OpenCheckpoint(store, manifest), target, options, None, coord if readers else None, readers=readers
@@ -87,7 +88,7 @@ def _plan_and_serve(
     serving: contextlib.ExitStack,
 ) -> tuple[bytes, Manifest, list[tuple[int, int]]]:
     """The step's plan, decoded, and the ranges of leaves that the ``readers`` of this
-    process's copy merge (at most ``cluster.MAX_SERVERS``). A process serving parts
+    process's copy merge (at most ``cluster.fanout()``). A process serving parts
     (``mine``) reads the plan from its own disk, cuts its parts' rows by range and serves
     them; then every server's contact is exchanged in one step (``cluster.contacts``); a
     process serving none reads the plan from its copy's first holder."""
@@ -108,11 +109,11 @@ def _plan(store: _Parts, readers: int) -> tuple[bytes, Manifest, list[tuple[int,
     if data is None:
         raise CorruptCheckpointError(f"{store.location.child(PLAN_FILE)} is missing", file=store.location.url)
     planned = decode_manifest(data, where=store.location.child(PLAN_FILE), tiled=False)
-    return data, planned, range_merge.leaf_ranges(len(planned.leaves), min(readers, cluster.MAX_SERVERS))
+    return data, planned, range_merge.leaf_ranges(len(planned.leaves), min(readers, cluster.fanout()))
 
 
 def _serve(
-    coord: cluster.Coordinator, own: storage.Backend, parts: list[int], held: _Layered, peers: int,
+    coord: cluster.Coordinator, own: storage.Backend, parts: list[int], held: Layered, peers: int,
 ) -> relay.RelayServer | None:
     """A server of the files of the parts assigned to this process, and their rows cut by
     range (``held``: the disk and those rows), and nothing else, to ``peers`` processes."""
@@ -126,147 +127,133 @@ def _serve(
 
 
 def _agreed_manifest(
-    coord: cluster.Coordinator, store: _Parts, plan: bytes, planned: Manifest, owners: list[int],
-    mergers: list[int], ranges: list[tuple[int, int]], serving: contextlib.ExitStack,
+    coord: cluster.Coordinator, store: _Parts, plan: bytes, planned: Manifest, parts: dict[int, int],
+    tree: merge_tree.MergeTree, ranges: list[tuple[int, int]], serving: contextlib.ExitStack,
 ) -> Manifest:
-    """Process ``mergers[r]`` merges range ``r``'s rows of every part of ``owners`` and
-    serves that range's manifest and piece tables (:func:`_merged_range`); every process
-    reads each range's manifest (one entry per leaf), 8 at a time, and joins them, then
-    loads, lazily, the piece-table rows of its own cells from their range's server, checked
-    as any manifest's. No process reads more of the parts' rows than its range's, nor holds
-    an object per piece of the job."""
-    index = mergers.index(coord.me) if coord.me in mergers else None
-    own, server = _merged_range(coord, store, plan, owners, index, ranges) if index is not None else (None, None)
-    if server is not None:
-        serving.callback(server.close)
-    contacts = cluster.contacts(coord, "ranges", server)
-
-    def connect(merger: int) -> storage.ReadableStore:
-        if merger == coord.me and own is not None:
-            return own
-        client = cluster.connect(coord, f"range{merger}", merger, store.location, contacts.get(merger), connections=1)
-        serving.callback(client.close)  # the tables are read while the restore plans
-        return client
-
+    """Process ``tree.members[r]`` merges range ``r``'s rows of every part (``parts``: owner ->
+    holder) and serves that range's manifest and piece tables (:func:`_merged_range`); every
+    process reads each range's manifest (one entry per leaf), 8 at a time, and joins them, then
+    loads, lazily, the piece-table rows of its own cells, checked as any manifest's. Beyond
+    ``cluster.fanout()`` processes the rows go up and the ranges come down through the merge
+    tree's gatherers and relayers (``_merge_tree``). No process reads more of the parts' rows
+    than its range's, nor holds an object per piece of the job."""
+    view = _Ranges(coord, store, parts, tree, serving)
+    if not view.flat:
+        gathered = merge_tree.gathered(tree, coord.me, functools.partial(_blobs, tree, parts), store)
+        view.exchange("gathered", _serve_held(coord, InMemory(store.location, gathered),
+                                               len({r for r, _ in tree.gathers(coord.me)}), serving))
+    index, server = tree.range_of(coord.me), None
+    if index is not None:
+        view.own, server = _merged_range(coord, store, plan, view.blob, index, ranges)
+        if server is not None:
+            serving.callback(server.close)
+    view.exchange("ranges", server)
+    if not view.flat:
+        view.relayed, relayer = merge_tree.relayed(coord, tree, store.location, view.upstream, serving)
+        view.exchange("relayed", relayer)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        servers = list(pool.map(connect, mergers))
-    where = f"the merged manifest of {store.location.url}"
+        parts_of = list(pool.map(view.manifest_of, range(len(ranges))))
+    return range_merge.joined(planned, parts_of, ranges, view.where)
 
-    def manifest_of(index: int) -> Manifest:
-        data = servers[index].read_file(MANIFEST_FILE)
+
+def _serve_held(
+    coord: cluster.Coordinator, held: InMemory, peers: int, serving: contextlib.ExitStack
+) -> relay.RelayServer | None:
+    """A server of ``held`` to ``peers`` processes; None where it holds nothing."""
+    if not held.sizes:
+        return None
+    server = cluster.serve(coord, None, held, peers, serves=dict(held.sizes))
+    serving.callback(server.close)
+    return server
+
+
+class _Ranges:
+    """Where this process reads each range's rows and manifest: its own disk and servers, or
+    the other processes' (one client per process and stage, opened at first use and closed
+    with the restore), as the merge tree says."""
+
+    def __init__(
+        self, coord: cluster.Coordinator, store: _Parts, parts: dict[int, int], tree: merge_tree.MergeTree,
+        serving: contextlib.ExitStack,
+    ):
+        self._coord, self._store, self._parts, self._tree, self._serving = coord, store, parts, tree, serving
+        self.flat = coord.count <= cluster.fanout()  # the same on every process: whether the tree's steps run
+        self.own: storage.ReadableStore | None = None  # the range this process serves
+        self.relayed: storage.ReadableStore | None = None  # the ranges it relays to its group
+        self.where = f"the merged manifest of {store.location.url}"
+        self._contacts: dict[str, dict[int, str]] = {}
+        self._clients: dict[tuple[int, str], relay.RelayStore] = {}
+        self._lock = threading.Lock()
+
+    def exchange(self, stage: str, server: relay.RelayServer | None) -> None:
+        """Every server's contact at ``stage``, in one step (collective)."""
+        self._contacts[stage] = cluster.contacts(self._coord, stage, server)
+
+    def blob(self, name: str) -> bytes | None:
+        """A range's blob of a part, for its server: from the part's holder, or its gatherer."""
+        owner, me, r = range_merge.blob_owner(name), self._coord.me, self._tree.range_of(self._coord.me)
+        chunk = None if self.flat or owner is None or r is None else self._tree.chunk_of(self._parts[owner])
+        via = me if chunk is None or r is None else self._tree.gatherer(r, chunk)
+        return self._store.read_file(name) if via == me else self._client(via, "gathered").read_file(name)
+
+    def upstream(self, r: int) -> storage.ReadableStore:
+        """Range ``r``'s server."""
+        if self._tree.members[r] == self._coord.me and self.own is not None:
+            return self.own
+        return self._client(self._tree.members[r], "ranges")
+
+    def manifest_of(self, r: int) -> Manifest:
+        """Range ``r``'s manifest, its tables read lazily from where it came from."""
+        held, name = self._source(r)
+        data = held.read_file(name)
         if data is None:
-            raise CorruptCheckpointError(f"{where} is missing from process {index}", file=store.location.url)
-        return decode_manifest(data, where=f"{where} (leaves of process {index})", tables=store_tables(servers[index]))
+            raise CorruptCheckpointError(f"{self.where} is missing from range {r}'s server",
+                                         file=self._store.location.url)
+        return decode_manifest(data, where=f"{self.where} (leaves of range {r})", tables=store_tables(held))
 
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        return range_merge.joined(planned, list(pool.map(manifest_of, range(len(ranges)))), ranges, where)
+    def _source(self, r: int) -> tuple[storage.ReadableStore, str]:
+        relayer = self._tree.relayer(r, self._coord.me)
+        if relayer == self._tree.members[r]:
+            return self.upstream(r), MANIFEST_FILE
+        if relayer == self._coord.me and self.relayed is not None:
+            return self.relayed, merge_tree.relayed_manifest(r)
+        return self._client(relayer, "relayed"), merge_tree.relayed_manifest(r)
+
+    def _client(self, process: int, stage: str) -> relay.RelayStore:
+        with self._lock:
+            if (process, stage) not in self._clients:
+                client = cluster.connect(self._coord, f"{stage}{process}", process, self._store.location,
+                                         self._contacts[stage].get(process), connections=1)
+                self._serving.callback(client.close)  # the tables are read while the restore plans
+                self._clients[process, stage] = client
+            return self._clients[process, stage]
+
+
+def _blobs(tree: merge_tree.MergeTree, parts: dict[int, int], r: int, chunk: int) -> list[str]:
+    """Range ``r``'s blobs of the parts whose holders are in ``chunk``."""
+    return [range_merge.blob_name(owner, r) for owner, holder in parts.items() if tree.chunk_of(holder) == chunk]
 
 
 def _merged_range(
-    coord: cluster.Coordinator, store: _Parts, plan: bytes, owners: list[int], index: int,
+    coord: cluster.Coordinator, store: _Parts, plan: bytes, blob: Callable[[str], bytes | None], index: int,
     ranges: list[tuple[int, int]],
-) -> tuple[_InMemory, relay.RelayServer | None]:
-    """Range ``index`` of leaves merged from every part's rows of it (read from their
-    holders, 8 at a time: ``range_merge.merge_range``), and its server to the others."""
-    blobs = [range_merge.blob_name(owner, index) for owner in owners]
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        found = dict(zip(blobs, pool.map(store.read_file, blobs)))
-    read = [(name, data) for name, data in found.items() if data is not None]
-    if len(read) < len(blobs):
-        missing = next(name for name, data in found.items() if data is None)
-        raise CorruptCheckpointError(f"{store.location.child(missing)} is missing", file=store.location.url)
+) -> tuple[InMemory, relay.RelayServer | None]:
+    """Range ``index`` of leaves merged from every part's rows of it (``blob``: read from their
+    holders or gatherers, 8 at a time: ``range_merge.merge_range``), and its server to the others."""
+    names = [range_merge.blob_name(owner, index) for owner in store.owners]
+    read = list(merge_tree.read_all(names, blob, store.location).items())
     body, tables = range_merge.merge_range(
         plan, read, store.location, ranges[index], table_prefix=f"r{index:05d}-",
         finish=lambda merged: local_values.with_values(store, merged, store.token),  # the per-process values' pieces
     )
-    source = _InMemory(store.location, {MANIFEST_FILE: body, **tables})
+    source = InMemory(store.location, {MANIFEST_FILE: body, **tables})
     if coord.count == 1:
         return source, None
     serves = {MANIFEST_FILE: None, **{name: len(data) for name, data in tables.items()}}
     return source, cluster.serve(coord, None, source, coord.count - 1, serves=serves)
 
 
-class _ReadOnly(storage.ReadableStore):
-    """A store a restore reads through and nothing writes to; ``with`` closes it."""
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-class _InMemory(_ReadOnly):
-    """Files held in memory (the merged manifest and its piece tables), for a relay server
-    to serve: whole, or by byte range."""
-
-    def __init__(self, location: storage.Location, files: dict[str, bytes]):
-        self.location = location
-        self._files = files
-
-    def read_file(self, name: str) -> bytes | None:
-        return self._files.get(name)
-
-    @functools.cached_property
-    def sizes(self) -> dict[str, int]:
-        """Each file's size (the files never change: a holder asks for every read)."""
-        return {name: len(data) for name, data in self._files.items()}
-
-    def read(
-        self, name: str, start: int, lengths: Sequence[int], then: Callable[[list[np.ndarray]], Any] | None = None
-    ) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        data, chunks = self._files[name], []
-        for n in lengths:
-            chunks.append(np.frombuffer(data, np.uint8, n, start).copy())
-            start += n
-        if then is not None:
-            then(chunks)
-        future.set_result(chunks)
-        return future
-
-    def close(self) -> None:
-        """Nothing to release: the bytes are the caller's."""
-
-
-class _Routed(_ReadOnly):
-    """A store that sends each read to the store holding the file (:meth:`_store_of`)."""
-
-    def read(
-        self, name: str, start: int, lengths: Sequence[int], then: Callable[[list[np.ndarray]], Any] | None = None
-    ) -> concurrent.futures.Future:
-        return self._store_of(name).read(name, start, lengths, then)
-
-    def read_file(self, name: str) -> bytes | None:
-        return self._store_of(name).read_file(name)
-
-    @abc.abstractmethod
-    def _store_of(self, name: str) -> storage.ReadableStore:
-        """The store holding ``name``."""
-
-
-class _Layered(_Routed):
-    """The files of ``memory`` (this host's parts' rows cut by range), else those of ``own``
-    (its disk): what a part's holder serves."""
-
-    def __init__(self, own: storage.Backend, memory: _InMemory):
-        self.location = own.location
-        self._own = own
-        self._memory = memory
-
-    @property
-    def sizes(self) -> dict[str, int]:
-        """The sizes of the files held in memory."""
-        return self._memory.sizes
-
-    def _store_of(self, name: str) -> storage.ReadableStore:
-        return self._memory if name in self._memory.sizes else self._own
-
-    def close(self) -> None:
-        """Nothing to release: both stores are the caller's."""
-
-
-class _Parts(_Routed):
+class _Parts(Routed):
     """The files of one local step across the job: each read goes to the process that
     serves its part (``Choice.holders``), this one's disk or a peer's relay."""
 
@@ -281,10 +268,15 @@ class _Parts(_Routed):
         self.contacts: dict[int, str] = {}  # the holders' servers (``cluster.contacts``)
         self.token = token  # the save being restored (``Choice.token``): its values files must name it
 
-    def hold(self, blobs: dict[str, bytes]) -> _Layered:
+    @property
+    def owners(self) -> list[int]:
+        """The parts read through this store, by their owners."""
+        return list(self._holders)
+
+    def hold(self, blobs: dict[str, bytes]) -> Layered:
         """This host's files from now on: its disk, and ``blobs`` (its parts' rows cut by
         range) in memory; returned to be served to the others."""
-        self._held = _Layered(self._own, _InMemory(self.location, blobs))
+        self._held = Layered(self._own, InMemory(self.location, blobs))
         return self._held
 
     def close(self) -> None:
@@ -294,13 +286,14 @@ class _Parts(_Routed):
 
     def _store_of(self, name: str) -> storage.ReadableStore:
         """The store holding ``name``: its part's server; the plan from this process when it
-        serves a part of this save, else from the server of process 0's part."""
+        serves a part of this save, else from one of the holders picked by process number (a
+        slice that lost its disks reads it from every holder alike, not all from one)."""
         owner = written_by(name)
         if owner is None:
             owner = range_merge.blob_owner(name)
         if name == PLAN_FILE:
-            first = self._holders[min(self._holders)]
-            holder: int | None = self._coord.me if self._coord.me in self._holders.values() else first
+            serving = sorted(set(self._holders.values()))
+            holder: int | None = self._coord.me if self._coord.me in serving else serving[self._coord.me % len(serving)]
         else:
             holder = None if owner is None else self._holders.get(owner)
         if holder is None:

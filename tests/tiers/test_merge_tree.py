@@ -1,0 +1,88 @@
+"""The tier restore's merge tree (tiers/_merge_tree.py): each process talks to O(K) peers
+whatever the job's size, K = cluster.fanout() (#37 item 3). The plan is checked at pod
+sizes as data; real processes run it with a small K."""
+
+import pytest
+
+from tests.support import process_group
+from tpu_ckpt.tiers._merge_tree import MergeTree
+
+
+def _tree(members: int, holders: int, fanout: int) -> MergeTree:
+    return MergeTree(tuple(range(members)), min(members, fanout), tuple(range(holders)), fanout)
+
+
+def _peers(tree: MergeTree) -> tuple[dict[int, set], dict[int, set]]:
+    """Per process, the processes it connects to and those that connect to it, as the tree's
+    steps do: gatherers to holders, servers to gatherers (or holders), relayers to servers,
+    members to each range's relayer (or server)."""
+    opened: dict[int, set] = {p: set() for p in tree.members}
+    accepted: dict[int, set] = {p: set() for p in tree.members}
+
+    def link(client: int, server: int) -> None:
+        if client != server:
+            opened[client].add(server)
+            accepted.setdefault(server, set()).add(client)
+
+    for r in range(tree.ranges):
+        server = tree.members[r]
+        for holder in tree.holders:
+            gatherer = tree.gatherer(r, tree.chunk_of(holder))
+            link(gatherer, holder)
+            link(server, gatherer)
+    for p in tree.members:
+        for r in range(tree.ranges):
+            relayer = tree.relayer(r, p)
+            link(relayer, tree.members[r])
+            link(p, relayer)
+    return opened, accepted
+
+
+@pytest.mark.parametrize(("members", "fanout"), [(1536, 64), (4096, 64), (16, 4), (100, 8)])
+def test_every_range_has_one_gatherer_per_chunk_and_one_relayer_per_group(members, fanout):
+    tree = _tree(members, members, fanout)
+    for r in range(tree.ranges):
+        assert tree.relayer(r, tree.members[r]) == tree.members[r]  # a server relays to its own group itself
+        for p in (0, members // 2, members - 1):
+            assert tree.relayer(r, p) in tree.group(p), (r, p)
+    gathered = [(r, c) for p in tree.members for r, c in tree.gathers(p)]
+    assert len(gathered) == len(set(gathered))
+    direct = {(r, c) for r in range(tree.ranges) for c in range(tree.chunks) if tree.gatherer(r, c) == tree.members[r]}
+    assert set(gathered) | direct == {(r, c) for r in range(tree.ranges) for c in range(tree.chunks)}
+
+
+@pytest.mark.parametrize(("members", "fanout"), [(1536, 64), (4096, 64), (64, 8), (16, 4), (12, 4)])
+def test_each_process_talks_to_a_few_times_the_fanout_up_to_its_square(members, fanout):
+    opened, accepted = _peers(_tree(members, members, fanout))
+    most = max(max(len(v) for v in opened.values()), max(len(v) for v in accepted.values()))
+    assert most <= 3 * fanout, most  # flat, the range servers would each take `members` - 1
+    assert sum(len(v) for v in opened.values()) <= 4 * fanout * members
+
+
+def test_within_the_fanout_the_tree_is_the_flat_merge():
+    tree = _tree(8, 8, 64)
+    assert tree.chunks == tree.groups == 1
+    assert all(tree.gathers(p) == [] and tree.relays(p) == [] for p in tree.members)
+    assert all(tree.gatherer(r, 0) == r and tree.relayer(r, p) == r for r in range(8) for p in range(8))
+
+
+def _counts(tmp_path, processes: int, fanout: int) -> list[dict]:
+    results = process_group.run("cluster.control_plane_scenarios.merge_tree_counts", processes, str(tmp_path),
+                                str(fanout), devices_per_process=2)
+    for r in results:
+        assert r.returncode == 0 and r.result is not None, r.output[-4000:]
+        assert r.result["mismatches"] == [], r.result
+    return [r.result for r in results]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_tier_restore_through_the_tree_is_bit_exact_and_its_connections_do_not_grow(tmp_path):
+    """K = 3: at 4 processes and at 8 the merge goes through gatherers and relayers. Flat, a
+    range server at 8 would open 2 connections to each of 7 holders and 1 to each of 7 other
+    servers (21) and accept as many; through the tree each process stays within 4K (a part's
+    holder is read over 2 connections, the other servers over 1)."""
+    four, eight = _counts(tmp_path / "four", 4, 3), _counts(tmp_path / "eight", 8, 3)
+    print({"P=4": four, "P=8": eight})
+    for kind in ("opened", "accepted"):
+        assert max(res[kind] for res in four + eight) <= 4 * 3, (kind, four, eight)
