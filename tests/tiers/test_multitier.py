@@ -133,7 +133,9 @@ def test_each_slice_restores_its_own_copy_and_only_a_wiped_slice_is_filled(tmp_p
     for res in results:
         for case in ("intact", "slice_1_wiped"):
             assert res[case]["step"] == 3 and res[case]["mismatches"] == [], res
-        assert res["intact"]["data"] == 0, res  # every slice reads its own copy: no data byte between hosts
+        # Every slice reads its own copy, and the leaf replicated on every device (one part of each
+        # slice's copy holds it) is completed inside each slice by a collective: no data byte over the relay.
+        assert res["intact"]["data"] == 0, res
         # The lost slice is filled from slice 0's copy by one collective over the mesh's slice axis
         # (restoring/_fanout.py): right values, and no data byte over the relay.
         assert res["slice_1_wiped"]["data"] == 0, res

@@ -112,8 +112,9 @@ def _counting_reads() -> dict[str, int]:
 
 def every_slice_own_copy(directory: str) -> dict:
     """Local step 3 saved as slice copies; restored with every copy whole (each slice reads
-    its own disks), then again after slice 1's hosts lost theirs (only they are filled, from
-    slice 0): the bytes each process asked other hosts for, both times."""
+    its own disks, and its processes complete the leaf replicated on every device by one
+    collective inside the slice), then again after slice 1's hosts lost theirs (only they are
+    filled, from slice 0): the bytes each process asked other hosts for, both times."""
     me = jax.process_index()
     persistent = _enter_host(directory)
     options = tc.CheckpointOptions(enable_async=False, coordination_timeout=30)
@@ -122,10 +123,15 @@ def every_slice_own_copy(directory: str) -> dict:
         return tc.CheckpointManager(persistent, save_interval_steps=10, local_directory="local", local_replicas=1,
                                     options=options)
 
+    def state(step: int) -> dict:  # and a leaf replicated on every device, each slice's copy in one part
+        return {**_state(step), "b": _global_array(_slice_mesh(), P(), GLOBAL[:2] + step)}
+
     with manager() as saving:
         for step in (1, 2, 3):
-            saving.save(step, _state(step))
-    target, out = _targets(_state(0), _slice_mesh()), {}
+            saving.save(step, state(step))
+    target = {**_targets(_state(0), _slice_mesh()), "b": jax.ShapeDtypeStruct(
+        GLOBAL[:2].shape, GLOBAL.dtype, sharding=jax.sharding.NamedSharding(_slice_mesh(), P()))}
+    out: dict = {}
     for case in ("intact", "slice_1_wiped"):
         if case == "slice_1_wiped" and me in (2, 3):
             shutil.rmtree("local")
@@ -133,7 +139,7 @@ def every_slice_own_copy(directory: str) -> dict:
         with manager() as restoring:
             restored = restoring.restore(None, target)
         out[case] = {**got, "step": int(restored["step"]),
-                     "mismatches": _mismatches(restored, {"w": GLOBAL + 3, "step": 3})}
+                     "mismatches": _mismatches(restored, {"w": GLOBAL + 3, "b": GLOBAL[:2] + 3, "step": 3})}
         relay.RelayStore.read, relay.RelayStore.read_file = _ORIGINAL_READS
     return out
 

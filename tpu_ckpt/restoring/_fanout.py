@@ -93,19 +93,39 @@ def replica_axes(array: ArrayRead) -> tuple[str, ...]:
     return axes if axes and even and _across_processes(mesh, axes) else ()
 
 
+def replicated_across_processes(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> bool:
+    """Whether a target of ``sharding`` has replica axes across processes: a leaf the
+    collective may complete, whose every shard's pieces a process plans with."""
+    if not isinstance(sharding, NamedSharding) or not isinstance(sharding.mesh, Mesh):
+        return False
+    spec = _padded(sharding.spec, len(shape))
+    used = {name for part in spec for name in _names(part)}
+    axes = tuple(name for name in sharding.mesh.axis_names if name not in used and sharding.mesh.shape[name] > 1)
+    return bool(axes) and _across_processes(sharding.mesh, axes)
+
+
 def split(
-    plan: RestorePlan, me: int, count: int, readers: Container[int] | None = None
+    plan: RestorePlan, me: int, count: int, readers: Container[int] | None = None,
+    copies: Sequence[frozenset[int]] | None = None,
 ) -> tuple[list[FannedLeaf], RestorePlan]:
     """The leaves the collective completes (the same on every process) and the plan of the
     rest. Each piece of a shard is given to one of the shard's processes, balanced by bytes;
     with ``readers``, only to those (a slice whose copy is whole filling one that lost its
     own: the others read nothing), and a leaf some shard of which none of them holds is left
-    to the rest."""
+    to the rest. With ``copies`` (every slice reading its own copy, each with its own
+    manifest), each copy's processes read for their own copy, and the collective runs over the
+    replica axes that stay inside a copy (:func:`_inside_copies`): a leaf replicated across a
+    slice's hosts is read once per slice, and no byte crosses slices."""
     balance = WriteBalance()
     fanned = []
+    mine = next((copy for copy in copies if me in copy), frozenset()) if copies else readers
     for position, entry in enumerate(plan.leaves):
         axes = replica_axes(entry) if isinstance(entry, ArrayRead) else ()
-        holders = _holders(entry, readers) if axes else None
+        if axes and copies:
+            assert isinstance(entry, ArrayRead)
+            assert isinstance(entry.sharding, NamedSharding)
+            axes = _inside_copies(entry.sharding, entry.leaf.shape, axes, tuple(copies))
+        holders = _holders(entry, mine) if axes else None
         if holders is not None:
             assert isinstance(entry, ArrayRead)
             fanned.append(FannedLeaf(position, entry, axes, _my_pieces(entry, holders, balance, me)))
@@ -115,6 +135,32 @@ def split(
     leaves = tuple(NoRead(e.key, None, False) if i in taken else e for i, e in enumerate(plan.leaves))
     kept = (tuple(unit for unit in batch if unit.position not in taken) for batch in plan.batches)
     return fanned, dataclasses.replace(plan, leaves=leaves, batches=tuple(batch for batch in kept if batch))
+
+
+@functools.lru_cache(maxsize=256)
+def _inside_copies(
+    sharding: NamedSharding, shape: tuple[int, ...], axes: tuple[str, ...], copies: tuple[frozenset[int], ...]
+) -> tuple[str, ...]:
+    """Of ``axes``, those along which no step leaves a copy, where then every copy holds every
+    shard on exactly one group of devices along them (so one reader per copy and shard, and a
+    sum over the group, complete each of its devices); () otherwise. Decided from the target
+    and the copies alone: the same on every process (and cached: leaves share layouts)."""
+    mesh = sharding.mesh
+    assert isinstance(mesh, Mesh)
+    copy_of = {p: n for n, copy in enumerate(copies) for p in copy}
+    copy = np.vectorize(lambda device: copy_of.get(device.process_index, -1), otypes=[int])(mesh.devices)
+    kept = tuple(a for a in axes if (copy == np.take(copy, [0], axis=mesh.axis_names.index(a))).all())
+    if not kept or (copy < 0).any() or not _across_processes(mesh, kept):
+        return ()
+    others = [n for n, name in enumerate(mesh.axis_names) if name not in kept]
+    place = {device: tuple(at[n] for n in others) for at, device in np.ndenumerate(mesh.devices)}
+    for devices in slice_devices(shape, sharding, True).values():
+        groups: dict[int, set[tuple[int, ...]]] = {}
+        for device in devices:
+            groups.setdefault(copy_of[device.process_index], set()).add(place[device])
+        if len(groups) != len(copies) or any(len(g) != 1 for g in groups.values()):
+            return ()
+    return kept
 
 
 def _holders(array: ArrayRead | NoRead, readers: Container[int] | None) -> dict[SliceSpec, list[int]] | None:

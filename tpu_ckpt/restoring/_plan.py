@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -153,11 +153,10 @@ def plan_restore(
     batch_bytes: int,
     url: str = "<manifest>",
 ) -> RestorePlan:
-    """Plans restoring ``target`` (None: everything under ``subtree``) from ``manifest``,
-    whose piece-table rows for :func:`needed_slices` are loaded (no IO here).
+    """Plans restoring ``target`` (None: everything under ``subtree``) from ``manifest``, whose piece-table rows for
+    :func:`needed_slices` are loaded (no IO here).
 
-    ``url`` names the checkpoint in errors. Raises TargetMismatchError naming the key when
-    the target does not fit the checkpoint."""
+    ``url`` names the checkpoint in errors. Raises TargetMismatchError naming the key when the target does not fit."""
     entries, treedef, paths = plan_entries(manifest, target, subtree, skip_slots, url)
     batches = tuple(map(tuple, byte_batches(_units(entries, batch_bytes), _unit_bytes, batch_bytes)))
     return RestorePlan(tuple(entries), batches, treedef, paths, batch_bytes)
@@ -166,9 +165,9 @@ def plan_restore(
 def plan_entries(
     manifest: Manifest, target: Any, subtree: str | None, skip_slots: bool, url: str, *, regions: bool = True
 ) -> tuple[list[ArrayRead | NoRead], Any, tuple[tuple[PathEntry, ...], ...]]:
-    """Per target leaf what comes back, the treedef and (no target) the paths: the plan without
-    batches. ``regions=False`` leaves ``ArrayRead.regions`` empty: ``check_restore`` counts a
-    pod's million regions by layout (``restoring/_check_reads.py``), not one by one."""
+    """Per target leaf what comes back, the treedef and (no target) the paths: the plan without batches.
+    ``regions=False`` leaves ``ArrayRead.regions`` empty: ``check_restore`` counts a pod's million regions by layout
+    (``restoring/_check_reads.py``), not one by one."""
     prefix, depth = normalise_subtree(subtree)
     leaves = {leaf.key: leaf for leaf in manifest.leaves if under(leaf.key, prefix)}
     if prefix and not leaves:
@@ -289,16 +288,16 @@ def sharded_slices(
 
 
 def needed_slices(
-    manifest: Manifest, target: Any, subtree: str | None, skip_slots: bool, *, everyone: bool = False
+    manifest: Manifest, target: Any, subtree: str | None, skip_slots: bool, *,
+    everyone: bool | Callable[[jax.sharding.Sharding, tuple[int, ...]], bool] = False,
 ) -> list[tuple[LeafEntry, Sequence[SliceSpec]]]:
-    """The saved array leaves a restore of ``target`` reads and, of each, the slices this
-    process's devices take (``everyone``: every process's, as ``load_and_broadcast`` and a
-    multi-process ``check_restore`` plan): the piece-table rows to load before planning.
-    Pure; a target leaf that does not fit is left out, for the planner to report."""
+    """The saved array leaves a restore of ``target`` reads and, of each, the slices this process's devices take
+    (``everyone``: every process's, as ``load_and_broadcast`` and a multi-process ``check_restore`` plan; or of the
+    leaves of a sharding and shape it is true of): the piece-table rows to load before planning. Pure; a target leaf
+    that does not fit is left out, for the planner to report."""
     prefix, _ = normalise_subtree(subtree)
     leaves = {leaf.key: leaf for leaf in manifest.leaves if under(leaf.key, prefix) and leaf.kind == "array"}
-    flat = flatten(target)[0] if target is not None else ()
-    wanted = {key: None for key in leaves} if target is None else {_join(prefix, key): t for key, _, t in flat}
+    wanted = {k: None for k in leaves} if target is None else {_join(prefix, k): t for k, _, t in flatten(target)[0]}
     out: list[tuple[LeafEntry, Sequence[SliceSpec]]] = []
     for key, leaf_target in wanted.items():
         leaf = leaves.get(key)
@@ -312,7 +311,8 @@ def needed_slices(
         except TargetMismatchError:
             continue
         if shape == leaf.shape:
-            slices = (full_slice(shape),) if sharding is None else sharded_slices(shape, sharding, everyone)[1]
+            every = everyone if isinstance(everyone, bool) or sharding is None else everyone(sharding, shape)
+            slices = (full_slice(shape),) if sharding is None else sharded_slices(shape, sharding, every)[1]
             out.append((leaf, slices))
     return out
 

@@ -241,17 +241,20 @@ def _contact(coord: cluster.Coordinator, io: int) -> str:
 def restore_from(
     checkpoint: OpenCheckpoint, target: Any, options: CheckpointOptions, subtree: str | None,
     coord: cluster.Coordinator | None, *, readers: frozenset[int] | None = None,
+    copies: tuple[frozenset[int], ...] | None = None,
 ) -> tuple[Any, int, int]:
     """The restored tree, its number of leaves and the bytes read: the rows the target
     needs loaded (IO, in runs: with ``load_and_broadcast`` every process's, which it plans
     with), then the plan (pure), then the reads and placement. ``readers`` (with ``coord``):
     only those processes read the leaves a collective completes, for every process (a tier
-    restore filling a slice that lost its copy from a whole one)."""
+    restore filling a slice that lost its copy from a whole one); ``copies``: each copy's
+    processes read them for their own copy (a tier restore of whole slice copies)."""
     url, skip = checkpoint.location.url, options.skip_slot_variables
     manifest = leaf_kinds.with_per_process_values(checkpoint.store, checkpoint.manifest, target, subtree, url)
     given, target = target, leaf_kinds.stored_target(manifest, target, subtree)
     shared = coord is not None and (options.load_and_broadcast or readers is not None)
-    checkpoint.load(needed_slices(manifest, target, subtree, skip, everyone=shared))
+    everyone = fanout.replicated_across_processes if coord is not None and copies is not None and not shared else shared
+    checkpoint.load(needed_slices(manifest, target, subtree, skip, everyone=everyone))
     try:
         plan = plan_restore(manifest, target, subtree, skip, batch_bytes=read_batch_bytes(options), url=url)
     except TargetMismatchError as first:  # every mismatch, as tc.check_restore lists them
@@ -262,22 +265,22 @@ def restore_from(
         own = sum(p.length for batch in plan.batches for unit in batch for p in unit.pieces)
         relay.warn_if_beyond("restore", url, own * coord.count, options.coordination_timeout)
     with gc_paused():
-        results, nbytes = _carry_out(checkpoint.store, plan, options, coord, readers)
+        results, nbytes = _carry_out(checkpoint.store, plan, options, coord, readers, copies)
     return leaf_kinds.restored(manifest, plan.tree(results), given, subtree), len(results), nbytes
 
 
 def _carry_out(
     store: storage.ReadableStore, plan: RestorePlan, options: CheckpointOptions, coord: cluster.Coordinator | None,
-    readers: frozenset[int] | None,
+    readers: frozenset[int] | None, copies: tuple[frozenset[int], ...] | None,
 ) -> tuple[list[Any], int]:
     """The plan's reads and placement, and the bytes read: with ``load_and_broadcast`` (or
-    ``readers``: the processes that read for the others, a tier's whole slice), first the
-    leaves a collective completes over their replica axes (``_fanout.py``), then the rest."""
+    ``readers``: the processes that read for the others, a tier's whole slice; or ``copies``),
+    first the leaves a collective completes over their replica axes (``_fanout.py``), then the rest."""
     arrays: dict[int, Any] = {}
     fanned_bytes = 0
     shared = options.load_and_broadcast and isinstance(store, storage.CheckpointStore)
-    if coord is not None and (shared or readers is not None):
-        fanned, plan = fanout.split(plan, coord.me, coord.count, readers)
+    if coord is not None and (shared or readers is not None or copies is not None):
+        fanned, plan = fanout.split(plan, coord.me, coord.count, readers, copies)
         if fanned:
             arrays, fanned_bytes = fanout.execute(fanned, store, coord, read_batch_bytes(options))
     with _piece_source(store, plan, options, coord) as source:

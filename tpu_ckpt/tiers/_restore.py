@@ -60,9 +60,10 @@ def restore_local(
             parts = {owner: holders[owner] for owner in owners}
             tree = merge_tree.MergeTree.of(members, len(ranges), list(parts.values()))
             manifest = _agreed_manifest(coord, store, data, planned, parts, tree, ranges, serving)
-            readers = _fill_from(choice, coord.count)
+            readers, copies = _fill_from(choice, coord.count)
             tree, _, nbytes = restore_from(
-                OpenCheckpoint(store, manifest), target, options, None, coord if readers else None, readers=readers
+                OpenCheckpoint(store, manifest), target, options, None, coord if readers or copies else None,
+                readers=readers, copies=copies,
             )
             coord.barrier("restored")  # serves until everyone has what it needs
         except BaseException as error:
@@ -73,14 +74,17 @@ def restore_local(
     return tree, nbytes
 
 
-def _fill_from(choice: Choice, count: int) -> frozenset[int] | None:
-    """Of slice copies where some process's slice lost its copy, the first whole copy's
-    processes: they read, and one collective over the mesh's replica axes fills everyone
-    (``restoring/_fanout.py``; a leaf it cannot serve goes over the relay as before). None
-    (each slice reads its own copy, or there are no copies) otherwise."""
-    if not choice.copies or all(any(p in copy for copy in choice.copies) for p in range(count)):
-        return None
-    return frozenset(choice.copies[0])
+def _fill_from(choice: Choice, count: int) -> tuple[frozenset[int] | None, tuple[frozenset[int], ...] | None]:
+    """How the leaves replicated across processes are completed, by one collective over the
+    mesh's replica axes (``restoring/_fanout.py``; a leaf it cannot serve goes over the relay
+    as before): of slice copies where some process's slice lost its copy, the first whole
+    copy's processes read for everyone (the readers); where every slice has its own, each
+    slice's processes read for their slice (the copies); (None, None) without copies."""
+    if not choice.copies:
+        return None, None
+    if all(any(p in copy for copy in choice.copies) for p in range(count)):
+        return None, tuple(frozenset(copy) for copy in choice.copies)
+    return frozenset(choice.copies[0]), None
 
 
 def _plan_and_serve(
