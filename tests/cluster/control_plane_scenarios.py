@@ -95,24 +95,32 @@ def control_plane_counts(directory: str) -> dict:
 
 
 
-def merge_tree_counts(directory: str, fanout: str) -> dict:
-    """A local step of 6 sharded leaves and a step restored by the tier with the control plane's
-    fan-out set to ``fanout`` (as every process must): the counts of the restore, and whether it
-    is bit-exact. No leaf is replicated across processes: each process's connections are then
-    the control plane's alone (a replicated leaf is read from the one part holding it)."""
+def fanout_counts(directory: str, fanout: str) -> dict:
+    """With the control plane's fan-out set to ``fanout`` (as every process must): a local step
+    of 6 sharded leaves and a step restored by the tier (no leaf replicated across processes:
+    each process's connections are then the merge's alone), and the same state saved to
+    ``directory`` restored onto numpy targets with load_and_broadcast (every process needs every
+    piece: the relay's path). The counts of each, and whether they are bit-exact."""
     from tpu_ckpt.cluster import _relays
 
     _relays.MAX_SERVERS = int(fanout)
     persistent = _enter_host(directory)
     mesh = jax.sharding.Mesh(np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))), ("model",))
-    state = {f"w{i}": _global_array(mesh, P("model"), GLOBAL + i) for i in range(6)}
-    state |= {"step": 3}
+    state = {f"w{i}": _global_array(mesh, P("model"), GLOBAL + i) for i in range(6)} | {"step": 3}
     expected = {f"w{i}": GLOBAL + i for i in range(6)} | {"step": 3}
     targets = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, v.sharding.spec))
                for k, v in state.items() if isinstance(v, jax.Array)} | {"step": 0}
     options = tc.CheckpointOptions(enable_async=False, coordination_timeout=60)
+    out = {}
     with tc.CheckpointManager(persistent, save_interval_steps=10, local_directory="local", local_replicas=1,
                               options=options) as manager:
         manager.save(3, state)
-        restored, counts = _counted(lambda: manager.restore(None, targets))
-    return {**counts, "mismatches": _mismatches(restored, expected)}
+        restored, out["tier"] = _counted(lambda: manager.restore(None, targets))
+    out["tier_mismatches"] = _mismatches(restored, expected)
+    path = os.path.join(directory, "ckpt")
+    tc.save(path, state)
+    shared = tc.CheckpointOptions(load_and_broadcast=True, coordination_timeout=60)
+    on_host = {k: np.zeros_like(v) for k, v in expected.items() if isinstance(v, np.ndarray)} | {"step": 0}
+    restored, out["shared_host"] = _counted(lambda: tc.restore(path, on_host, options=shared))
+    out["shared_host_mismatches"] = [key for key, value in expected.items() if not np.array_equal(restored[key], value)]
+    return out

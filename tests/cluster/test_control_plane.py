@@ -39,6 +39,31 @@ def test_kv_calls_and_connections_per_process_do_not_grow_with_the_process_count
     assert max(res["shared_host"]["kv_calls"] for res in four) <= most + 8, (two, four)
 
 
+def _fanout_counts(tmp_path, processes: int, fanout: int) -> list[dict]:
+    results = process_group.run("cluster.control_plane_scenarios.fanout_counts", processes, str(tmp_path),
+                                str(fanout), devices_per_process=2)
+    for r in results:
+        assert r.returncode == 0 and r.result is not None, r.output[-4000:]
+        assert r.result["tier_mismatches"] == [] and r.result["shared_host_mismatches"] == [], r.result
+    return [r.result for r in results]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_beyond_the_fanout_each_process_talks_to_its_group_and_a_few_more(tmp_path):
+    """K = 3 (the default 64 is out of reach here): at 4 processes and at 8, beyond K, the tier's
+    merge goes through gatherers and relayers (tiers/_merge_tree.py) and load_and_broadcast's
+    pieces reach each group of K through one relayer (restoring/_shared_reads.py), bit for bit.
+    Flat at 8, a range server would open 2 connections to each of 7 holders and 1 to each of 7
+    other servers (21) and accept as many, and a reader of pieces everyone needs would accept 2
+    from each of 7 needers (14); through the trees each process stays within 4K."""
+    four, eight = _fanout_counts(tmp_path / "four", 4, 3), _fanout_counts(tmp_path / "eight", 8, 3)
+    print({"P=4": four, "P=8": eight})
+    for kind in ("tier", "shared_host"):
+        for count in ("opened", "accepted"):
+            assert max(res[kind][count] for res in four + eight) <= 4 * 3, (kind, count, four, eight)
+
+
 def test_the_readers_are_capped_whatever_the_job():
     chosen = cluster.spread(list(range(1536)))
     assert len(chosen) == cluster.fanout() and chosen[0] == 0 and chosen[-1] == 1536 - 1536 // 64

@@ -22,8 +22,11 @@ def test_pieces_beyond_the_limit_are_dropped_and_read_again_when_asked(tmp_path)
     pieces = _pieces(tmp_path, 6)
     needers = {pid: frozenset({1, 2}) for pid in pieces}
     with storage.Store(storage.location(tmp_path / "c")) as store:
-        bounded = _ReadOnce(store, pieces, needers, keep_bytes=2 << 20)
-        unbounded = _ReadOnce(store, pieces, needers)
+        def fetch(key, piece):
+            return store.read(piece.file, piece.offset, [piece.length])
+
+        bounded = _ReadOnce(fetch, pieces, needers, 2 << 20, store.location)
+        unbounded = _ReadOnce(fetch, pieces, needers, None, store.location)
         for pid in pieces:
             bounded.take(*pid, process=1).result()
             unbounded.take(*pid, process=1)

@@ -31,3 +31,30 @@ def test_the_readers_share_the_bytes_evenly():
     for reader in plan.readers.values():
         per_reader[reader] = per_reader.get(reader, 0) + 1
     assert len(per_reader) == cluster.fanout() and set(per_reader.values()) == {100}
+
+
+def test_beyond_the_fanout_each_process_fetches_from_its_group_and_each_reader_serves_a_relayer_a_group():
+    """1,536 processes needing every piece: a process fetches each reader's pieces from one
+    member of its own group (or the reader, in the reader's group), and a reader is taken
+    from by its group and one relayer per other group: O(K + N / K) peers, 87 at most here,
+    where every needer fetching from its reader would make a reader serve 1,535."""
+    processes, fanout = 1536, cluster.fanout()
+    plan = shared_reads.plan(_host_leaves(1000), processes)
+    tree = shared_reads._RelayTree(processes, fanout)
+    readers = set(plan.readers.values())
+    for me in (0, 700, 1535):
+        sources = {tree.source(me, reader) for reader in readers} - {me}
+        assert len(sources) <= fanout and all(s // fanout == me // fanout or s in readers for s in sources), me
+    for reader in readers:
+        takers = tree.takers(reader, frozenset(range(processes))) - {reader}
+        assert len(takers) <= (fanout - 1) + (processes // fanout - 1), (reader, len(takers))
+    relayed = {me: tree.relayed(me, plan) for me in range(0, processes, 97)}
+    for me, pieces in relayed.items():  # a relayer passes each piece on to its own group's needers alone
+        assert all(needers == frozenset(range(me // fanout * fanout, me // fanout * fanout + fanout))
+                   for needers in pieces.values()), me
+
+
+def test_within_the_fanout_every_piece_comes_from_its_reader():
+    tree = shared_reads._RelayTree(16, cluster.fanout())
+    assert tree.source(3, 9) == 9 and tree.takers(9, frozenset(range(16))) == frozenset(range(16))
+    assert tree.relayed(3, shared_reads.plan(_host_leaves(10), 16)) == {}

@@ -1,10 +1,9 @@
 """The tier restore's merge tree (tiers/_merge_tree.py): each process talks to O(K) peers
 whatever the job's size, K = cluster.fanout() (#37 item 3). The plan is checked at pod
-sizes as data; real processes run it with a small K."""
+sizes as data here; real processes run it with a small K in tests/cluster/test_control_plane.py."""
 
 import pytest
 
-from tests.support import process_group
 from tpu_ckpt.tiers._merge_tree import MergeTree
 
 
@@ -64,25 +63,3 @@ def test_within_the_fanout_the_tree_is_the_flat_merge():
     assert tree.chunks == tree.groups == 1
     assert all(tree.gathers(p) == [] and tree.relays(p) == [] for p in tree.members)
     assert all(tree.gatherer(r, 0) == r and tree.relayer(r, p) == r for r in range(8) for p in range(8))
-
-
-def _counts(tmp_path, processes: int, fanout: int) -> list[dict]:
-    results = process_group.run("cluster.control_plane_scenarios.merge_tree_counts", processes, str(tmp_path),
-                                str(fanout), devices_per_process=2)
-    for r in results:
-        assert r.returncode == 0 and r.result is not None, r.output[-4000:]
-        assert r.result["mismatches"] == [], r.result
-    return [r.result for r in results]
-
-
-@pytest.mark.multiprocess
-@pytest.mark.slow
-def test_a_tier_restore_through_the_tree_is_bit_exact_and_its_connections_do_not_grow(tmp_path):
-    """K = 3: at 4 processes and at 8 the merge goes through gatherers and relayers. Flat, a
-    range server at 8 would open 2 connections to each of 7 holders and 1 to each of 7 other
-    servers (21) and accept as many; through the tree each process stays within 4K (a part's
-    holder is read over 2 connections, the other servers over 1)."""
-    four, eight = _counts(tmp_path / "four", 4, 3), _counts(tmp_path / "eight", 8, 3)
-    print({"P=4": four, "P=8": eight})
-    for kind in ("opened", "accepted"):
-        assert max(res[kind] for res in four + eight) <= 4 * 3, (kind, four, eight)

@@ -6,7 +6,9 @@ storage. With ``CheckpointOptions(load_and_broadcast=True)`` every process works
 the manifest and the target shardings (which are global), which processes need each piece.
 A piece several need is assigned to one of them, balanced by bytes as writes are
 (``pieces.WriteBalance``); that process reads it from storage once and the others fetch it
-from it over TCP (``relay/_client.py``), checking its crc32c on arrival.
+from it over TCP (``relay/_client.py``), checking its crc32c on arrival. Beyond
+``cluster.fanout()`` processes a piece reaches each other group of that many processes through
+one member of the group (:class:`_RelayTree`), so no reader serves every needer itself.
 
 No process ever waits for another's progress (which could deadlock two processes that need
 each other's pieces in different orders): a piece is read at its first request, from a peer
@@ -23,7 +25,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -102,12 +104,22 @@ class SharedReads(StoreReads):
         super().__init__(store)
         self.coord = coord
         self.plan = the_plan
-        mine = {pid: pieces[pid] for pid, reader in the_plan.readers.items() if reader == coord.me}
-        self._cache = _ReadOnce(store, mine, the_plan.needers, keep_bytes)
-        self._server = cluster.serve(coord, None, store, coord.count - 1, shared=self._cache.take) if mine else None
-        self._contacts = cluster.contacts(coord, "readers", self._server)  # one step, whoever serves
+        self._tree = _RelayTree(coord.count, cluster.fanout())
         self._peers: dict[int, relay.RelayStore] = {}
         self._lock = threading.Lock()
+        self._contacts: dict[int, str] = {}
+        self._exchanged = threading.Event()  # a relayer may be asked before its own collect returns
+        mine = {pid: pieces[pid] for pid, reader in the_plan.readers.items() if reader == coord.me}
+        needers = {pid: self._tree.takers(coord.me, the_plan.needers[pid]) for pid in mine}
+        relayed = self._tree.relayed(coord.me, the_plan)
+        keep = keep_bytes if keep_bytes is None or not (mine and relayed) else keep_bytes // 2  # the two share it
+        self._cache = _ReadOnce(self._read_stored, mine, needers, keep, store.location)
+        self._relayed = _ReadOnce(self._fetch_upstream, {pid: pieces[pid] for pid in relayed}, relayed, keep,
+                                  store.location)
+        serving = mine or relayed
+        self._server = cluster.serve(coord, None, store, coord.count - 1, shared=self._take) if serving else None
+        self._contacts = cluster.contacts(coord, "readers", self._server)  # one step, whoever serves
+        self._exchanged.set()
 
     def start(self, needed: Iterable[tuple[str, PieceEntry]]) -> Reads:
         own: list[tuple[str, PieceEntry]] = []
@@ -135,13 +147,31 @@ class SharedReads(StoreReads):
             peer.close()
 
     def _shared(self, r: Read, piece: PieceEntry) -> concurrent.futures.Future:
-        reader = self.plan.readers[(piece.file, piece.offset)]
-        if reader == self.coord.me:
-            return self._cache.take(piece.file, piece.offset, self.coord.me)
+        source = self._tree.source(self.coord.me, self.plan.readers[(piece.file, piece.offset)])
+        if source == self.coord.me:
+            return self._take(piece.file, piece.offset, self.coord.me)
         check = functools.partial(check_crcs, self.store.location.child(r.file), r)
-        return self._peer(reader).shared_piece(piece.file, piece.offset, piece.length, self.coord.me, check)
+        return self._peer(source).shared_piece(piece.file, piece.offset, piece.length, self.coord.me, check)
+
+    def _take(self, file: str, offset: int, process: int) -> concurrent.futures.Future:
+        """A piece this process reads or relays, for ``process``."""
+        cache = self._relayed if self._relayed.holds((file, offset)) else self._cache
+        return cache.take(file, offset, process)
+
+    def _read_stored(self, key: str, piece: PieceEntry) -> concurrent.futures.Future:
+        r = Read(piece.file, piece.offset, piece.offset + piece.length, ((key, piece),))
+        check = functools.partial(check_crcs, self.store.location.child(piece.file), r)
+        return self.store.read(piece.file, piece.offset, [piece.length], then=check)
+
+    def _fetch_upstream(self, key: str, piece: PieceEntry) -> concurrent.futures.Future:
+        """A piece this process relays to its group, from its reader (checked on arrival)."""
+        r = Read(piece.file, piece.offset, piece.offset + piece.length, ((key, piece),))
+        check = functools.partial(check_crcs, self.store.location.child(piece.file), r)
+        reader = self._peer(self.plan.readers[(piece.file, piece.offset)])
+        return reader.shared_piece(piece.file, piece.offset, piece.length, self.coord.me, check)
 
     def _peer(self, process: int) -> relay.RelayStore:
+        self._exchanged.wait(self.coord.timeout)  # else the contact is missing and the connection fails, named
         with self._lock:
             if process not in self._peers:
                 # only of the peers it reads from
@@ -152,20 +182,66 @@ class SharedReads(StoreReads):
             return self._peers[process]
 
 
+@dataclasses.dataclass(frozen=True)
+class _RelayTree:
+    """Beyond ``fanout`` processes, a piece goes from its reader to each other group of
+    ``fanout`` processes (by process index) through one member of the group, its *relayer*
+    (the reader's own group takes it from the reader): a reader then serves one relayer per
+    group and its own group, and a process fetches from its group alone, O(fanout + N /
+    fanout) connections each instead of one from every needer. Within ``fanout``: one group,
+    every piece from its reader."""
+
+    count: int
+    fanout: int
+
+    def _group(self, process: int) -> int:
+        return process // self.fanout if self.count > self.fanout else 0
+
+    def relayer(self, reader: int, group: int) -> int:
+        """The member of ``group`` that fetches ``reader``'s pieces for it."""
+        first = group * self.fanout
+        return first + reader % (min(self.count, first + self.fanout) - first)
+
+    def source(self, me: int, reader: int) -> int:
+        """Where ``me`` fetches a piece ``reader`` reads."""
+        group = self._group(me)
+        return reader if group == self._group(reader) else self.relayer(reader, group)
+
+    def takers(self, reader: int, needers: frozenset[int]) -> frozenset[int]:
+        """Who takes a piece from its ``reader``: its needers of the reader's group, and the
+        relayer of each other group with a needer."""
+        own = self._group(reader)
+        return frozenset(p if self._group(p) == own else self.relayer(reader, self._group(p)) for p in needers)
+
+    def relayed(self, me: int, plan: Plan) -> dict[PieceId, frozenset[int]]:
+        """The pieces ``me`` relays to its group, each with its needers there."""
+        if self.count <= self.fanout:
+            return {}
+        group, out = self._group(me), {}
+        for pid, reader in plan.readers.items():
+            if self._group(reader) != group and self.relayer(reader, group) == me:
+                needers = frozenset(p for p in plan.needers[pid] if self._group(p) == group)
+                if needers:
+                    out[pid] = needers
+        return out
+
+
 class _ReadOnce:
-    """The pieces this process reads for several: each read at its first request and kept
-    until every process that needs it has taken it, or, beyond ``keep_bytes`` of them
-    (``host_memory_limit``), until newer ones push it out: a peer that asks for it later
-    gets it read again, which costs a read where waiting could deadlock."""
+    """The pieces this process reads (or relays) for several: each fetched at its first
+    request and kept until every process that takes it from here has, or, beyond
+    ``keep_bytes`` of them (``host_memory_limit``), until newer ones push it out: a peer that
+    asks for it later gets it fetched again, which costs a read where waiting could deadlock."""
 
     def __init__(
-        self, store: storage.CheckpointStore, pieces: dict[PieceId, tuple[str, PieceEntry]],
-        needers: dict[PieceId, frozenset[int]], keep_bytes: int | None = None,
+        self, fetch: Callable[[str, PieceEntry], concurrent.futures.Future],
+        pieces: dict[PieceId, tuple[str, PieceEntry]], needers: dict[PieceId, frozenset[int]],
+        keep_bytes: int | None, location: storage.Location,
     ):
-        self._store = store
+        self._fetch = fetch
         self._pieces = pieces
         self._needers = needers
         self._keep_bytes = keep_bytes
+        self._location = location
         self._lock = threading.Lock()
         self._held: collections.OrderedDict[PieceId, tuple[concurrent.futures.Future, set[int]]] = (
             collections.OrderedDict()
@@ -173,19 +249,22 @@ class _ReadOnce:
         self._held_bytes = 0
         self._given_out: set[PieceId] = set()
 
+    def holds(self, pid: PieceId) -> bool:
+        return pid in self._pieces
+
     def take(self, file: str, offset: int, process: int) -> concurrent.futures.Future:
         pid = (file, offset)
         if pid not in self._pieces:
             raise CheckpointError(
                 f"process {process} asked this process for the piece at {file}:{offset}, which the "
                 "load_and_broadcast plan did not give it; do all processes restore the same target?",
-                file=self._store.location.child(file),
+                file=self._location.child(file),
             )
         with self._lock:
-            if pid in self._given_out:  # asked again after everyone had it: read it again
-                return self._read(pid)
+            if pid in self._given_out:  # asked again after everyone had it: fetch it again
+                return self._fetch(*self._pieces[pid])
             if pid not in self._held:
-                self._held[pid] = (self._read(pid), set())
+                self._held[pid] = (self._fetch(*self._pieces[pid]), set())
                 self._held_bytes += self._pieces[pid][1].length
             future, taken = self._held[pid]
             taken.add(process)
@@ -199,9 +278,3 @@ class _ReadOnce:
     def _drop(self, pid: PieceId) -> None:
         del self._held[pid]
         self._held_bytes -= self._pieces[pid][1].length
-
-    def _read(self, pid: PieceId) -> concurrent.futures.Future:
-        key, piece = self._pieces[pid]
-        r = Read(piece.file, piece.offset, piece.offset + piece.length, ((key, piece),))
-        check = functools.partial(check_crcs, self._store.location.child(piece.file), r)
-        return self._store.read(piece.file, piece.offset, [piece.length], then=check)
