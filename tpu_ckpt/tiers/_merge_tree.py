@@ -144,9 +144,9 @@ def relayed(
             raise CorruptCheckpointError(f"the merged manifest of range {r} is missing from its server",
                                          file=location.url)
         tables = decode_manifest(body, where=f"the merged manifest of {location.url} (range {r})").tables
-        manifests[_manifest_name(r)] = body
+        manifests[relayed_manifest(r)] = body
         routes.update({name: source for name in tables})
-        serves.update({_manifest_name(r): None, **tables})
+        serves.update({relayed_manifest(r): None, **tables})
     store = _Forwarding(location, InMemory(location, manifests), routes)
     server = cluster.serve(coord, None, store, len(tree.group(coord.me)) - 1, serves=serves)
     serving.callback(server.close)
@@ -155,10 +155,6 @@ def relayed(
 
 def relayed_manifest(r: int) -> str:
     """The name range ``r``'s manifest has at its relayer (one relayer may serve several ranges)."""
-    return _manifest_name(r)
-
-
-def _manifest_name(r: int) -> str:
     return f"range-{r:05d}-{MANIFEST_FILE}"
 
 

@@ -186,7 +186,7 @@ class _Ranges:
         self.relayed: storage.ReadableStore | None = None  # the ranges it relays to its group
         self.where = f"the merged manifest of {store.location.url}"
         self._contacts: dict[str, dict[int, str]] = {}
-        self._clients: dict[tuple[int, str], relay.RelayStore] = {}
+        self._clients: dict[tuple[int, str], concurrent.futures.Future] = {}
         self._lock = threading.Lock()
 
     def exchange(self, stage: str, server: relay.RelayServer | None) -> None:
@@ -224,13 +224,24 @@ class _Ranges:
         return self._client(relayer, "relayed"), merge_tree.relayed_manifest(r)
 
     def _client(self, process: int, stage: str) -> relay.RelayStore:
+        """Connected by the first thread that asks, outside the lock: the ranges' servers are
+        connected to in parallel (``manifest_of`` runs 8 at a time)."""
         with self._lock:
-            if (process, stage) not in self._clients:
+            made = (process, stage) not in self._clients
+            if made:
+                self._clients[process, stage] = concurrent.futures.Future()
+            future = self._clients[process, stage]
+        if made:
+            try:
                 client = cluster.connect(self._coord, f"{stage}{process}", process, self._store.location,
                                          self._contacts[stage].get(process), connections=1)
+            except BaseException as error:
+                future.set_exception(error)
+                raise
+            with self._lock:
                 self._serving.callback(client.close)  # the tables are read while the restore plans
-                self._clients[process, stage] = client
-            return self._clients[process, stage]
+            future.set_result(client)
+        return future.result()
 
 
 def _blobs(tree: merge_tree.MergeTree, parts: dict[int, int], r: int, chunk: int) -> list[str]:
