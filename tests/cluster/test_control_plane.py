@@ -64,6 +64,15 @@ def test_beyond_the_fanout_each_process_talks_to_its_group_and_a_few_more(tmp_pa
             assert max(res[kind][count] for res in four + eight) <= 4 * 3, (kind, count, four, eight)
 
 
+@pytest.mark.multiprocess
+def test_a_fanout_of_one_restores_bit_exactly_through_both_trees(tmp_path):
+    """K = 1, 2 processes: every process is its own group, so each range's rows come through a
+    gatherer, its manifest through a relayer, and each replicated piece through the other
+    process's relayer (itself)."""
+    for res in _fanout_counts(tmp_path, 2, 1):
+        assert res["tier"]["opened"] <= 4 and res["shared_host"]["opened"] <= 2, res
+
+
 def test_the_readers_are_capped_whatever_the_job():
     chosen = cluster.spread(list(range(1536)))
     assert len(chosen) == cluster.fanout() and chosen[0] == 0 and chosen[-1] == 1536 - 1536 // 64

@@ -72,10 +72,12 @@ def test_a_local_step_restores_onto_another_process_count(tmp_path):
         assert res["step"] == 2 and res["mismatches"] == [] and res["persistent_opened"] == [], res
 
 
-def test_a_damaged_part_fails_the_restore_on_every_process(tmp_path):
+@pytest.mark.parametrize("fanout", ["", "1"], ids=["flat", "tree"])
+def test_a_damaged_part_fails_the_restore_on_every_process(tmp_path, fanout):
     """The holder of the damaged part finds it (each holder checks its own parts' indexes);
-    the other process hears of it, named."""
-    other, holder = _ok(process_group.run("tiers.tier_scenarios.damaged_index", 2, str(tmp_path)))
+    the other process hears of it, named; the same where the merge goes through the tree
+    (a fan-out of 1: each process is its own group)."""
+    other, holder = _ok(process_group.run("tiers.tier_scenarios.damaged_index", 2, str(tmp_path), fanout))
     assert holder["error"] == "CorruptCheckpointError" and "index-00001.bin" in holder["message"], holder
     assert other["error"] == "RemoteProcessError" and "index-00001.bin" in other["message"], other
 

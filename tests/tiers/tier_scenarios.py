@@ -194,11 +194,16 @@ def another_process_count(directory: str, phase: str) -> dict:
     return _restore(manager, _watch_opens(persistent), 2)
 
 
-def damaged_index(directory: str) -> dict:
+def damaged_index(directory: str, fanout: str = "") -> dict:
     """Local step 1 on 2 processes, its upload removed (so there is nothing to fall back to),
     process 1's part removed from host 0 (its replica: no other holder to take it from);
     process 1 then damages its own part's index (the part it serves, and checks): the restore fails on
-    both processes, naming the file, instead of hanging."""
+    both processes, naming the file, instead of hanging. ``fanout``: the control plane's, set in
+    both processes (1: the merge goes through the tree's gatherers and relayers)."""
+    from tpu_ckpt.cluster import _relays
+
+    if fanout:
+        _relays.MAX_SERVERS = int(fanout)
     me = jax.process_index()
     persistent = _enter_host(directory)
     manager = _manager(persistent, enable_async=False, every=100)
