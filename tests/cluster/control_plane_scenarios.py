@@ -97,8 +97,9 @@ def control_plane_counts(directory: str) -> dict:
 
 def fanout_counts(directory: str, fanout: str) -> dict:
     """With the control plane's fan-out set to ``fanout`` (as every process must): a local step
-    of 6 sharded leaves and a step restored by the tier (no leaf replicated across processes:
-    each process's connections are then the merge's alone), and the same state saved to
+    of 6 sharded leaves, a step and each process's own value (``tc.PerProcess``: every part's
+    values record goes to one merger) restored by the tier (no leaf replicated across processes:
+    each process's connections are then the merge's alone), and the same state (values aside) saved to
     ``directory`` restored onto numpy targets with load_and_broadcast (every process needs every
     piece: the relay's path). The counts of each, and whether they are bit-exact."""
     from tpu_ckpt.cluster import _relays
@@ -112,11 +113,12 @@ def fanout_counts(directory: str, fanout: str) -> dict:
                for k, v in state.items() if isinstance(v, jax.Array)} | {"step": 0}
     options = tc.CheckpointOptions(enable_async=False, coordination_timeout=60)
     out = {}
+    mine = {"process": jax.process_index(), "cursor": b"x" * (100 + jax.process_index())}  # a data iterator's state
     with tc.CheckpointManager(persistent, save_interval_steps=10, local_directory="local", local_replicas=1,
                               options=options) as manager:
-        manager.save(3, state)
-        restored, out["tier"] = _counted(lambda: manager.restore(None, targets))
-    out["tier_mismatches"] = _mismatches(restored, expected)
+        manager.save(3, {**state, "it": tc.PerProcess(mine)})
+        restored, out["tier"] = _counted(lambda: manager.restore(None, {**targets, "it": tc.PerProcess()}))
+    out["tier_mismatches"] = _mismatches(restored, expected) + ([] if restored["it"] == mine else ["it"])
     path = os.path.join(directory, "ckpt")
     tc.save(path, state)
     shared = tc.CheckpointOptions(load_and_broadcast=True, coordination_timeout=60)

@@ -55,8 +55,15 @@ def _enter_host(directory: str) -> str:
     return os.path.join(directory, "persistent")
 
 
-def saved_by_two(directory: str) -> dict:
+def saved_by_two(directory: str, fanout: str = "") -> dict:
+    """``fanout``: the control plane's, in both processes (1: each is its own group, so the parts'
+    rows and values records reach the merger through a gatherer, the merged ranges come back
+    through a relayer: tiers/_merge_tree.py)."""
     import tpu_ckpt as tc
+    from tpu_ckpt.cluster import _relays
+
+    if fanout:
+        _relays.MAX_SERVERS = int(fanout)
 
     me, persistent = jax.process_index(), _enter_host(directory)
     with _manager(persistent) as manager:
@@ -98,8 +105,10 @@ def _ok(results: list[process_group.ProcessResult]) -> list[dict]:
     return [r.result for r in results]
 
 
-def test_per_process_values_live_in_the_local_tier_its_replicas_and_its_uploads(tmp_path):
-    results = process_group.run("tiers.test_local_per_process.saved_by_two", 2, str(tmp_path), devices_per_process=2)
+@pytest.mark.parametrize("fanout", ["", "1"], ids=["flat", "tree"])
+def test_per_process_values_live_in_the_local_tier_its_replicas_and_its_uploads(tmp_path, fanout):
+    results = process_group.run("tiers.test_local_per_process.saved_by_two", 2, str(tmp_path), fanout,
+                                devices_per_process=2)
     for res in _ok(results):
         me = res["process"]
         assert res["files"] == ["values-00000.bin", "values-00001.bin"]  # its own, and its peer's replica

@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+from collections.abc import Callable
 from typing import Any
 
 from tpu_ckpt import storage
@@ -46,16 +47,26 @@ def write(store: storage.CheckpointStore, planned: Manifest, me: int, token: str
     return [name]
 
 
-def with_values(store: storage.ReadableStore, manifest: Manifest, token: str) -> Manifest:
+def with_values(
+    record: Callable[[int], bytes | None], manifest: Manifest, token: str, where: storage.Location
+) -> Manifest:
     """``manifest`` (merged from the plan and the parts) with each per-process leaf's values as
-    pieces, one per process of the save, from each process's values file (its record read
-    through ``store``, which sends each read to the file's holder), 8 records at a time."""
+    pieces, one per process of the save, from each process's values file (``record(p)``: its
+    record's bytes, :func:`read_record`, from the file's holder or its gatherer), 8 at a time."""
     per_process = [n for n, leaf in enumerate(manifest.leaves) if leaf.kind == PER_PROCESS]
     if not per_process:
         return manifest
     count = manifest.process_count
+
+    def parsed(p: int) -> tuple[int, list[list[int]]]:
+        data = record(p)
+        if data is None:
+            name = where.child(values_file_name(p))
+            raise CorruptCheckpointError(f"{name}: the per-process values of this local step are missing", file=name)
+        return _parse(data, where.child(values_file_name(p)), token, len(per_process))
+
     with concurrent.futures.ThreadPoolExecutor(min(8, count)) as pool:
-        records = list(pool.map(lambda p: _record(store, p, token, len(per_process)), range(count)))
+        records = list(pool.map(parsed, range(count)))
     leaves = list(manifest.leaves)
     for i, n in enumerate(per_process):
         pieces = tuple(PieceEntry(((p, p + 1),), values_file_name(p), start + places[i][0], places[i][1], places[i][2])
@@ -67,21 +78,35 @@ def with_values(store: storage.ReadableStore, manifest: Manifest, token: str) ->
     return dataclasses.replace(manifest, leaves=tuple(leaves), files={**manifest.files, **sizes})
 
 
-def _record(store: storage.ReadableStore, process: int, token: str, count: int) -> tuple[int, list[list[int]]]:
-    """Process ``process``'s record: where its values start, and each value's place."""
+def read_record(store: storage.ReadableStore, process: int) -> bytes:
+    """Process ``process``'s record as its values file begins: the 8-byte length and the JSON."""
     name = values_file_name(process)
     where = store.location.child(name)
     try:
-        size = int.from_bytes(store.read(name, 0, [_HEADER]).result()[0].tobytes(), "little")
+        head = store.read(name, 0, [_HEADER]).result()[0].tobytes()
+        size = int.from_bytes(head, "little")
         if not 0 < size <= _MAX_RECORD:
             raise ValueError(f"a record of {size} bytes")
-        record: Any = json.loads(store.read(name, _HEADER, [size]).result()[0].tobytes())
+        return head + store.read(name, _HEADER, [size]).result()[0].tobytes()
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpointError(
+            f"{where}: the per-process values of this local step are unreadable ({e})", file=where
+        ) from None
+
+
+def _parse(data: bytes, where: str, token: str, count: int) -> tuple[int, list[list[int]]]:
+    """A record (:func:`read_record`): where its values start, and each value's place."""
+    try:
+        size = int.from_bytes(data[:_HEADER], "little")
+        if len(data) != _HEADER + size or not 0 < size <= _MAX_RECORD:
+            raise ValueError(f"a record of {len(data) - _HEADER} bytes claiming {size}")
+        record: Any = json.loads(data[_HEADER:])
         places = record["values"]
         if record["token"] != token:
             raise ValueError(f"of the save {record['token']!r}, not {token!r}")
         if len(places) != count or not all(len(p) == 3 and all(type(x) is int and x >= 0 for x in p) for p in places):
             raise ValueError(f"{len(places)} values for {count} per-process leaves")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CorruptCheckpointError(
             f"{where}: the per-process values of this local step are unreadable ({e})", file=where
         ) from None
@@ -102,7 +127,7 @@ def own_values(source: str, plan: Manifest, me: int) -> Manifest:
         raise CorruptCheckpointError(f"{where} names no save token: its values cannot be tied to it", file=where)
     local = storage.Store(storage.Location(source))
     with local:
-        start, places = _record(local, me, token, len(per_process))
+        start, places = _parse(read_record(local, me), local.location.child(name), token, len(per_process))
         size = storage.file_size(local.location, name) or 0  # a local step: on this host's disk
         if any(start + offset + length > size for offset, length, _ in places):
             where = local.location.child(name)

@@ -39,7 +39,7 @@ from tpu_ckpt.format import (
 from tpu_ckpt.saving import Grids, merge_rows
 from tpu_ckpt.tiers import _part_checks as part_checks
 
-_BLOB = re.compile(r"rows-(\d{5,9})-(\d{5,9})\.bin")
+_BLOB = re.compile(r"(?:rows-(\d{5,9})-\d{5,9}|record-(\d{5,9}))\.bin")
 
 
 def leaf_ranges(leaves: int, processes: int) -> list[tuple[int, int]]:
@@ -54,9 +54,15 @@ def blob_name(owner: int, index: int) -> str:
     return f"rows-{owner:05d}-{index:05d}.bin"
 
 
+def record_name(owner: int) -> str:
+    """Process ``owner``'s values record (``_local_values``), as its holder serves it."""
+    return f"record-{owner:05d}.bin"
+
+
 def blob_owner(name: str) -> int | None:
+    """The part a blob (:func:`blob_name`) or a record (:func:`record_name`) is of."""
     match = _BLOB.fullmatch(name)
-    return None if match is None else int(match[1])
+    return None if match is None else int(match[1] or match[2])
 
 
 def part_blobs(

@@ -24,6 +24,7 @@ from tpu_ckpt.catalog import OpenCheckpoint, store_tables
 from tpu_ckpt.errors import CorruptCheckpointError
 from tpu_ckpt.format import (
     MANIFEST_FILE,
+    PER_PROCESS,
     PLAN_FILE,
     IndexPlan,
     Manifest,
@@ -101,6 +102,8 @@ def _plan_and_serve(
         data, planned, ranges = _plan(store, readers)
         parts = part_checks.check_step(own.location.local_path, step, choice.token, data)
         blobs = range_merge.part_blobs(own, mine, IndexPlan.of(planned), ranges, parts, step)
+        if any(leaf.kind == PER_PROCESS for leaf in planned.leaves):  # each part's values record, for its merger
+            blobs.update({range_merge.record_name(o): local_values.read_record(own, o) for o in mine})
         server = _serve(coord, own, mine, store.hold(blobs), readers - 1)
         if server is not None:
             serving.callback(server.close)
@@ -143,7 +146,9 @@ def _agreed_manifest(
     than its range's, nor holds an object per piece of the job."""
     view = _Ranges(coord, store, parts, tree, serving)
     if not view.flat:
-        gathered = merge_tree.gathered(tree, coord.me, functools.partial(_blobs, tree, parts), store)
+        valued = {r for r, (first, stop) in enumerate(ranges)
+                  if any(leaf.kind == PER_PROCESS for leaf in planned.leaves[first:stop])}
+        gathered = merge_tree.gathered(tree, coord.me, functools.partial(_blobs, tree, parts, valued), store)
         view.exchange("gathered", _serve_held(coord, InMemory(store.location, gathered),
                                                len({r for r, _ in tree.gathers(coord.me)}), serving))
     index, server = tree.range_of(coord.me), None
@@ -244,9 +249,12 @@ class _Ranges:
         return future.result()
 
 
-def _blobs(tree: merge_tree.MergeTree, parts: dict[int, int], r: int, chunk: int) -> list[str]:
-    """Range ``r``'s blobs of the parts whose holders are in ``chunk``."""
-    return [range_merge.blob_name(owner, r) for owner, holder in parts.items() if tree.chunk_of(holder) == chunk]
+def _blobs(tree: merge_tree.MergeTree, parts: dict[int, int], valued: set[int], r: int, chunk: int) -> list[str]:
+    """Range ``r``'s blobs of the parts whose holders are in ``chunk``, and their values
+    records where ``r`` is the range holding the per-process leaves (one of ``valued``)."""
+    owners = [owner for owner, holder in parts.items() if tree.chunk_of(holder) == chunk]
+    records = [range_merge.record_name(owner) for owner in owners] if r in valued else []
+    return [range_merge.blob_name(owner, r) for owner in owners] + records
 
 
 def _merged_range(
@@ -259,7 +267,8 @@ def _merged_range(
     read = list(merge_tree.read_all(names, blob, store.location).items())
     body, tables = range_merge.merge_range(
         plan, read, store.location, ranges[index], table_prefix=f"r{index:05d}-",
-        finish=lambda merged: local_values.with_values(store, merged, store.token),  # the per-process values' pieces
+        finish=lambda merged: local_values.with_values(  # the per-process values' pieces
+            lambda p: blob(range_merge.record_name(p)), merged, store.token, store.location),
     )
     source = InMemory(store.location, {MANIFEST_FILE: body, **tables})
     if coord.count == 1:
