@@ -40,8 +40,10 @@ def test_beyond_the_fanout_each_process_fetches_from_its_group_and_each_reader_s
     where every needer fetching from its reader would make a reader serve 1,535."""
     processes, fanout = 1536, cluster.fanout()
     plan = shared_reads.plan(_host_leaves(1000), processes)
-    tree = shared_reads._RelayTree(processes, fanout)
     readers = set(plan.readers.values())
+    tree = shared_reads._RelayTree(processes, fanout, tuple(sorted(readers)))
+    for group in (1, processes // fanout - 1):  # each reader's pieces reach a group through its own relayer
+        assert len({tree.relayer(reader, group) for reader in readers}) == len(readers), group
     for me in (0, 700, 1535):
         sources = {tree.source(me, reader) for reader in readers} - {me}
         assert len(sources) <= fanout and all(s // fanout == me // fanout or s in readers for s in sources), me
@@ -55,6 +57,6 @@ def test_beyond_the_fanout_each_process_fetches_from_its_group_and_each_reader_s
 
 
 def test_within_the_fanout_every_piece_comes_from_its_reader():
-    tree = shared_reads._RelayTree(16, cluster.fanout())
+    tree = shared_reads._RelayTree(16, cluster.fanout(), tuple(range(16)))
     assert tree.source(3, 9) == 9 and tree.takers(9, frozenset(range(16))) == frozenset(range(16))
     assert tree.relayed(3, shared_reads.plan(_host_leaves(10), 16)) == {}

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 
 import jax
 import numpy as np
@@ -84,24 +84,33 @@ def replica_axes(array: ArrayRead) -> tuple[str, ...]:
         return ()
     if jax.dtypes.canonicalize_dtype(saved) != saved:  # 64 bits saved, JAX without x64: not as the saved dtype
         return ()
-    if sharding.memory_kind not in (None, "device") or not array.regions or not isinstance(sharding.mesh, Mesh):
+    if sharding.memory_kind not in (None, "device") or not array.regions:
         return ()
-    mesh, spec = sharding.mesh, _padded(sharding.spec, len(array.leaf.shape))
+    return _sharded_replica_axes(sharding, array.leaf.shape)
+
+
+def _sharded_replica_axes(sharding: NamedSharding, shape: tuple[int, ...]) -> tuple[str, ...]:
+    """:func:`replica_axes` as the sharding and shape alone decide them."""
+    if not isinstance(sharding.mesh, Mesh):
+        return ()
+    mesh, spec = sharding.mesh, _padded(sharding.spec, len(shape))
     used = {name for part in spec for name in _names(part)}
     axes = tuple(name for name in mesh.axis_names if name not in used and mesh.shape[name] > 1)
-    even = all(size % math.prod(mesh.shape[n] for n in _names(part)) == 0 for size, part in zip(array.leaf.shape, spec))
+    even = all(size % math.prod(mesh.shape[n] for n in _names(part)) == 0 for size, part in zip(shape, spec))
     return axes if axes and even and _across_processes(mesh, axes) else ()
 
 
-def replicated_across_processes(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> bool:
-    """Whether a target of ``sharding`` has replica axes across processes: a leaf the
-    collective may complete, whose every shard's pieces a process plans with."""
-    if not isinstance(sharding, NamedSharding) or not isinstance(sharding.mesh, Mesh):
-        return False
-    spec = _padded(sharding.spec, len(shape))
-    used = {name for part in spec for name in _names(part)}
-    axes = tuple(name for name in sharding.mesh.axis_names if name not in used and sharding.mesh.shape[name] > 1)
-    return bool(axes) and _across_processes(sharding.mesh, axes)
+def fanned_inside(copies: tuple[frozenset[int], ...]) -> Callable[[jax.sharding.Sharding, tuple[int, ...]], bool]:
+    """Whether the collective may complete a target of a sharding and shape inside each of
+    ``copies`` (:func:`split`): the leaves whose every shard's pieces a process plans with."""
+
+    def fanned(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> bool:
+        if not isinstance(sharding, NamedSharding):
+            return False
+        axes = _sharded_replica_axes(sharding, shape)
+        return bool(axes) and bool(_inside_copies(sharding, shape, axes, copies))
+
+    return fanned
 
 
 def split(

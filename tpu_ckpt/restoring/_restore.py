@@ -253,7 +253,7 @@ def restore_from(
     manifest = leaf_kinds.with_per_process_values(checkpoint.store, checkpoint.manifest, target, subtree, url)
     given, target = target, leaf_kinds.stored_target(manifest, target, subtree)
     shared = coord is not None and (options.load_and_broadcast or readers is not None)
-    everyone = fanout.replicated_across_processes if coord is not None and copies is not None and not shared else shared
+    everyone = fanout.fanned_inside(copies) if coord is not None and copies is not None else shared
     checkpoint.load(needed_slices(manifest, target, subtree, skip, everyone=everyone))
     try:
         plan = plan_restore(manifest, target, subtree, skip, batch_bytes=read_batch_bytes(options), url=url)

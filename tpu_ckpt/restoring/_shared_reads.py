@@ -104,7 +104,7 @@ class SharedReads(StoreReads):
         super().__init__(store)
         self.coord = coord
         self.plan = the_plan
-        self._tree = _RelayTree(coord.count, cluster.fanout())
+        self._tree = _RelayTree(coord.count, cluster.fanout(), tuple(sorted(set(the_plan.readers.values()))))
         self._peers: dict[int, relay.RelayStore] = {}
         self._lock = threading.Lock()
         self._contacts: dict[int, str] = {}
@@ -118,8 +118,13 @@ class SharedReads(StoreReads):
                                   store.location)
         serving = mine or relayed
         self._server = cluster.serve(coord, None, store, coord.count - 1, shared=self._take) if serving else None
-        self._contacts = cluster.contacts(coord, "readers", self._server)  # one step, whoever serves
-        self._exchanged.set()
+        try:
+            self._contacts = cluster.contacts(coord, "readers", self._server)  # one step, whoever serves
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            self._exchanged.set()
 
     def start(self, needed: Iterable[tuple[str, PieceEntry]]) -> Reads:
         own: list[tuple[str, PieceEntry]] = []
@@ -193,14 +198,20 @@ class _RelayTree:
 
     count: int
     fanout: int
+    readers: tuple[int, ...]  # every reader of the plan, sorted: the same on every process
+
+    @functools.cached_property
+    def _rank(self) -> dict[int, int]:
+        return {reader: n for n, reader in enumerate(self.readers)}
 
     def _group(self, process: int) -> int:
         return process // self.fanout if self.count > self.fanout else 0
 
     def relayer(self, reader: int, group: int) -> int:
-        """The member of ``group`` that fetches ``reader``'s pieces for it."""
+        """The member of ``group`` that fetches ``reader``'s pieces for it: by the reader's rank,
+        so that a group's relayers differ (readers are evenly spaced: their numbers would not)."""
         first = group * self.fanout
-        return first + reader % (min(self.count, first + self.fanout) - first)
+        return first + self._rank[reader] % (min(self.count, first + self.fanout) - first)
 
     def source(self, me: int, reader: int) -> int:
         """Where ``me`` fetches a piece ``reader`` reads."""
@@ -260,21 +271,44 @@ class _ReadOnce:
                 "load_and_broadcast plan did not give it; do all processes restore the same target?",
                 file=self._location.child(file),
             )
+        first, future = False, concurrent.futures.Future[Any]()
         with self._lock:
             if pid in self._given_out:  # asked again after everyone had it: fetch it again
-                return self._fetch(*self._pieces[pid])
-            if pid not in self._held:
-                self._held[pid] = (self._fetch(*self._pieces[pid]), set())
-                self._held_bytes += self._pieces[pid][1].length
-            future, taken = self._held[pid]
-            taken.add(process)
-            if taken >= self._needers[pid]:
-                self._drop(pid)
-                self._given_out.add(pid)
-            while self._keep_bytes is not None and self._held_bytes > self._keep_bytes and len(self._held) > 1:
-                self._drop(next(iter(self._held)))  # the oldest
+                first = True
+            else:
+                if pid not in self._held:
+                    first = True
+                    self._held[pid] = (future, set())
+                    self._held_bytes += self._pieces[pid][1].length
+                future, taken = self._held[pid]
+                taken.add(process)
+                if taken >= self._needers[pid]:
+                    self._drop(pid)
+                    self._given_out.add(pid)
+                while self._keep_bytes is not None and self._held_bytes > self._keep_bytes and len(self._held) > 1:
+                    self._drop(next(iter(self._held)))  # the oldest
+        if first:  # fetched outside the lock: a relayer's first fetch from a reader connects to it
+            _settle(future, self._fetch, *self._pieces[pid])
         return future
 
     def _drop(self, pid: PieceId) -> None:
         del self._held[pid]
         self._held_bytes -= self._pieces[pid][1].length
+
+
+def _settle(future: concurrent.futures.Future, fetch: Callable[..., concurrent.futures.Future], *args: Any) -> None:
+    """``future`` completed as ``fetch(*args)``'s is, or with what ``fetch`` raised."""
+    try:
+        fetched = fetch(*args)
+    except BaseException as error:
+        future.set_exception(error)
+        raise
+
+    def settle(done: concurrent.futures.Future) -> None:
+        error = done.exception()
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(done.result())
+
+    fetched.add_done_callback(settle)

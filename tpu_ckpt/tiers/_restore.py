@@ -201,7 +201,8 @@ class _Ranges:
     def blob(self, name: str) -> bytes | None:
         """A range's blob of a part, for its server: from the part's holder, or its gatherer."""
         owner, me, r = range_merge.blob_owner(name), self._coord.me, self._tree.range_of(self._coord.me)
-        chunk = None if self.flat or owner is None or r is None else self._tree.chunk_of(self._parts[owner])
+        holder = None if owner is None else self._parts.get(owner)  # None: the store names it, of no part here
+        chunk = None if self.flat or holder is None or r is None else self._tree.chunk_of(holder)
         via = me if chunk is None or r is None else self._tree.gatherer(r, chunk)
         return self._store.read_file(name) if via == me else self._client(via, "gathered").read_file(name)
 
