@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpu_ckpt as tc
+from tests.cluster.fanout import set_fanout
 from tests.support.mp_scenarios import GLOBAL, _global_array, _mismatches
 from tests.tiers.tier_scenarios import _enter_host
 from tpu_ckpt import relay
@@ -102,9 +103,7 @@ def fanout_counts(directory: str, fanout: str) -> dict:
     each process's connections are then the merge's alone), and the same state (values aside) saved to
     ``directory`` restored onto numpy targets with load_and_broadcast (every process needs every
     piece: the relay's path). The counts of each, and whether they are bit-exact."""
-    from tpu_ckpt.cluster import _relays
-
-    _relays.MAX_SERVERS = int(fanout)
+    set_fanout(fanout)
     persistent = _enter_host(directory)
     mesh = jax.sharding.Mesh(np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))), ("model",))
     state = {f"w{i}": _global_array(mesh, P("model"), GLOBAL + i) for i in range(6)} | {"step": 3}

@@ -60,10 +60,9 @@ def saved_by_two(directory: str, fanout: str = "") -> dict:
     rows and values records reach the merger through a gatherer, the merged ranges come back
     through a relayer: tiers/_merge_tree.py)."""
     import tpu_ckpt as tc
-    from tpu_ckpt.cluster import _relays
+    from tests.cluster.fanout import set_fanout
 
-    if fanout:
-        _relays.MAX_SERVERS = int(fanout)
+    set_fanout(fanout)
 
     me, persistent = jax.process_index(), _enter_host(directory)
     with _manager(persistent) as manager:

@@ -200,10 +200,9 @@ def damaged_index(directory: str, fanout: str = "") -> dict:
     process 1 then damages its own part's index (the part it serves, and checks): the restore fails on
     both processes, naming the file, instead of hanging. ``fanout``: the control plane's, set in
     both processes (1: the merge goes through the tree's gatherers and relayers)."""
-    from tpu_ckpt.cluster import _relays
+    from tests.cluster.fanout import set_fanout
 
-    if fanout:
-        _relays.MAX_SERVERS = int(fanout)
+    set_fanout(fanout)
     me = jax.process_index()
     persistent = _enter_host(directory)
     manager = _manager(persistent, enable_async=False, every=100)
