@@ -133,8 +133,8 @@ class SharedReads(StoreReads):
             (shared if (piece.file, piece.offset) in self.plan.readers else own).append((key, piece))
         reads = super().start(own)
         for key, piece in {(p.file, p.offset): (k, p) for k, p in shared}.values():
-            r = Read(piece.file, piece.offset, piece.offset + piece.length, ((key, piece),))
-            reads.append((r, self._shared(r, piece)))
+            r, check = self._checked(key, piece)
+            reads.append((r, self._shared(piece, check)))
         return reads
 
     def finish(self) -> None:
@@ -151,29 +151,32 @@ class SharedReads(StoreReads):
         for peer in self._peers.values():
             peer.close()
 
-    def _shared(self, r: Read, piece: PieceEntry) -> concurrent.futures.Future:
+    def _shared(self, piece: PieceEntry, check: Callable[[list[Any]], Any]) -> concurrent.futures.Future:
         source = self._tree.source(self.coord.me, self.plan.readers[(piece.file, piece.offset)])
         if source == self.coord.me:
             return self._take(piece.file, piece.offset, self.coord.me)
-        check = functools.partial(check_crcs, self.store.location.child(r.file), r)
-        return self._peer(source).shared_piece(piece.file, piece.offset, piece.length, self.coord.me, check)
+        return self._from(source, piece, check)
 
     def _take(self, file: str, offset: int, process: int) -> concurrent.futures.Future:
         """A piece this process reads or relays, for ``process``."""
         cache = self._relayed if self._relayed.holds((file, offset)) else self._cache
         return cache.take(file, offset, process)
 
-    def _read_stored(self, key: str, piece: PieceEntry) -> concurrent.futures.Future:
+    def _checked(self, key: str, piece: PieceEntry) -> tuple[Read, Callable[[list[Any]], Any]]:
+        """The read of one whole piece, and the check of its crc32c on arrival."""
         r = Read(piece.file, piece.offset, piece.offset + piece.length, ((key, piece),))
-        check = functools.partial(check_crcs, self.store.location.child(piece.file), r)
-        return self.store.read(piece.file, piece.offset, [piece.length], then=check)
+        return r, functools.partial(check_crcs, self.store.location.child(piece.file), r)
+
+    def _read_stored(self, key: str, piece: PieceEntry) -> concurrent.futures.Future:
+        return self.store.read(piece.file, piece.offset, [piece.length], then=self._checked(key, piece)[1])
 
     def _fetch_upstream(self, key: str, piece: PieceEntry) -> concurrent.futures.Future:
-        """A piece this process relays to its group, from its reader (checked on arrival)."""
-        r = Read(piece.file, piece.offset, piece.offset + piece.length, ((key, piece),))
-        check = functools.partial(check_crcs, self.store.location.child(piece.file), r)
-        reader = self._peer(self.plan.readers[(piece.file, piece.offset)])
-        return reader.shared_piece(piece.file, piece.offset, piece.length, self.coord.me, check)
+        """A piece this process relays to its group, from its reader."""
+        return self._from(self.plan.readers[(piece.file, piece.offset)], piece, self._checked(key, piece)[1])
+
+    def _from(self, process: int, piece: PieceEntry, check: Callable[[list[Any]], Any]) -> concurrent.futures.Future:
+        """The piece ``process`` reads or relays for this one."""
+        return self._peer(process).shared_piece(piece.file, piece.offset, piece.length, self.coord.me, check)
 
     def _peer(self, process: int) -> relay.RelayStore:
         self._exchanged.wait(self.coord.timeout)  # else the contact is missing and the connection fails, named
