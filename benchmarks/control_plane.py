@@ -10,12 +10,15 @@ share for persistent storage. The state is ``--leaves`` small float32 leaves on 
 model) mesh, sharded over the devices of a slice and replicated across the slices (as data
 parallelism across slices lays it out), every eighth one replicated on every device, and a
 Python step. It is saved once to the shared directory and as a manager's local step (each
-slice writes its own copy), then restored four ways, all processes starting together:
+slice writes its own copy), then restored six ways, all processes starting together:
 
 - ``plain``: ``tc.restore`` (each process reads its own share);
 - ``load_and_broadcast``: the same with ``CheckpointOptions(load_and_broadcast=True)``;
 - ``load_and_broadcast_host``: the same onto numpy targets (every process wants every leaf
-  whole, on the host: the relay's path, each piece read by one of at most ``cluster.fanout()``);
+  whole, on the host): small ones, which the collective brings packed;
+- ``load_and_broadcast_relay``: the same with a read batch of one byte, so every host leaf is
+  bigger than a device's part of it: the relay's path, each piece read by one of at most
+  ``cluster.fanout()``;
 - ``tier_intact``: the manager's restore of the local step, every slice copy whole;
 - ``tier_slice_wiped``: the same after slice 1's hosts lost their local directories.
 
@@ -44,7 +47,8 @@ import tempfile
 
 import workers  # benchmarks/workers.py
 
-CASES = ("plain", "load_and_broadcast", "load_and_broadcast_host", "tier_intact", "tier_slice_wiped")
+CASES = ("plain", "load_and_broadcast", "load_and_broadcast_host", "load_and_broadcast_relay", "tier_intact",
+         "tier_slice_wiped")
 METRICS = ("kv_calls", "opened", "accepted", "sent", "received")
 SLICES = 2
 
@@ -133,6 +137,8 @@ def _worker(args: argparse.Namespace, port: int, index: int) -> dict:
         "load_and_broadcast": lambda: tc.restore(os.path.join(shared, "ckpt"), target, options=shared_reads),
         "load_and_broadcast_host":
             lambda: tc.restore(os.path.join(shared, "ckpt"), dict(expected), options=shared_reads),
+        "load_and_broadcast_relay": lambda: _relayed(
+            lambda: tc.restore(os.path.join(shared, "ckpt"), dict(expected), options=shared_reads)),
         "tier_intact": lambda: _tier_restore(shared, options, target),
         "tier_slice_wiped": lambda: _tier_restore(shared, options, target, wipe=True),
     }
@@ -142,6 +148,18 @@ def _worker(args: argparse.Namespace, port: int, index: int) -> dict:
         out["mismatches"] += [f"{case} {m}" for m in _mismatches(restored, want)]
     jax.distributed.shutdown()
     return out
+
+
+def _relayed(restore):
+    """``restore`` with a read batch of one byte: every host leaf is then bigger than a
+    device's part of it, so the relay brings it, not the collective."""
+    from tpu_ckpt import settings
+
+    previous = settings.configure(settings.Settings(read_batch_bytes=1))
+    try:
+        return restore()
+    finally:
+        settings.configure(previous)
 
 
 def _manager(shared: str, options):

@@ -17,7 +17,7 @@ import tpu_ckpt as tc
 from tests.cluster.fanout import set_fanout
 from tests.support.mp_scenarios import GLOBAL, _global_array, _mismatches
 from tests.tiers.tier_scenarios import _enter_host
-from tpu_ckpt import relay
+from tpu_ckpt import relay, settings
 
 
 class _CountingClient:
@@ -68,6 +68,21 @@ def _counted(restore) -> tuple[dict, dict[str, int]]:
     return restored, {"kv_calls": client.calls, **got}
 
 
+def _relayed(restore):
+    """``restore`` with a read batch of one byte: every numpy target is then bigger than a
+    device's part of it, so the relay brings it rather than the collective
+    (restoring/_fanout.py ``_on_devices``)."""
+
+    def relayed():
+        previous = settings.configure(settings.Settings(read_batch_bytes=1))
+        try:
+            return restore()
+        finally:
+            settings.configure(previous)
+
+    return relayed
+
+
 def control_plane_counts(directory: str) -> dict:
     """A local step (each process's part and one replica) restored by the tier, and the same
     state saved to ``directory`` restored with load_and_broadcast: the counts of each."""
@@ -89,8 +104,8 @@ def control_plane_counts(directory: str) -> dict:
     shared = tc.CheckpointOptions(load_and_broadcast=True, coordination_timeout=60)
     restored, out["shared"] = _counted(lambda: tc.restore(path, targets, options=shared))
     out["shared_mismatches"] = _mismatches(restored, expected)
-    on_host = {"w": np.zeros_like(GLOBAL), "b": np.zeros_like(GLOBAL[:1]), "step": 0}  # numpy targets: the relay's path
-    restored, out["shared_host"] = _counted(lambda: tc.restore(path, on_host, options=shared))
+    on_host = {"w": np.zeros_like(GLOBAL), "b": np.zeros_like(GLOBAL[:1]), "step": 0}  # numpy targets
+    restored, out["shared_host"] = _counted(_relayed(lambda: tc.restore(path, on_host, options=shared)))
     out["shared_host_mismatches"] = [key for key, value in expected.items() if not np.array_equal(restored[key], value)]
     return out
 
@@ -102,7 +117,7 @@ def fanout_counts(directory: str, fanout: str) -> dict:
     values record goes to one merger) restored by the tier (no leaf replicated across processes:
     each process's connections are then the merge's alone), and the same state (values aside) saved to
     ``directory`` restored onto numpy targets with load_and_broadcast (every process needs every
-    piece: the relay's path). The counts of each, and whether they are bit-exact."""
+    piece; :func:`_relayed`: the relay's path). The counts of each, and whether they are bit-exact."""
     set_fanout(fanout)
     persistent = _enter_host(directory)
     mesh = jax.sharding.Mesh(np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))), ("model",))
@@ -122,6 +137,6 @@ def fanout_counts(directory: str, fanout: str) -> dict:
     tc.save(path, state)
     shared = tc.CheckpointOptions(load_and_broadcast=True, coordination_timeout=60)
     on_host = {k: np.zeros_like(v) for k, v in expected.items() if isinstance(v, np.ndarray)} | {"step": 0}
-    restored, out["shared_host"] = _counted(lambda: tc.restore(path, on_host, options=shared))
+    restored, out["shared_host"] = _counted(_relayed(lambda: tc.restore(path, on_host, options=shared)))
     out["shared_host_mismatches"] = [key for key, value in expected.items() if not np.array_equal(restored[key], value)]
     return out

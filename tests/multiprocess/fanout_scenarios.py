@@ -163,3 +163,44 @@ def fanout_failures(directory: str, timeout: str) -> dict:
     finally:
         LocalStore.read = read
     return {"corrupt": corrupt, "error": error, "seconds": time.monotonic() - started, "stalled": stalled}
+
+
+def host_targets(directory: str) -> dict:
+    """The same state restored with load_and_broadcast onto numpy targets and a Python float
+    (every process wants each leaf whole, on its host): the small ones alone, then with ``w``,
+    bigger than one device's part of the read batch, and ``x64``, which JAX without x64 cannot
+    carry (those two the relay brings). The values bit for bit, the connections, and the bytes
+    each process read of the small ones."""
+    from tpu_ckpt import settings
+
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    values = _values(len(devices))
+    flat = Mesh(np.array(devices), ("all",))
+    tree = {key: _global_array(flat, P() if key == "small" else P("all"), value) for key, value in values.items()}
+    path = os.path.join(directory, "ckpt")
+    tc.save(path, {**tree, "loss": jax.device_put(np.float32(2.5), NamedSharding(flat, P()))})
+    small = {key: np.zeros_like(values[key]) for key in ("odd", "half", "i8", "flag", "small")} | {"loss": 0.0}
+    everything = small | {"w": np.zeros_like(values["w"]), "x64": np.zeros_like(values["x64"])}
+    expected = {**values, "loss": 2.5}
+    options = tc.CheckpointOptions(load_and_broadcast=True, coordination_timeout=60)
+    previous = settings.configure(settings.Settings(read_batch_bytes=2 * (64 << 10)))  # a device's part: 64 KiB
+    out = {}
+    LocalStore = _local_store_class(directory)  # noqa: N806 - a class
+    try:
+        for label, target in (("small", small), ("everything", everything)):
+            got, read = _count_data_reads(LocalStore)
+            try:
+                restore = functools.partial(tc.restore, path, target, options=options)
+                restored, out[f"{label}_counts"] = _counted(restore)
+            finally:
+                LocalStore.read = read
+            out[f"{label}_read"] = got["bytes"]
+            out[f"{label}_mismatches"] = [
+                key for key in target
+                if type(restored[key]) is not type(expected[key]) or np.asarray(restored[key]).dtype != np.asarray(
+                    expected[key]).dtype or np.asarray(restored[key]).tobytes() != np.asarray(expected[key]).tobytes()
+            ]
+    finally:
+        settings.configure(previous)
+    out["small_bytes"] = sum(values[key].nbytes for key in small if key != "loss") + 4
+    return out

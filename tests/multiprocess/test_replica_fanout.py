@@ -44,3 +44,21 @@ def test_a_corrupt_piece_and_a_process_that_never_reaches_the_collective_are_nam
         assert r["seconds"] < 4 * timeout, r
     (stalled,) = [r for r in results if r["stalled"]]
     assert stalled["error"] is not None  # it hears of the others' verdict, not left in a collective
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_small_host_targets_travel_packed_in_the_collective(tmp_path, processes):
+    """Numpy and Python targets every process wants whole (a step, a loss, a data iterator's
+    arrays): each process reads a part, the collective brings the rest, no relay connection;
+    a host leaf bigger than a device's part of the read batch, or of a dtype JAX cannot carry,
+    still comes through the relay. All bit for bit, -0.0 and NaN payloads included."""
+    results = _ok(process_group.run("multiprocess.fanout_scenarios.host_targets", processes, str(tmp_path),
+                                    devices_per_process=2))
+    for r in results:
+        assert r["small_mismatches"] == r["everything_mismatches"] == [], r
+        assert r["small_counts"]["opened"] == r["small_counts"]["accepted"] == 0, r["small_counts"]
+        assert r["everything_counts"]["opened"] > 0, r["everything_counts"]
+    # Each process reads a part of the small leaves, and the job about each byte once (reads of
+    # neighbouring pieces are coalesced, so a few bytes between them too), not once per process.
+    assert sum(r["small_read"] for r in results) <= 1.25 * results[0]["small_bytes"], results
+    assert all(0 < r["small_read"] < r["small_bytes"] for r in results), results

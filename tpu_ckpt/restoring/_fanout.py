@@ -22,9 +22,11 @@ and a process's host at most one read batch.
 
 Before each collective every process meets at a key-value barrier (the coordinator's, bounded
 by ``coordination_timeout``): a process that failed or never arrives is named there, where a
-hung collective would name nobody. What is left (numpy and Python targets, other shardings,
-meshes over some processes only, uneven dimensions, no replica across processes) goes the
-other ways of ``_shared_reads.py``. A tier restore of slice copies where a slice lost its copy
+hung collective would name nobody. A numpy or Python target (every process wants it whole)
+of at most one device's part of a read batch travels the same way, as a leaf replicated over
+the first device of each process, packed with the others. What is left (bigger host targets,
+other shardings, meshes over some processes only, uneven dimensions, no replica across
+processes) goes the other ways of ``_shared_reads.py``. A tier restore of slice copies where a slice lost its copy
 uses the same path with only a whole slice's processes reading (``split``'s ``readers``).
 """
 
@@ -65,6 +67,7 @@ class FannedLeaf:
     array: ArrayRead
     axes: tuple[str, ...]  # the replica axes
     mine: dict[SliceSpec, tuple[PieceEntry, ...]]  # per local region: the pieces this process reads for it
+    on_host: bool = False  # a numpy or Python target, carried on one device of each process (:func:`_on_devices`)
 
     @property
     def device_bytes(self) -> int:
@@ -77,16 +80,41 @@ def replica_axes(array: ArrayRead) -> tuple[str, ...]:
     """The mesh axes over which the collective completes ``array``'s target; () where it cannot
     (then the relay or plain reads do)."""
     sharding = array.sharding
-    if not isinstance(sharding, NamedSharding) or array.python_type is not None:
-        return ()
-    saved = dtype_from_name(array.leaf.dtype)
-    if saved.kind == "c" or jax.dtypes.itemsize_bits(saved) != 8 * saved.itemsize:
-        return ()
-    if jax.dtypes.canonicalize_dtype(saved) != saved:  # 64 bits saved, JAX without x64: not as the saved dtype
+    if not isinstance(sharding, NamedSharding) or not _carried(array):
         return ()
     if sharding.memory_kind not in (None, "device") or not array.regions:
         return ()
     return _sharded_replica_axes(sharding, array.leaf.shape)
+
+
+def _carried(array: ArrayRead) -> bool:
+    """Whether the saved bytes travel as unsigned integers and come back as the target's dtype
+    exactly: whole bytes, not complex, and nothing JAX without x64 would narrow."""
+    saved = dtype_from_name(array.leaf.dtype)
+    if saved.kind == "c" or jax.dtypes.itemsize_bits(saved) != 8 * saved.itemsize:
+        return False
+    return all(jax.dtypes.canonicalize_dtype(d) == d for d in (saved, array.dtype))
+
+
+def _on_devices(array: ArrayRead, count: int, share: int) -> ArrayRead | None:
+    """A numpy or Python target (every process wants it whole, on the host) as a leaf
+    replicated over the first device of each process, which the collective completes like
+    any other: a job's small host leaves (a step, a data iterator's arrays) travel packed
+    in one collective, not as a relayed piece each. Only a leaf of at most ``share`` bytes
+    (one device's part of a read batch, so the device memory it takes stays bounded); a
+    bigger one, or one of a dtype the devices cannot carry, stays with the relay."""
+    if array.sharding is not None or count < 2 or not _carried(array):
+        return None
+    size = math.prod(array.leaf.shape) * dtype_from_name(array.leaf.dtype).itemsize
+    if not 0 < size <= share:
+        return None
+    first: dict[int, jax.Device] = {}
+    for device in sorted(jax.devices(), key=lambda d: (d.process_index, d.id)):
+        first.setdefault(device.process_index, device)
+    sharding = NamedSharding(Mesh(np.array(list(first.values())), ("processes",)), P())
+    (region,) = array.regions
+    local = dataclasses.replace(region, devices=(first[jax.process_index()],))
+    return dataclasses.replace(array, sharding=sharding, regions=(local,))
 
 
 def _sharded_replica_axes(sharding: NamedSharding, shape: tuple[int, ...]) -> tuple[str, ...]:
@@ -114,13 +142,13 @@ def fanned_inside(copies: tuple[frozenset[int], ...]) -> Callable[[jax.sharding.
 
 
 def split(
-    plan: RestorePlan, me: int, count: int, readers: Container[int] | None = None,
+    plan: RestorePlan, me: int, count: int, batch_bytes: int, readers: Container[int] | None = None,
     copies: Sequence[frozenset[int]] | None = None,
 ) -> tuple[list[FannedLeaf], RestorePlan]:
-    """The leaves the collective completes (the same on every process) and the plan of the
-    rest. Each piece of a shard is given to one of the shard's processes, balanced by bytes;
-    with ``readers``, only to those (a slice whose copy is whole filling one that lost its
-    own: the others read nothing), and a leaf some shard of which none of them holds is left
+    """The leaves the collective completes (the same on every process; small host targets too:
+    :func:`_on_devices`) and the plan of the rest. Each piece of a shard is given to one of the
+    shard's processes, balanced by bytes; with ``readers``, only to those (a slice whose copy is
+    whole filling one that lost its own), and a leaf some shard of which none holds is left
     to the rest. With ``copies`` (every slice reading its own copy, each with its own
     manifest), each copy's processes read for their own copy, and the collective runs over the
     replica axes that stay inside a copy (:func:`_inside_copies`): a leaf replicated across a
@@ -128,7 +156,10 @@ def split(
     balance = WriteBalance()
     fanned = []
     mine = next((copy for copy in copies if me in copy), frozenset()) if copies else readers
+    share = _device_share(batch_bytes, count)
     for position, entry in enumerate(plan.leaves):
+        host = _on_devices(entry, count, share) if isinstance(entry, ArrayRead) else None
+        entry = host or entry
         axes = replica_axes(entry) if isinstance(entry, ArrayRead) else ()
         if axes and copies:
             assert isinstance(entry, ArrayRead)
@@ -137,7 +168,7 @@ def split(
         holders = _holders(entry, mine) if axes else None
         if holders is not None:
             assert isinstance(entry, ArrayRead)
-            fanned.append(FannedLeaf(position, entry, axes, _my_pieces(entry, holders, balance, me)))
+            fanned.append(FannedLeaf(position, entry, axes, _my_pieces(entry, holders, balance, me), host is not None))
     taken = {leaf.position for leaf in fanned}
     if not taken:
         return [], plan
@@ -198,15 +229,15 @@ def _my_pieces(
 
 def execute(
     fanned: Sequence[FannedLeaf], store: storage.ReadableStore, coord: cluster.Coordinator, batch_bytes: int
-) -> tuple[dict[int, jax.Array], int]:
-    """Every fanned leaf's restored array by plan position, and the bytes this process read."""
-    per_device = max(1, batch_bytes // max(1, jax.device_count() // coord.count))
+) -> tuple[dict[int, object], int]:
+    """Every fanned leaf's restored value by plan position, and the bytes this process read."""
+    per_device = _device_share(batch_bytes, coord.count)
     by_mesh: dict[Mesh, list[FannedLeaf]] = {}
     for leaf in fanned:
         assert isinstance(leaf.array.sharding, NamedSharding) and isinstance(leaf.array.sharding.mesh, Mesh)
         by_mesh.setdefault(leaf.array.sharding.mesh, []).append(leaf)
     batches = [b for leaves in by_mesh.values() for b in byte_batches(leaves, lambda f: f.device_bytes, per_device)]
-    results: dict[int, jax.Array] = {}
+    results: dict[int, object] = {}
     total = 0
     for i, batch in enumerate(batches):
         reads = shared_reads.StoreReads(store).start(
@@ -219,8 +250,20 @@ def execute(
         coord.barrier(f"fan-out {i}")  # names a process that will not join the collective
         outputs = _collective(tuple(_layout(leaf) for leaf in batch))(*inputs)
         jax.block_until_ready(outputs)  # this batch's bytes in go before the next is read
-        results.update((leaf.position, out) for leaf, out in zip(batch, outputs))
+        results.update((leaf.position, _on_host(leaf, out) if leaf.on_host else out)
+                       for leaf, out in zip(batch, outputs))
     return results, total
+
+
+def _device_share(batch_bytes: int, count: int) -> int:
+    """One device's part of a read batch (the same on every process)."""
+    return max(1, batch_bytes // max(1, jax.device_count() // count))
+
+
+def _on_host(leaf: FannedLeaf, out: jax.Array) -> object:
+    """A host target's value from its copy on this process's device."""
+    value = np.array(out.addressable_data(0))
+    return value if leaf.array.python_type is None else leaf.array.python_type(value[()].item())
 
 
 def _bytes_in(leaf: FannedLeaf, data: restore_exec.PieceData) -> jax.Array:

@@ -280,7 +280,7 @@ def _carry_out(
     fanned_bytes = 0
     shared = options.load_and_broadcast and isinstance(store, storage.CheckpointStore)
     if coord is not None and (shared or readers is not None or copies is not None):
-        fanned, plan = fanout.split(plan, coord.me, coord.count, readers, copies)
+        fanned, plan = fanout.split(plan, coord.me, coord.count, read_batch_bytes(options), readers, copies)
         if fanned:
             arrays, fanned_bytes = fanout.execute(fanned, store, coord, read_batch_bytes(options))
     with _piece_source(store, plan, options, coord) as source:
