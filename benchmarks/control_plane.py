@@ -256,12 +256,12 @@ def _report(args: argparse.Namespace, results: dict[int, list[dict]], rows: list
     fanout = "64 (the default)" if args.fanout is None else args.fanout
     lines = [f"{len(CASES)} restores of {args.leaves} leaves + a step, {args.devices_per_process} devices a process,"
              f" {SLICES} slices, fan-out {fanout}; per process, the largest over the processes (mean in brackets)"]
-    lines.append(f"{'restore':<24}{'P':>4}" + "".join(f"{m:>20}" for m in METRICS))
+    lines.append(f"{'restore':<26}{'P':>4}" + "".join(f"{m:>20}" for m in METRICS))
     for case in CASES:
         for p, per in results.items():
             cells = "".join(f"{max(r[case][m] for r in per):>10,} ({sum(r[case][m] for r in per) / len(per):>7,.1f})"
                             for m in METRICS)
-            lines.append(f"{case:<24}{p:>4}{cells}")
+            lines.append(f"{case:<26}{p:>4}{cells}")
     if len(results) > 1:
         small, large = sorted(results)[-2:]
         lines.append(f"\nP={large} against P={small} "
@@ -269,7 +269,7 @@ def _report(args: argparse.Namespace, results: dict[int, list[dict]], rows: list
         by = {(r["case"], r["processes"]): r for r in rows}
         for case in CASES:
             ratios = [f"{m} {_ratio(by[case, large][m], by[case, small][m])}" for m in METRICS]
-            lines.append(f"  {case:<24}" + ", ".join(ratios))
+            lines.append(f"  {case:<26}" + ", ".join(ratios))
     return "\n".join(lines)
 
 

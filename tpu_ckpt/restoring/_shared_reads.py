@@ -8,7 +8,8 @@ A piece several need is assigned to one of them, balanced by bytes as writes are
 (``pieces.WriteBalance``); that process reads it from storage once and the others fetch it
 from it over TCP (``relay/_client.py``), checking its crc32c on arrival. Beyond
 ``cluster.fanout()`` processes a piece reaches each other group of that many processes through
-one member of the group (:class:`_RelayTree`), so no reader serves every needer itself.
+a member of the reader's group and one of the other's (:class:`_RelayTree`), so no reader
+serves every needer itself and each process talks to its group and about two others.
 
 No process ever waits for another's progress (which could deadlock two processes that need
 each other's pieces in different orders): a piece is read at its first request, from a peer
@@ -153,7 +154,7 @@ class SharedReads(StoreReads):
 
     def _shared(self, piece: PieceEntry, check: Callable[[list[Any]], Any]) -> concurrent.futures.Future:
         source = self._tree.source(self.coord.me, self.plan.readers[(piece.file, piece.offset)])
-        if source == self.coord.me:
+        if source == self.coord.me or self._relayed.holds((piece.file, piece.offset)):
             return self._take(piece.file, piece.offset, self.coord.me)
         return self._from(source, piece, check)
 
@@ -171,8 +172,9 @@ class SharedReads(StoreReads):
         return self.store.read(piece.file, piece.offset, [piece.length], then=self._checked(key, piece)[1])
 
     def _fetch_upstream(self, key: str, piece: PieceEntry) -> concurrent.futures.Future:
-        """A piece this process relays to its group, from its reader."""
-        return self._from(self.plan.readers[(piece.file, piece.offset)], piece, self._checked(key, piece)[1])
+        """A piece this process relays to its group or sends to other groups, from upstream."""
+        upstream = self._tree.upstream(self.coord.me, self.plan.readers[(piece.file, piece.offset)])
+        return self._from(upstream, piece, self._checked(key, piece)[1])
 
     def _from(self, process: int, piece: PieceEntry, check: Callable[[list[Any]], Any]) -> concurrent.futures.Future:
         """The piece ``process`` reads or relays for this one."""
@@ -192,12 +194,15 @@ class SharedReads(StoreReads):
 
 @dataclasses.dataclass(frozen=True)
 class _RelayTree:
-    """Beyond ``fanout`` processes, a piece goes from its reader to each other group of
-    ``fanout`` processes (by process index) through one member of the group, its *relayer*
-    (the reader's own group takes it from the reader): a reader then serves one relayer per
-    group and its own group, and a process fetches from its group alone, O(fanout + N /
-    fanout) connections each instead of one from every needer. Within ``fanout``: one group,
-    every piece from its reader."""
+    """Beyond ``fanout`` processes, the processes are cut into groups of ``fanout`` (by process
+    index). A piece goes from its reader to its own group's needers, and to each other group
+    that needs it in two more hops: a *sender* of the reader's group passes it to that group's
+    *relayer*, which passes it to the group. Senders and relayers are picked by the other
+    group's distance and the reader's rank, so each member passes a reader's pieces on to about
+    one other group and relays for about one reader: every process connects to its own group
+    and to about two others, O(fanout) peers up to fanout² processes (where one reader serving
+    a relayer per group would be O(fanout + N / fanout)). Within ``fanout``: one group, every
+    piece from its reader."""
 
     count: int
     fanout: int
@@ -210,34 +215,72 @@ class _RelayTree:
     def _group(self, process: int) -> int:
         return process // self.fanout if self.count > self.fanout else 0
 
+    def _members(self, group: int) -> range:
+        return range(group * self.fanout, min(self.count, (group + 1) * self.fanout))
+
     def relayer(self, reader: int, group: int) -> int:
         """The member of ``group`` that fetches ``reader``'s pieces for it: by the reader's rank,
         so that a group's relayers differ (readers are evenly spaced: their numbers would not)."""
-        first = group * self.fanout
-        return first + self._rank[reader] % (min(self.count, first + self.fanout) - first)
+        members = self._members(group)
+        return members[self._rank[reader] % len(members)]
+
+    def sender(self, reader: int, group: int) -> int:
+        """The member of ``reader``'s group that passes its pieces to ``group``'s relayer (maybe
+        the reader itself)."""
+        own = self._group(reader)
+        members, distance = self._members(own), (group - own) % -(-self.count // self.fanout)
+        return members[(distance - 1 + self._rank[reader]) % len(members)]
 
     def source(self, me: int, reader: int) -> int:
-        """Where ``me`` fetches a piece ``reader`` reads."""
+        """Where ``me`` fetches a piece ``reader`` reads, unless it relays or sends it itself."""
         group = self._group(me)
         return reader if group == self._group(reader) else self.relayer(reader, group)
 
+    def upstream(self, me: int, reader: int) -> int:
+        """Where ``me`` fetches a piece ``reader`` reads that it relays or sends on."""
+        group = self._group(me)
+        return reader if group == self._group(reader) else self.sender(reader, group)
+
     def takers(self, reader: int, needers: frozenset[int]) -> frozenset[int]:
         """Who takes a piece from its ``reader``: its needers of the reader's group, and the
-        relayer of each other group with a needer."""
+        sender (or where the reader is the sender, the relayer) for each other group."""
         own = self._group(reader)
-        return frozenset(p if self._group(p) == own else self.relayer(reader, self._group(p)) for p in needers)
+        out: set[int] = set()
+        for group in {self._group(p) for p in needers}:
+            if group == own:
+                out.update(p for p in needers if self._group(p) == own)
+            else:
+                sender = self.sender(reader, group)
+                out.add(self.relayer(reader, group) if sender == reader else sender)
+        return frozenset(out)
 
     def relayed(self, me: int, plan: Plan) -> dict[PieceId, frozenset[int]]:
-        """The pieces ``me`` relays to its group, each with its needers there."""
+        """The pieces ``me`` fetches to pass on (as a relayer, to its group's needers; as a
+        sender, to other groups' relayers), each with who takes it from ``me`` (``me`` too, if
+        it needs it)."""
         if self.count <= self.fanout:
             return {}
         group, out = self._group(me), {}
         for pid, reader in plan.readers.items():
-            if self._group(reader) != group and self.relayer(reader, group) == me:
-                needers = frozenset(p for p in plan.needers[pid] if self._group(p) == group)
-                if needers:
-                    out[pid] = needers
+            needers, own = plan.needers[pid], self._group(reader)
+            if own != group and self.relayer(reader, group) == me:
+                takers = frozenset(p for p in needers if self._group(p) == group)
+            elif own == group and me != reader:
+                takers = frozenset(self.relayer(reader, g) for g in self._sent(me, reader)
+                                   if any(p in needers for p in self._members(g)))
+                takers = takers | ({me} & needers) if takers else takers
+            else:
+                continue
+            if takers:
+                out[pid] = takers
         return out
+
+    def _sent(self, me: int, reader: int) -> Iterable[int]:
+        """The groups ``me`` passes ``reader``'s pieces to (:meth:`sender`, inverted)."""
+        own = self._group(reader)
+        members, groups = self._members(own), -(-self.count // self.fanout)
+        first = (me - members[0] - self._rank[reader]) % len(members) + 1
+        return ((own + distance) % groups for distance in range(first, groups, len(members)))
 
 
 class _ReadOnce:
