@@ -151,8 +151,8 @@ def _worker(args: argparse.Namespace, port: int, index: int) -> dict:
 
 
 def _relayed(restore):
-    """``restore`` with a read batch of one byte: every host leaf is then bigger than a
-    device's part of it, so the relay brings it, not the collective."""
+    """``restore`` with a read batch of one byte: every host leaf (all of more than a byte)
+    is then bigger than a device's part of it, so the relay brings it, not the collective."""
     from tpu_ckpt import settings
 
     previous = settings.configure(settings.Settings(read_batch_bytes=1))

@@ -69,9 +69,9 @@ def _counted(restore) -> tuple[dict, dict[str, int]]:
 
 
 def _relayed(restore):
-    """``restore`` with a read batch of one byte: every numpy target is then bigger than a
-    device's part of it, so the relay brings it rather than the collective
-    (restoring/_fanout.py ``_on_devices``)."""
+    """``restore`` with a read batch of one byte: every numpy target here (all of more than a
+    byte) is then bigger than a device's part of it, so the relay brings it rather than the
+    collective (restoring/_fanout.py ``_on_devices``)."""
 
     def relayed():
         previous = settings.configure(settings.Settings(read_batch_bytes=1))

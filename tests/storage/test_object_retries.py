@@ -110,7 +110,9 @@ def test_a_restore_refused_past_the_budget_fails_in_time_naming_the_object(fault
     started = time.monotonic()
     with pytest.raises(tc.CheckpointError, match="429") as raised:
         tc.restore(bucket.url("c"))
-    assert small_budget * 0.8 <= time.monotonic() - started <= small_budget * 1.1
+    # It gives up once no attempt twice as long as the longest so far fits in the budget: on a
+    # loaded machine an attempt takes up to a second, so it may stop well before the end.
+    assert small_budget * 0.5 <= time.monotonic() - started <= small_budget * 1.1
     assert raised.value.file is not None and raised.value.file.startswith(bucket.url("c/"))
 
 

@@ -22,12 +22,11 @@ and a process's host at most one read batch.
 
 Before each collective every process meets at a key-value barrier (the coordinator's, bounded
 by ``coordination_timeout``): a process that failed or never arrives is named there, where a
-hung collective would name nobody. A numpy or Python target (every process wants it whole)
-of at most one device's part of a read batch travels the same way, as a leaf replicated over
-the first device of each process, packed with the others. What is left (bigger host targets,
-other shardings, meshes over some processes only, uneven dimensions, no replica across
-processes) goes the other ways of ``_shared_reads.py``. A tier restore of slice copies where a slice lost its copy
-uses the same path with only a whole slice's processes reading (``split``'s ``readers``).
+hung collective would name nobody. Small numpy and Python targets go the same way
+(:func:`_on_devices`). What is left (bigger host targets, other shardings, meshes over some
+processes only, uneven dimensions, no replica across processes) goes the other ways of
+``_shared_reads.py``. A tier restore where a slice lost its copy uses this path with only a
+whole slice's processes reading (``split``'s ``readers``), host targets included.
 """
 
 from __future__ import annotations
@@ -93,28 +92,32 @@ def _carried(array: ArrayRead) -> bool:
     saved = dtype_from_name(array.leaf.dtype)
     if saved.kind == "c" or jax.dtypes.itemsize_bits(saved) != 8 * saved.itemsize:
         return False
-    return all(jax.dtypes.canonicalize_dtype(d) == d for d in (saved, array.dtype))
+    return all(d.isnative and jax.dtypes.canonicalize_dtype(d) == d for d in (saved, array.dtype))
 
 
-def _on_devices(array: ArrayRead, count: int, share: int) -> ArrayRead | None:
+def _on_devices(array: ArrayRead, count: int, share: int, firsts: Callable[[], Firsts]) -> ArrayRead | None:
     """A numpy or Python target (every process wants it whole, on the host) as a leaf
     replicated over the first device of each process, which the collective completes like
-    any other: a job's small host leaves (a step, a data iterator's arrays) travel packed
-    in one collective, not as a relayed piece each. Only a leaf of at most ``share`` bytes
-    (one device's part of a read batch, so the device memory it takes stays bounded); a
-    bigger one, or one of a dtype the devices cannot carry, stays with the relay."""
+    any other: a job's small host leaves (a step, a data iterator's arrays) travel packed in
+    one collective, not as a relayed piece each. Only of at most ``share`` bytes (one device's
+    part of a read batch: its device memory stays bounded) and a dtype the devices carry."""
     if array.sharding is not None or count < 2 or not _carried(array):
         return None
-    size = math.prod(array.leaf.shape) * dtype_from_name(array.leaf.dtype).itemsize
-    if not 0 < size <= share:
+    if not 0 < math.prod(array.leaf.shape) * dtype_from_name(array.leaf.dtype).itemsize <= share:
         return None
-    first: dict[int, jax.Device] = {}
-    for device in sorted(jax.devices(), key=lambda d: (d.process_index, d.id)):
-        first.setdefault(device.process_index, device)
-    sharding = NamedSharding(Mesh(np.array(list(first.values())), ("processes",)), P())
+    sharding, mine = firsts()
     (region,) = array.regions
-    local = dataclasses.replace(region, devices=(first[jax.process_index()],))
-    return dataclasses.replace(array, sharding=sharding, regions=(local,))
+    return dataclasses.replace(array, sharding=sharding, regions=(dataclasses.replace(region, devices=(mine,)),))
+
+
+Firsts = tuple[NamedSharding, jax.Device]  # replicated over the first device of each process; this process's
+
+
+def _first_devices() -> Firsts:
+    first: dict[int, jax.Device] = {}
+    for device in sorted(jax.devices(), key=lambda d: (d.process_index, d.id)):  # once a restore
+        first.setdefault(device.process_index, device)
+    return NamedSharding(Mesh(np.array(list(first.values())), ("processes",)), P()), first[jax.process_index()]
 
 
 def _sharded_replica_axes(sharding: NamedSharding, shape: tuple[int, ...]) -> tuple[str, ...]:
@@ -146,19 +149,18 @@ def split(
     copies: Sequence[frozenset[int]] | None = None,
 ) -> tuple[list[FannedLeaf], RestorePlan]:
     """The leaves the collective completes (the same on every process; small host targets too:
-    :func:`_on_devices`) and the plan of the rest. Each piece of a shard is given to one of the
-    shard's processes, balanced by bytes; with ``readers``, only to those (a slice whose copy is
-    whole filling one that lost its own), and a leaf some shard of which none holds is left
-    to the rest. With ``copies`` (every slice reading its own copy, each with its own
-    manifest), each copy's processes read for their own copy, and the collective runs over the
-    replica axes that stay inside a copy (:func:`_inside_copies`): a leaf replicated across a
-    slice's hosts is read once per slice, and no byte crosses slices."""
+    :func:`_on_devices`) and the plan of the rest. Each piece of a shard goes to one of the
+    shard's processes, balanced by bytes; with ``readers``, only to those (a whole slice filling
+    one that lost its copy; a leaf some shard of which none holds is left to the rest). With
+    ``copies`` (each slice reading its own copy), each copy's processes read for it, and the
+    collective runs over the replica axes inside a copy (:func:`_inside_copies`): no byte
+    crosses slices."""
     balance = WriteBalance()
     fanned = []
     mine = next((copy for copy in copies if me in copy), frozenset()) if copies else readers
-    share = _device_share(batch_bytes, count)
+    share, firsts = _device_share(batch_bytes, count), functools.cache(_first_devices)
     for position, entry in enumerate(plan.leaves):
-        host = _on_devices(entry, count, share) if isinstance(entry, ArrayRead) else None
+        host = _on_devices(entry, count, share, firsts) if isinstance(entry, ArrayRead) else None
         entry = host or entry
         axes = replica_axes(entry) if isinstance(entry, ArrayRead) else ()
         if axes and copies:
@@ -261,8 +263,7 @@ def _device_share(batch_bytes: int, count: int) -> int:
 
 
 def _on_host(leaf: FannedLeaf, out: jax.Array) -> object:
-    """A host target's value from its copy on this process's device."""
-    value = np.array(out.addressable_data(0))
+    value = np.array(out.addressable_data(0))  # this process's copy, owned and writable
     return value if leaf.array.python_type is None else leaf.array.python_type(value[()].item())
 
 
