@@ -121,6 +121,7 @@ def test_a_whole_slice_lost_restores_from_the_other_slice_with_nothing_sent_at_s
         assert [n for n in res["local"] if n.startswith("index-")] == [f"index-{me:05d}.bin"], res
         assert res["persistent_1"] == [], res  # slice 0's copy was uploaded, once
         assert res["step"] == 3 and res["mismatches"] == [] and res["persistent_opened"] == [], res
+        assert res["host_mismatches"] == [], res
 
 
 def test_replicas_inside_a_single_slice_are_warned_of_and_none_are_accepted(tmp_path):

@@ -68,8 +68,10 @@ def whole_slice_lost(directory: str) -> dict:
     with tc.CheckpointManager(persistent, save_interval_steps=4, local_directory="local", local_replicas=1,
                               options=options) as manager:
         restored = manager.restore(None, target)
+        on_host = manager.restore(None, {"w": np.zeros_like(GLOBAL), "step": 0})  # numpy: by the collective too
     out.update(step=int(restored["step"]), mismatches=_mismatches(restored, {"w": GLOBAL + 3, "step": 3}),
                persistent_opened=opened)
+    out["host_mismatches"] = [] if np.array_equal(on_host["w"], GLOBAL + 3) and on_host["step"] == 3 else [on_host]
     return out
 
 
