@@ -10,6 +10,7 @@ from tpu_ckpt.cluster._coordinator import (
     relay_host,
 )
 from tpu_ckpt.cluster._relays import (
+    Clients,
     connect,
     contacts,
     fanout,
@@ -27,6 +28,7 @@ from tpu_ckpt.cluster._verdicts import (
 )
 
 __all__ = [
+    "Clients",
     "Coordinator",
     "Proved",
     "agreed_verdict",

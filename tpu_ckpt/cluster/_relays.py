@@ -6,6 +6,8 @@ replicas and restore) is set up this way."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 from typing import Any
 
 from tpu_ckpt import relay, storage
@@ -52,6 +54,42 @@ def connect(
     """A client of process ``server``'s relay: ``contact`` when known (:func:`contacts`), else
     the one it published at ``stage``."""
     return relay.RelayStore(location, contact or coord.receive(stage, server), coord.timeout, server, **options)
+
+
+class Clients:
+    """Clients of other processes' relays, one per process and stage, each connected by the
+    first thread that asks for it, outside the lock (a restore connects to its peers in
+    parallel, and a slow peer holds up only its own callers), all closed together."""
+
+    def __init__(self, coord: Coordinator, location: storage.Location, connections: int):
+        self._coord, self._location, self._connections = coord, location, connections
+        self._clients: dict[tuple[int, str], concurrent.futures.Future] = {}
+        self._lock = threading.Lock()
+
+    def get(self, process: int, stage: str, contact: str | None) -> relay.RelayStore:
+        """Process ``process``'s client for ``stage``: ``contact`` (:func:`contacts`), or the
+        one it published at ``stage`` followed by its number."""
+        with self._lock:
+            made = (process, stage) not in self._clients
+            if made:
+                self._clients[process, stage] = concurrent.futures.Future()
+            future = self._clients[process, stage]
+        if made:
+            try:
+                client = connect(self._coord, f"{stage}{process}", process, self._location, contact,
+                                 connections=self._connections)
+            except BaseException as error:
+                future.set_exception(error)
+                raise
+            future.set_result(client)
+        return future.result()
+
+    def close(self) -> None:
+        with self._lock:
+            made = list(self._clients.values())
+        for future in made:
+            if future.done() and future.exception() is None:
+                future.result().close()
 
 
 def spread(processes: list[int], most: int | None = None) -> list[int]:

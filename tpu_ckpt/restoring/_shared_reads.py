@@ -106,8 +106,7 @@ class SharedReads(StoreReads):
         self.coord = coord
         self.plan = the_plan
         self._tree = _RelayTree(coord.count, cluster.fanout(), tuple(sorted(set(the_plan.readers.values()))))
-        self._peers: dict[int, relay.RelayStore] = {}
-        self._lock = threading.Lock()
+        self._peers = cluster.Clients(coord, store.location, connections=2)
         self._contacts: dict[int, str] = {}
         self._exchanged = threading.Event()  # a relayer may be asked before its own collect returns
         mine = {pid: pieces[pid] for pid, reader in the_plan.readers.items() if reader == coord.me}
@@ -149,8 +148,7 @@ class SharedReads(StoreReads):
         """Stops serving and fetching (on failure: the others learn it from the coordinator)."""
         if self._server is not None:
             self._server.close()
-        for peer in self._peers.values():
-            peer.close()
+        self._peers.close()
 
     def _shared(self, piece: PieceEntry, check: Callable[[list[Any]], Any]) -> concurrent.futures.Future:
         source = self._tree.source(self.coord.me, self.plan.readers[(piece.file, piece.offset)])
@@ -182,14 +180,7 @@ class SharedReads(StoreReads):
 
     def _peer(self, process: int) -> relay.RelayStore:
         self._exchanged.wait(self.coord.timeout)  # else the contact is missing and the connection fails, named
-        with self._lock:
-            if process not in self._peers:
-                # only of the peers it reads from
-                contact = self._contacts.get(process)
-                self._peers[process] = cluster.connect(
-                    self.coord, f"serve{process}", process, self.store.location, contact, connections=2
-                )
-            return self._peers[process]
+        return self._peers.get(process, "serve", self._contacts.get(process))
 
 
 @dataclasses.dataclass(frozen=True)

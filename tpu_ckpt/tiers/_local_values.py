@@ -59,11 +59,10 @@ def with_values(
     count = manifest.process_count
 
     def parsed(p: int) -> tuple[int, list[list[int]]]:
-        data = record(p)
+        data, name = record(p), where.child(values_file_name(p))
         if data is None:
-            name = where.child(values_file_name(p))
             raise CorruptCheckpointError(f"{name}: the per-process values of this local step are missing", file=name)
-        return _parse(data, where.child(values_file_name(p)), token, len(per_process))
+        return _parse(data, name, token, len(per_process))
 
     with concurrent.futures.ThreadPoolExecutor(min(8, count)) as pool:
         records = list(pool.map(parsed, range(count)))

@@ -15,7 +15,6 @@ import concurrent.futures
 import contextlib
 import functools
 import os
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -52,13 +51,13 @@ def restore_local(
     step, holders = choice.local_step or 0, choice.holders
     owners, members = choice.reads(coord.me, coord.count)
     own = storage.Store(storage.Location(local_steps.step_dir(root, step)))
-    store = _Parts(own, {owner: holders[owner] for owner in owners}, coord, choice.token)
+    parts = {owner: holders[owner] for owner in owners}
+    store = _Parts(own, parts, coord, choice.token)
     with contextlib.ExitStack() as serving:  # servers stop first, then the stores close
         serving.callback(store.close)
         try:
             mine = [o for o, h in holders.items() if h == coord.me]
             data, planned, ranges = _plan_and_serve(coord, store, own, mine, len(members), choice, serving)
-            parts = {owner: holders[owner] for owner in owners}
             tree = merge_tree.MergeTree.of(members, len(ranges), list(parts.values()))
             manifest = _agreed_manifest(coord, store, data, planned, parts, tree, ranges, serving)
             readers, copies = _fill_from(choice, coord.count)
@@ -185,14 +184,14 @@ class _Ranges:
         self, coord: cluster.Coordinator, store: _Parts, parts: dict[int, int], tree: merge_tree.MergeTree,
         serving: contextlib.ExitStack,
     ):
-        self._coord, self._store, self._parts, self._tree, self._serving = coord, store, parts, tree, serving
+        self._coord, self._store, self._parts, self._tree = coord, store, parts, tree
         self.flat = coord.count <= cluster.fanout()  # the same on every process: whether the tree's steps run
         self.own: storage.ReadableStore | None = None  # the range this process serves
         self.relayed: storage.ReadableStore | None = None  # the ranges it relays to its group
         self.where = f"the merged manifest of {store.location.url}"
         self._contacts: dict[str, dict[int, str]] = {}
-        self._clients: dict[tuple[int, str], concurrent.futures.Future] = {}
-        self._lock = threading.Lock()
+        self._clients = cluster.Clients(coord, store.location, connections=1)
+        serving.callback(self._clients.close)  # the tables are read while the restore plans
 
     def exchange(self, stage: str, server: relay.RelayServer | None) -> None:
         """Every server's contact at ``stage``, in one step (collective)."""
@@ -230,24 +229,7 @@ class _Ranges:
         return self._client(relayer, "relayed"), merge_tree.relayed_manifest(r)
 
     def _client(self, process: int, stage: str) -> relay.RelayStore:
-        """Connected by the first thread that asks, outside the lock: the ranges' servers are
-        connected to in parallel (``manifest_of`` runs 8 at a time)."""
-        with self._lock:
-            made = (process, stage) not in self._clients
-            if made:
-                self._clients[process, stage] = concurrent.futures.Future()
-            future = self._clients[process, stage]
-        if made:
-            try:
-                client = cluster.connect(self._coord, f"{stage}{process}", process, self._store.location,
-                                         self._contacts[stage].get(process), connections=1)
-            except BaseException as error:
-                future.set_exception(error)
-                raise
-            with self._lock:
-                self._serving.callback(client.close)  # the tables are read while the restore plans
-            future.set_result(client)
-        return future.result()
+        return self._clients.get(process, stage, self._contacts[stage].get(process))
 
 
 def _blobs(tree: merge_tree.MergeTree, parts: dict[int, int], valued: set[int], r: int, chunk: int) -> list[str]:
@@ -288,8 +270,7 @@ class _Parts(Routed):
         self._holders = holders
         self._coord = coord
         self._held: storage.ReadableStore = own
-        self._peers: dict[int, relay.RelayStore] = {}
-        self._lock = threading.Lock()
+        self._peers = cluster.Clients(coord, own.location, connections=2)
         self.contacts: dict[int, str] = {}  # the holders' servers (``cluster.contacts``)
         self.token = token  # the save being restored (``Choice.token``): its values files must name it
 
@@ -305,8 +286,7 @@ class _Parts(Routed):
         return self._held
 
     def close(self) -> None:
-        for peer in self._peers.values():
-            peer.close()
+        self._peers.close()
         self._own.close()
 
     def _store_of(self, name: str) -> storage.ReadableStore:
@@ -327,9 +307,4 @@ class _Parts(Routed):
             )
         if holder == self._coord.me:
             return self._held
-        with self._lock:
-            if holder not in self._peers:
-                self._peers[holder] = cluster.connect(
-                    self._coord, f"serve{holder}", holder, self.location, self.contacts.get(holder), connections=2
-                )
-            return self._peers[holder]
+        return self._peers.get(holder, "serve", self.contacts.get(holder))
