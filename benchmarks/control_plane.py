@@ -18,14 +18,14 @@ slice writes its own copy), then restored six ways, all processes starting toget
   whole, on the host): small ones, which the collective brings packed;
 - ``load_and_broadcast_relay``: the same with a read batch of one byte, so every host leaf is
   bigger than a device's part of it: the relay's path, each piece read by one of at most
-  ``cluster.fanout()``;
+  ``cluster.fanout(P)``;
 - ``tier_intact``: the manager's restore of the local step, every slice copy whole;
 - ``tier_slice_wiped``: the same after slice 1's hosts lost their local directories.
 
-``--fanout K`` sets the control plane's fan-out (``cluster.fanout()``, 64 by default) in every
-process: below 64 processes the default is never reached, so a small K shows at P <= 16 what 64
-does at 1,536 hosts (the tier restore's merge tree, ``tiers/_merge_tree.py``, and the cap on
-load_and_broadcast's readers).
+``--fanout K`` fixes the control plane's fan-out in every process, whatever P. By default it is
+``cluster.fanout(P)``: the smallest K with K² >= P, at least 4 and at most 64 (4 at P <= 16, 40
+at 1,536 hosts). It sizes the tier restore's merge tree (``tiers/_merge_tree.py``) and
+load_and_broadcast's relay tree and readers.
 
 Per process and restore it reports tpu_ckpt's key-value calls (JAX's coordination client
 wrapped and counted: gloo's own rendezvous is not tpu_ckpt's), relay connections opened and
@@ -58,7 +58,8 @@ def main() -> int:
     parser.add_argument("--processes", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--devices-per-process", type=int, default=2)
     parser.add_argument("--leaves", type=int, default=64)
-    parser.add_argument("--fanout", type=int, default=None, help="cluster.fanout() in every process (default 64)")
+    parser.add_argument("--fanout", type=int, default=None,
+                        help="a fixed fan-out in every process (default: cluster.fanout(P))")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one run, all its processes, may take")
     parser.add_argument("--json", default=None, help="also write the results here, as JSON")
     parser.add_argument("--dir", help=argparse.SUPPRESS)
@@ -119,7 +120,7 @@ def _worker(args: argparse.Namespace, port: int, index: int) -> dict:
     from tpu_ckpt.cluster import _relays
 
     if args.fanout is not None:
-        _relays.MAX_SERVERS = args.fanout
+        _relays.SMALLEST_FANOUT = _relays.MAX_SERVERS = args.fanout
     host = os.path.join(args.dir, f"host{index}")
     os.makedirs(host)
     os.chdir(host)  # this process's private directory: its host's disk
@@ -253,7 +254,7 @@ def _counted(restore) -> tuple[dict, dict]:
 
 
 def _report(args: argparse.Namespace, results: dict[int, list[dict]], rows: list[dict]) -> str:
-    fanout = "64 (the default)" if args.fanout is None else args.fanout
+    fanout = "cluster.fanout(P) (the default)" if args.fanout is None else args.fanout
     lines = [f"{len(CASES)} restores of {args.leaves} leaves + a step, {args.devices_per_process} devices a process,"
              f" {SLICES} slices, fan-out {fanout}; per process, the largest over the processes (mean in brackets)"]
     lines.append(f"{'restore':<26}{'P':>4}" + "".join(f"{m:>20}" for m in METRICS))

@@ -1,10 +1,11 @@
 """load_and_broadcast's holders capped (#37 item 3): a piece several processes need over the
-relay is read by one of at most ``cluster.fanout()`` of them, so each process fetches from
-O(K) peers, however many processes the job has. Planned for a pod's process counts, no files."""
+relay is read by one of at most K = ``cluster.fanout(N)`` of them (the smallest K with K² >= N,
+at least 4, at most 64), so each process fetches from O(K) peers, however many processes the
+job has. Planned for a pod's process counts, no files."""
 
 import pytest
 
-from tests.cluster.fanout import set_fanout
+from tests.cluster.fanout import fixed_fanout
 from tpu_ckpt import cluster
 from tpu_ckpt.format import LeafEntry, PieceEntry
 from tpu_ckpt.restoring import _shared_reads as shared_reads
@@ -19,13 +20,15 @@ def _host_leaves(count: int) -> list[tuple[LeafEntry, None]]:
     return [(leaf, None) for leaf in leaves]
 
 
-def test_the_readers_of_pieces_the_whole_job_needs_are_at_most_max_servers_whatever_the_job():
+def test_the_readers_of_pieces_the_whole_job_needs_are_at_most_the_fanout_whatever_the_job():
     peers = {}
-    for processes in (16, 128, 1536):
+    for processes in (16, 128, 1536, 10_000):
         plan = shared_reads.plan(_host_leaves(1000), processes)
         assert all(needers == frozenset(range(processes)) for needers in plan.needers.values())
         peers[processes] = len(set(plan.readers.values()))  # each process connects to these (but itself)
-    assert peers == {16: 16, 128: cluster.fanout(), 1536: cluster.fanout()}
+    assert peers == {16: 4, 128: 12, 1536: 40, 10_000: 64}
+    assert {p: cluster.fanout(p) for p in (1, 4, 5, 16, 17, 4096, 4097)} == {1: 4, 4: 4, 5: 4, 16: 4, 17: 5, 4096: 64,
+                                                                           4097: 64}
 
 
 def test_the_readers_share_the_bytes_evenly():
@@ -33,18 +36,14 @@ def test_the_readers_share_the_bytes_evenly():
     per_reader: dict[int, int] = {}
     for reader in plan.readers.values():
         per_reader[reader] = per_reader.get(reader, 0) + 1
-    assert len(per_reader) == cluster.fanout() and set(per_reader.values()) == {100}
+    assert len(per_reader) == cluster.fanout(1536) == 40 and set(per_reader.values()) == {160}
 
 
 def _peers(processes: int, fanout: int, leaves: int) -> tuple[dict[int, set[int]], dict[int, set[int]]]:
     """Every process's peers through the relay tree, each piece needed by every process: whom
     it fetches from, and who fetches from it (what its server accepts), as SharedReads asks."""
-    previous = cluster.fanout()
-    set_fanout(str(fanout))  # the readers' cap, as every process of such a job sets it
-    try:
+    with fixed_fanout(fanout):  # the readers' cap, as every process of such a job sets it
         plan = shared_reads.plan(_host_leaves(leaves), processes)
-    finally:
-        set_fanout(str(previous))
     tree = shared_reads._RelayTree(processes, fanout, tuple(sorted(set(plan.readers.values()))))
     fetches: dict[int, set[int]] = {p: set() for p in range(processes)}
     for me in range(processes):
@@ -77,7 +76,7 @@ def test_beyond_the_fanout_each_process_fetches_from_its_group_and_about_two_oth
         assert max(len(s) for s in takes.values()) <= fanout + 2, (processes, fanout)
         outside = {me: {p for p in s if p // fanout != me // fanout} for me, s in fetches.items()}
         assert max(len(s) for s in outside.values()) <= 2, (processes, fanout)
-    processes, fanout = 1536, cluster.fanout()
+    processes, fanout = 1536, cluster.fanout(1536)
     plan = shared_reads.plan(_host_leaves(1000), processes)
     readers = set(plan.readers.values())
     tree = shared_reads._RelayTree(processes, fanout, tuple(sorted(readers)))
@@ -92,6 +91,7 @@ def test_beyond_the_fanout_each_process_fetches_from_its_group_and_about_two_oth
 
 
 def test_within_the_fanout_every_piece_comes_from_its_reader():
-    tree = shared_reads._RelayTree(16, cluster.fanout(), tuple(range(16)))
+    tree = shared_reads._RelayTree(16, 16, tuple(range(16)))
     assert tree.source(3, 9) == 9 and tree.takers(9, frozenset(range(16))) == frozenset(range(16))
-    assert tree.relayed(3, shared_reads.plan(_host_leaves(10), 16)) == {}
+    with fixed_fanout(16):
+        assert tree.relayed(3, shared_reads.plan(_host_leaves(10), 16)) == {}

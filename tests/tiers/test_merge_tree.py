@@ -1,5 +1,5 @@
 """The tier restore's merge tree (tiers/_merge_tree.py): each process talks to O(K) peers
-whatever the job's size, K = cluster.fanout() (#37 item 3). The plan is checked at pod
+whatever the job's size, K = cluster.fanout(N) (#37 item 3). The plan is checked at pod
 sizes as data here; real processes run it with a small K in tests/cluster/test_control_plane.py."""
 
 import pytest

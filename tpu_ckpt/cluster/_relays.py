@@ -7,23 +7,27 @@ replicas and restore) is set up this way."""
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import threading
 from typing import Any
 
 from tpu_ckpt import relay, storage
 from tpu_ckpt.cluster._coordinator import Coordinator, relay_host
 
-# The fan-out of a restore's control plane: the most processes that serve one piece of it or of
+# The fan-out K of a restore's control plane: the most processes that serve one piece of it or of
 # its replicated bytes (range servers, load_and_broadcast's readers), and the most peers one
-# process talks to in a tier restore's merge tree (tiers/_merge_tree.py), whatever the job's size
-# (docs/scaling.md). Every process must use the same value; read through fanout() at call time,
-# so that a test or a benchmark can show with a small one at P <= 16 what 64 does at 1,536 hosts.
+# process talks to in a tier restore's merge tree (tiers/_merge_tree.py) and relay tree
+# (restoring/_shared_reads.py). Their two levels hold K² processes at a per-process cost of O(K),
+# so K is the smallest with K² >= N, at least SMALLEST_FANOUT (a job that small stays flat: one
+# hop) and at most MAX_SERVERS (docs/scaling.md). Read through fanout() at call time, so that a
+# test or a benchmark can lower the cap to show with a few processes what the cap does at pod scale.
+SMALLEST_FANOUT = 4
 MAX_SERVERS = 64
 
 
-def fanout() -> int:
-    """``MAX_SERVERS`` as it is now."""
-    return MAX_SERVERS
+def fanout(processes: int) -> int:
+    """K for a job of ``processes``: the same on every process of it."""
+    return min(MAX_SERVERS, max(SMALLEST_FANOUT, math.isqrt(max(processes, 1) - 1) + 1))
 
 
 def serve(coord: Coordinator, stage: str | None, store: Any, peers: int, **options: Any) -> relay.RelayServer:
@@ -92,10 +96,8 @@ class Clients:
                 future.result().close()
 
 
-def spread(processes: list[int], most: int | None = None) -> list[int]:
-    """At most ``most`` (default: :func:`fanout`) of ``processes`` (sorted), evenly spaced: the
-    same on every process."""
-    most = fanout() if most is None else most
+def spread(processes: list[int], most: int) -> list[int]:
+    """At most ``most`` of ``processes`` (sorted), evenly spaced: the same on every process."""
     if len(processes) <= most:
         return processes
     return [processes[i * len(processes) // most] for i in range(most)]

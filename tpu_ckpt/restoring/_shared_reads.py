@@ -7,7 +7,7 @@ the manifest and the target shardings (which are global), which processes need e
 A piece several need is assigned to one of them, balanced by bytes as writes are
 (``pieces.WriteBalance``); that process reads it from storage once and the others fetch it
 from it over TCP (``relay/_client.py``), checking its crc32c on arrival. Beyond
-``cluster.fanout()`` processes a piece reaches each other group of that many processes through
+``cluster.fanout(N)`` processes a piece reaches each other group of that many processes through
 a member of the reader's group and one of the other's (:class:`_RelayTree`), so no reader
 serves every needer itself and each process talks to its group and about two others.
 
@@ -65,10 +65,11 @@ class Plan:
 
 def plan(wants: Sequence[tuple[LeafEntry, jax.sharding.Sharding | None]], process_count: int) -> Plan:
     """Assigns each piece needed by several processes to one of them (every process computes
-    the same plan), of at most ``cluster.fanout()`` evenly spaced ones: a piece the whole
+    the same plan), of at most ``cluster.fanout(process_count)`` evenly spaced ones: a piece the whole
     job needs is served by a constant number of processes, so each connects to O(1) peers.
     A target without sharding (numpy, Python scalar) is wanted whole by all."""
     balance = WriteBalance()
+    most = cluster.fanout(process_count)
     readers, needers = {}, {}
     everyone = frozenset(range(process_count))
     for leaf, sharding in wants:
@@ -79,7 +80,8 @@ def plan(wants: Sequence[tuple[LeafEntry, jax.sharding.Sharding | None]], proces
         for piece in leaf.pieces:
             processes = need.get((piece.file, piece.offset), set())
             if len(processes) > 1 and piece.length > 0:
-                readers[(piece.file, piece.offset)] = balance.assign(cluster.spread(sorted(processes)), piece.length)
+                reader = balance.assign(cluster.spread(sorted(processes), most), piece.length)
+                readers[(piece.file, piece.offset)] = reader
                 needers[(piece.file, piece.offset)] = frozenset(processes)
     return Plan(readers, needers)
 
@@ -105,7 +107,7 @@ class SharedReads(StoreReads):
         super().__init__(store)
         self.coord = coord
         self.plan = the_plan
-        self._tree = _RelayTree(coord.count, cluster.fanout(), tuple(sorted(set(the_plan.readers.values()))))
+        self._tree = _RelayTree(coord.count, cluster.fanout(coord.count), tuple(sorted(set(the_plan.readers.values()))))
         self._peers = cluster.Clients(coord, store.location, connections=2)
         self._contacts: dict[int, str] = {}
         self._exchanged = threading.Event()  # a relayer may be asked before its own collect returns

@@ -1,4 +1,5 @@
-"""A local step's merge at any job size: each process talks to O(K) peers, K = ``cluster.fanout()``.
+"""A local step's merge at any job size: each process talks to O(K) peers, K = ``cluster.fanout(N)``,
+N the processes reading the copy (the job, or one slice of it).
 
 Range server ``r`` (``_range_merge``) needs range ``r``'s rows of every part of its copy, one blob per part at the
 part's holder, and every member of the copy needs every range's manifest and the table rows of its own cells. Pulled
@@ -14,7 +15,8 @@ every process computes alike):
   ``r``, which serves one relayer per group (:func:`relayed`).
 
 A process then opens and accepts at most about K connections of each role, and a role falls on a process about
-N / members times; two levels serve K² = 4,096 processes before a chunk count passes K. Where one chunk holds every
+N / members times; two levels serve K² processes before a chunk count passes K: K is the smallest with K² >= N
+(40 at 1,536 processes), up to 64 (4,096 processes). Where one chunk holds every
 holder or one group every member (N <= K), gatherer and relayer are the range server itself: the flat merge, and
 no extra step.
 """
@@ -46,7 +48,9 @@ class MergeTree:
 
     @classmethod
     def of(cls, members: Sequence[int], ranges: int, holders: Sequence[int]) -> MergeTree:
-        return cls(tuple(members), ranges, tuple(sorted(set(holders))), cluster.fanout())
+        """The tree of one copy's merge: its size, not the job's, sets K (a slice copy's members
+        are one slice's processes)."""
+        return cls(tuple(members), ranges, tuple(sorted(set(holders))), cluster.fanout(len(members)))
 
     @functools.cached_property
     def _chunk(self) -> dict[int, int]:

@@ -92,7 +92,7 @@ def _plan_and_serve(
     serving: contextlib.ExitStack,
 ) -> tuple[bytes, Manifest, list[tuple[int, int]]]:
     """The step's plan, decoded, and the ranges of leaves that the ``readers`` of this
-    process's copy merge (at most ``cluster.fanout()``). A process serving parts
+    process's copy merge (at most ``cluster.fanout(readers)``). A process serving parts
     (``mine``) reads the plan from its own disk, cuts its parts' rows by range and serves
     them; then every server's contact is exchanged in one step (``cluster.contacts``); a
     process serving none reads the plan from its copy's first holder."""
@@ -115,7 +115,7 @@ def _plan(store: _Parts, readers: int) -> tuple[bytes, Manifest, list[tuple[int,
     if data is None:
         raise CorruptCheckpointError(f"{store.location.child(PLAN_FILE)} is missing", file=store.location.url)
     planned = decode_manifest(data, where=store.location.child(PLAN_FILE), tiled=False)
-    return data, planned, range_merge.leaf_ranges(len(planned.leaves), min(readers, cluster.fanout()))
+    return data, planned, range_merge.leaf_ranges(len(planned.leaves), min(readers, cluster.fanout(readers)))
 
 
 def _serve(
@@ -140,7 +140,7 @@ def _agreed_manifest(
     holder) and serves that range's manifest and piece tables (:func:`_merged_range`); every
     process reads each range's manifest (one entry per leaf), 8 at a time, and joins them, then
     loads, lazily, the piece-table rows of its own cells, checked as any manifest's. Beyond
-    ``cluster.fanout()`` processes the rows go up and the ranges come down through the merge
+    ``cluster.fanout(N)`` processes the rows go up and the ranges come down through the merge
     tree's gatherers and relayers (``_merge_tree``). No process reads more of the parts' rows
     than its range's, nor holds an object per piece of the job."""
     view = _Ranges(coord, store, parts, tree, serving)
@@ -185,7 +185,7 @@ class _Ranges:
         serving: contextlib.ExitStack,
     ):
         self._coord, self._store, self._parts, self._tree = coord, store, parts, tree
-        self.flat = coord.count <= cluster.fanout()  # the same on every process: whether the tree's steps run
+        self.flat = coord.count <= cluster.fanout(coord.count)  # the same everywhere: whether the tree steps run
         self.own: storage.ReadableStore | None = None  # the range this process serves
         self.relayed: storage.ReadableStore | None = None  # the ranges it relays to its group
         self.where = f"the merged manifest of {store.location.url}"
