@@ -75,6 +75,6 @@ def test_a_fanout_of_one_restores_bit_exactly_through_both_trees(tmp_path):
 
 def test_the_readers_are_capped_whatever_the_job():
     chosen = cluster.spread(list(range(1536)), cluster.fanout(1536))
-    assert len(chosen) == 40 and chosen[:2] == [0, 38] and chosen[-1] == 39 * 1536 // 40
+    assert len(chosen) == 64 and chosen[:2] == [0, 24] and chosen[-1] == 1536 - 1536 // 64
     assert cluster.spread([3, 5], 4) == [3, 5]
 

@@ -1,6 +1,6 @@
 """load_and_broadcast's holders capped (#37 item 3): a piece several processes need over the
-relay is read by one of at most K = ``cluster.fanout(N)`` of them (the smallest K with K² >= N,
-at least 4, at most 64), so each process fetches from O(K) peers, however many processes the
+relay is read by one of at most K = ``cluster.fanout(N)`` of them (the smallest power of two
+with K² >= N, at least 4, at most 64), so each process fetches from O(K) peers, however many processes the
 job has. Planned for a pod's process counts, no files."""
 
 import pytest
@@ -26,9 +26,9 @@ def test_the_readers_of_pieces_the_whole_job_needs_are_at_most_the_fanout_whatev
         plan = shared_reads.plan(_host_leaves(1000), processes)
         assert all(needers == frozenset(range(processes)) for needers in plan.needers.values())
         peers[processes] = len(set(plan.readers.values()))  # each process connects to these (but itself)
-    assert peers == {16: 4, 128: 12, 1536: 40, 10_000: 64}
-    assert {p: cluster.fanout(p) for p in (1, 4, 5, 16, 17, 4096, 4097)} == {1: 4, 4: 4, 5: 4, 16: 4, 17: 5, 4096: 64,
-                                                                           4097: 64}
+    assert peers == {16: 4, 128: 16, 1536: 64, 10_000: 64}
+    fanouts = {p: cluster.fanout(p) for p in (1, 4, 5, 16, 17, 64, 65, 1024, 1025, 4097)}
+    assert fanouts == {1: 4, 4: 4, 5: 4, 16: 4, 17: 8, 64: 8, 65: 16, 1024: 32, 1025: 64, 4097: 64}
 
 
 def test_the_readers_share_the_bytes_evenly():
@@ -36,7 +36,7 @@ def test_the_readers_share_the_bytes_evenly():
     per_reader: dict[int, int] = {}
     for reader in plan.readers.values():
         per_reader[reader] = per_reader.get(reader, 0) + 1
-    assert len(per_reader) == cluster.fanout(1536) == 40 and set(per_reader.values()) == {160}
+    assert len(per_reader) == cluster.fanout(1536) == 64 and set(per_reader.values()) == {100}
 
 
 def _peers(processes: int, fanout: int, leaves: int) -> tuple[dict[int, set[int]], dict[int, set[int]]]:

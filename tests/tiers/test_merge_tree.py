@@ -4,6 +4,7 @@ sizes as data here; real processes run it with a small K in tests/cluster/test_c
 
 import pytest
 
+from tpu_ckpt import cluster
 from tpu_ckpt.tiers._merge_tree import MergeTree
 
 
@@ -63,3 +64,16 @@ def test_within_the_fanout_the_tree_is_the_flat_merge():
     assert tree.chunks == tree.groups == 1
     assert all(tree.gathers(p) == [] and tree.relays(p) == [] for p in tree.members)
     assert all(tree.gatherer(r, 0) == r and tree.relayer(r, p) == r for r in range(8) for p in range(8))
+
+
+def test_the_default_fanout_costs_no_process_more_than_a_constant_64():
+    """K = cluster.fanout(N), the smallest power of two with K² >= N: each process's peers (the
+    most it opens or accepts) stay within 3K, and below those of K = 64 at every size short of
+    the cap (at 1,536 processes K is 64)."""
+    for members, expected in ((16, (4, 6, 15)), (128, (16, 22, 64)), (256, (16, 30, 66)), (1024, (32, 62, 78))):
+        fanout = cluster.fanout(members)
+        most, flat = (max(map(len, [*opened.values(), *accepted.values()]))
+                      for opened, accepted in (_peers(_tree(members, members, k)) for k in (fanout, 64)))
+        assert (fanout, most, flat) == expected, members
+        assert most <= 3 * fanout
+    assert cluster.fanout(1536) == 64

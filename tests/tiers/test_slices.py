@@ -61,7 +61,7 @@ def test_the_range_servers_are_capped_whatever_the_job():
     from tpu_ckpt import cluster
     from tpu_ckpt.tiers._range_merge import leaf_ranges
 
-    assert len(leaf_ranges(100_000, min(1536, cluster.fanout(1536)))) == cluster.fanout(1536) == 40
+    assert len(leaf_ranges(100_000, min(1536, cluster.fanout(1536)))) == cluster.fanout(1536) == 64
 
 
 def test_a_tree_with_per_process_values_is_never_saved_as_slice_copies():

@@ -7,7 +7,6 @@ replicas and restore) is set up this way."""
 from __future__ import annotations
 
 import concurrent.futures
-import math
 import threading
 from typing import Any
 
@@ -17,9 +16,10 @@ from tpu_ckpt.cluster._coordinator import Coordinator, relay_host
 # The fan-out K of a restore's control plane: the most processes that serve one piece of it or of
 # its replicated bytes (range servers, load_and_broadcast's readers), and the most peers one
 # process talks to in a tier restore's merge tree (tiers/_merge_tree.py) and relay tree
-# (restoring/_shared_reads.py). Their two levels hold K² processes at a per-process cost of O(K),
-# so K is the smallest with K² >= N, at least SMALLEST_FANOUT (a job that small stays flat: one
-# hop) and at most MAX_SERVERS (docs/scaling.md). Read through fanout() at call time, so that a
+# (restoring/_shared_reads.py). Their two levels hold K² processes at a per-process cost of
+# O(K + N / K), so K is the smallest power of two with K² >= N (a power of two: the merge tree's
+# chunks and groups then come out even more often), at least SMALLEST_FANOUT (a job that small
+# stays flat: one hop) and at most MAX_SERVERS (docs/scaling.md). Read through fanout() at call time, so that a
 # test or a benchmark can lower the cap to show with a few processes what the cap does at pod scale.
 SMALLEST_FANOUT = 4
 MAX_SERVERS = 64
@@ -27,7 +27,7 @@ MAX_SERVERS = 64
 
 def fanout(processes: int) -> int:
     """K for a job of ``processes``: the same on every process of it."""
-    return min(MAX_SERVERS, max(SMALLEST_FANOUT, math.isqrt(max(processes, 1) - 1) + 1))
+    return min(MAX_SERVERS, max(SMALLEST_FANOUT, 1 << ((max(processes, 1) - 1).bit_length() + 1) // 2))
 
 
 def serve(coord: Coordinator, stage: str | None, store: Any, peers: int, **options: Any) -> relay.RelayServer:

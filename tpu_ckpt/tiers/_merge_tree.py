@@ -15,10 +15,9 @@ every process computes alike):
   ``r``, which serves one relayer per group (:func:`relayed`).
 
 A process then opens and accepts at most about K connections of each role, and a role falls on a process about
-N / members times; two levels serve K² processes before a chunk count passes K: K is the smallest with K² >= N
-(40 at 1,536 processes), up to 64 (4,096 processes). Where one chunk holds every
-holder or one group every member (N <= K), gatherer and relayer are the range server itself: the flat merge, and
-no extra step.
+N / members times; two levels serve K² processes before a chunk count passes K: K is the smallest power of two
+with K² >= N (16 at 200 processes, 64 at 1,536), up to 64 (4,096 processes). Where one chunk holds every holder or
+one group every member (N <= K), gatherer and relayer are the range server itself: the flat merge, and no extra step.
 """
 
 from __future__ import annotations
