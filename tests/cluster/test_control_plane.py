@@ -55,6 +55,7 @@ def test_beyond_the_fanout_each_process_talks_to_its_group_and_a_few_more(tmp_pa
     Flat at 8, a range server would open 2 connections to each of 7 holders and 1 to each of 7
     other servers (21) and accept as many, and a reader of pieces everyone needs would accept 2
     from each of 7 needers (14); through the trees each process stays within 4K."""
+    assert cluster.fanout(8) == 4  # at the default, 8 processes are beyond K: 2 groups
     four, eight = _fanout_counts(tmp_path / "four", 4, 3), _fanout_counts(tmp_path / "eight", 8, None)
     print({"P=4": four, "P=8": eight})
     for kind in ("tier", "shared_host"):
