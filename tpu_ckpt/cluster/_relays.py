@@ -19,8 +19,8 @@ from tpu_ckpt.cluster._coordinator import Coordinator, relay_host
 # (restoring/_shared_reads.py). Their two levels hold K² processes at a per-process cost of
 # O(K + N / K), so K is the smallest power of two with K² >= N (a power of two: the merge tree's
 # chunks and groups then come out even more often), at least SMALLEST_FANOUT (a job that small
-# stays flat: one hop) and at most MAX_SERVERS (docs/scaling.md). Read through fanout() at call time, so that a
-# test or a benchmark can lower the cap to show with a few processes what the cap does at pod scale.
+# stays flat: one hop) and at most MAX_SERVERS (docs/scaling.md). Read through fanout() at call
+# time, so that a test or a benchmark can fix K in every process (tests/cluster/fanout.py).
 SMALLEST_FANOUT = 4
 MAX_SERVERS = 64
 

@@ -65,8 +65,8 @@ class Plan:
 
 def plan(wants: Sequence[tuple[LeafEntry, jax.sharding.Sharding | None]], process_count: int) -> Plan:
     """Assigns each piece needed by several processes to one of them (every process computes
-    the same plan), of at most ``cluster.fanout(process_count)`` evenly spaced ones: a piece the whole
-    job needs is served by a constant number of processes, so each connects to O(1) peers.
+    the same plan), of at most K = ``cluster.fanout(process_count)`` evenly spaced ones: a piece
+    the whole job needs is served by at most K processes, so each connects to O(K) peers.
     A target without sharding (numpy, Python scalar) is wanted whole by all."""
     balance = WriteBalance()
     most = cluster.fanout(process_count)
