@@ -164,6 +164,40 @@ def test_mismatches_are_reported_all_at_once(tmp_path):
     message = str(err.value)
     assert "3 target leaves" in message and "'w': shape (4, 5)" in message
     assert "only float->float" in message and "no tensor 'gone'" in message
+    others = {"w": np.zeros((4, 4), np.float32), "key": jax.random.key(0), "b": b"x", "s": "x"}  # not arrays
+    with pytest.raises(tc.TargetMismatchError) as err:
+        tc.load_safetensors(tmp_path / "m.safetensors", others)
+    assert "3 target leaves" in str(err.value) and "'b': a bytes target" in str(err.value), err.value
+    assert "'key': a PRNGKeyArray target" in str(err.value), err.value
+
+
+def test_a_tied_embedding_loads_into_both_leaves(tmp_path):
+    """A Hub model with tied embeddings stores ``embed_tokens`` once; a model with its own
+    output head reads that one tensor twice, once transposed."""
+    embed = RNG.normal(size=(8, 4)).astype(np.float32)
+    save_file({"model.embed_tokens.weight": embed}, str(tmp_path / "model.safetensors"))
+    names = {"embed": "model.embed_tokens.weight", "head": {"name": "model.embed_tokens.weight", "transpose": True}}
+    mesh = _mesh((4, 2))
+    target = {"embed": jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=NamedSharding(mesh, P("a", "b"))),
+              "head": np.zeros((4, 8), np.float32)}
+    out = tc.load_safetensors(tmp_path / "model.safetensors", target, names=names)
+    np.testing.assert_array_equal(np.asarray(out["embed"]), embed)
+    np.testing.assert_array_equal(out["head"], embed.T)
+
+
+def test_no_tensor_takes_the_header_metadata_name(tmp_path):
+    """``__metadata__`` is the safetensors header's own entry: an export naming a tensor so
+    would write a file no reader opens; it is refused before anything is written."""
+    tc.save(tmp_path / "c", {"params": {"w": np.ones(2, np.float32), "__metadata__": np.ones(2, np.float32)}}).wait()
+    with pytest.raises(ValueError, match="'params/__metadata__' would be the tensor '__metadata__'"):
+        tc.export_for_serving(tmp_path / "c", tmp_path / "hf", layout="huggingface")
+    names = {"params/w": "__metadata__", "params/__metadata__": "meta"}
+    with pytest.raises(ValueError, match="'params/w' would be the tensor '__metadata__'"):
+        tc.export_for_serving(tmp_path / "c", tmp_path / "hf", layout="huggingface", names=names)
+    assert not (tmp_path / "hf").exists()
+    tc.export_for_serving(tmp_path / "c", tmp_path / "hf", layout="huggingface", names={**names, "params/w": "w"})
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "numpy") as f:
+        assert sorted(f.keys()) == ["meta", "w"] and f.metadata() == {"format": "pt"}
 
 
 def test_flax_mlp_with_transposing_name_map(tmp_path):

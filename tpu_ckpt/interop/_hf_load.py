@@ -50,7 +50,8 @@ def load_safetensors(
         paths (``None``: the key path joined by ``.``, or the path below its first level
         where the files hold no such tensor, so that ``{"params": ...}`` loads what an export
         of the ``params`` subtree wrote); a ``transpose`` spec reverses the stored tensor's
-        axes back.
+        axes back. Several leaves may name one tensor (a tied embedding read as the
+        embedding and as the output head).
       options: ``host_memory_limit`` bounds the bytes read at once (beyond the slices
         being assembled).
 
@@ -59,8 +60,9 @@ def load_safetensors(
       as given).
 
     Raises:
-      TargetMismatchError: names missing from the files, or shapes or dtypes that differ
-        (only float->float casts are done), all listed at once.
+      TargetMismatchError: names missing from the files, shapes or dtypes that differ
+        (only float->float casts are done), or target leaves that are not arrays, all
+        listed at once.
       CorruptCheckpointError: a header or index that is malformed or hostile, a file that is
         missing, short or not a regular file.
     """
@@ -69,7 +71,7 @@ def load_safetensors(
     triples, treedef = flatten(target)
     with storage.Store(folder) as store:
         entries = _catalog(store, folder, only)
-        found = resolve(names, [(key, _default_name(key, entries)) for key, _, _ in triples])
+        found = resolve(names, [(key, _default_name(key, entries)) for key, _, _ in triples], shared=True)
         _check(triples, found, entries, folder.url)
         plans = [_plan_leaf(entries[named.name], named, leaf, batch)
                  for (_, _, leaf), named in zip(triples, found) if named is not None]
@@ -151,6 +153,10 @@ def _check(
     for (key, _, leaf), named in zip(triples, found):
         if named is None:
             continue
+        if not _array_like(leaf):
+            problems.append(f"{key!r}: a {type(leaf).__name__} target; a safetensors tensor loads onto a jax.Array, "
+                            "a jax.ShapeDtypeStruct or a numpy array (or map the leaf to None in names)")
+            continue
         entry = entries.get(named.name)
         if entry is None:
             problems.append(f"{key!r}: no tensor {named.name!r} in {url}")
@@ -166,6 +172,15 @@ def _check(
             f"{len(problems)} target leaves do not fit {url}:\n  " + "\n  ".join(problems),
             key=problems[0].split("'")[1], file=url,
         )
+
+
+def _array_like(leaf: Any) -> bool:
+    """Whether ``leaf`` gives a shape and a plain dtype (not a typed PRNG key's) to load onto."""
+    try:
+        np.dtype(leaf.dtype), tuple(leaf.shape)  # a typed PRNG key's dtype is no numpy dtype
+    except (AttributeError, TypeError):
+        return False
+    return True
 
 
 @dataclasses.dataclass

@@ -31,10 +31,21 @@ class Named:
     transpose: bool = False
 
 
-def resolve(names: Names, keys: Sequence[tuple[str, str]]) -> list[Named | None]:
+METADATA = "__metadata__"  # the header's own entry: no tensor may take its name
+
+
+def resolve(names: Names, keys: Sequence[tuple[str, str]], *, shared: bool = False) -> list[Named | None]:
     """Per ``(key path, default name)``: its tensor, or None when the spec drops it. Keys a
-    dict does not name, and two keys given one name, are reported together."""
+    dict does not name are reported together; two keys given one name too, unless ``shared``
+    (a load may read one tensor into several leaves: a tied embedding and its head; an
+    export would write two tensors under one name)."""
     out = [_named(names, key, default) for key, default in keys]
+    reserved = [n.key for n in out if isinstance(n, Named) and n.name == METADATA]
+    if reserved:
+        raise ValueError(
+            f"{reserved[0]!r} would be the tensor {METADATA!r}, a name the safetensors header keeps for its "
+            "metadata; give it another through names"
+        )
     unmapped = [key for (key, _), named in zip(keys, out) if named is _UNMAPPED]
     if unmapped:
         raise TargetMismatchError(
@@ -44,7 +55,7 @@ def resolve(names: Names, keys: Sequence[tuple[str, str]]) -> list[Named | None]
         )
     taken: dict[str, str] = {}
     for named in out:
-        if isinstance(named, Named) and taken.setdefault(named.name, named.key) != named.key:
+        if not shared and isinstance(named, Named) and taken.setdefault(named.name, named.key) != named.key:
             raise TargetMismatchError(
                 f"names gives {taken[named.name]!r} and {named.key!r} the same tensor name {named.name!r}",
                 key=named.key,
