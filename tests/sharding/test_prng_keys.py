@@ -59,3 +59,22 @@ def test_nnx_rng_state_saves_whole(tmp_path):
     for a, b in zip(saved_keys, back_keys):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(_data(a), _data(b))
+
+
+def test_a_key_target_of_another_shape_or_impl_is_refused_and_a_plain_one_gets_the_key_data(tmp_path):
+    """The target decides, as for any leaf: a typed key target of another shape or impl than
+    the saved keys is a TargetMismatchError naming the leaf (restore and check_restore alike);
+    a plain uint32 target gets the key data."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    tc.save(tmp_path / "c", {"k": keys, "w": np.zeros(4, np.float32)}).wait()
+    with pytest.raises(tc.TargetMismatchError, match="'k' has shape"):
+        tc.restore(tmp_path / "c", {"k": jax.random.split(jax.random.key(0), 3)})
+    other = {"k": jax.random.split(jax.random.key(0, impl="rbg"), 4)}
+    with pytest.raises(tc.TargetMismatchError, match="'k': a key<rbg> target, saved as threefry2x32 keys"):
+        tc.restore(tmp_path / "c", other)
+    report = tc.check_restore(tmp_path / "c", other)
+    assert not report.ok and "saved as threefry2x32 keys" in report.problems[0], report.problems
+    data = tc.restore(tmp_path / "c", {"k": np.zeros((4, 2), np.uint32)})["k"]
+    assert isinstance(data, np.ndarray) and data.dtype == np.uint32
+    np.testing.assert_array_equal(data, np.asarray(jax.random.key_data(keys)))
+    assert jax.dtypes.issubdtype(tc.restore(tmp_path / "c")["k"].dtype, jax.dtypes.prng_key)

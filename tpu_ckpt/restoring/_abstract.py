@@ -10,7 +10,6 @@ this job, and gives every other leaf what a restore needs: typed keys as key-typ
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any
 
@@ -21,8 +20,8 @@ from jax.sharding import PartitionSpec as P
 
 from tpu_ckpt import storage
 from tpu_ckpt.catalog import open_checkpoint
-from tpu_ckpt.errors import TargetMismatchError
 from tpu_ckpt.format import LeafEntry, PerProcess, dtype_from_name, normalise_subtree, under, unflatten_nested
+from tpu_ckpt.restoring import _leaf_kinds as leaf_kinds
 from tpu_ckpt.restoring._plan import missing_subtree
 
 
@@ -95,7 +94,7 @@ def _abstract_leaf(leaf: LeafEntry, mesh: Mesh) -> Any:
         return b""
     sharding = _sharding(leaf, mesh)
     if leaf.logical.startswith("prng_key:"):
-        key_type, trailing = _key_type(leaf.logical.split(":", 1)[1])
+        key_type, trailing = leaf_kinds.key_type(leaf.logical.split(":", 1)[1])
         shape = leaf.shape[: len(leaf.shape) - trailing]
         return jax.ShapeDtypeStruct(shape, key_type, sharding=_truncated(sharding, len(shape)))
     return jax.ShapeDtypeStruct(leaf.shape, dtype_from_name(leaf.dtype), sharding=sharding)
@@ -117,15 +116,3 @@ def _sharding(leaf: LeafEntry, mesh: Mesh) -> NamedSharding:
 def _truncated(sharding: NamedSharding, rank: int) -> NamedSharding:
     """A key's sharding: its key data's, less the key's own trailing axes (never sharded)."""
     return NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[:rank]))
-
-
-@functools.cache
-def _key_type(impl: str) -> tuple[Any, int]:
-    """The typed-key dtype of ``impl`` and its key data's trailing rank, without a computation."""
-    try:
-        key = jax.eval_shape(functools.partial(jax.random.key, 0, impl=impl))
-    except (ValueError, TypeError, KeyError) as e:
-        raise TargetMismatchError(
-            f"The checkpoint holds typed PRNG keys of impl {impl!r}, unknown to this JAX: {e}"
-        ) from None
-    return key.dtype, len(jax.eval_shape(jax.random.key_data, key).shape)

@@ -220,7 +220,10 @@ def check_restore(
     skip = options.skip_slot_variables
     with open_checkpoint(loc) as checkpoint:  # per process, or (a report of several) every process's rows
         manifest, refused = leaf_kinds.unread_per_process(checkpoint.manifest, target, subtree, loc.url)
-        target = leaf_kinds.stored_target(manifest, target, subtree)
+        try:
+            target = leaf_kinds.stored_target(manifest, target, subtree)
+        except TargetMismatchError as other_impls:
+            return RestoreReport(loc.url, False, [str(other_impls)], [], [], [], [], {}, bytes_per_second)
         everyone = devices_per_process is not None or jax.process_count() > 1
         checkpoint.load(needed_slices(manifest, target, subtree, skip, everyone=everyone))
         try:

@@ -13,13 +13,14 @@ plain value leaf (:func:`with_per_process_values`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import numpy as np
 
 from tpu_ckpt import cluster, storage
-from tpu_ckpt.errors import CorruptCheckpointError, ProcessCountMismatchError
+from tpu_ckpt.errors import CorruptCheckpointError, ProcessCountMismatchError, TargetMismatchError
 from tpu_ckpt.format import (
     PER_PROCESS,
     LeafEntry,
@@ -50,6 +51,18 @@ def is_key(x: Any) -> bool:
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
+@functools.cache
+def key_type(impl: str) -> tuple[Any, int]:
+    """The typed-key dtype of ``impl`` and its key data's trailing rank, without a computation."""
+    try:
+        key = jax.eval_shape(functools.partial(jax.random.key, 0, impl=impl))
+    except (ValueError, TypeError, KeyError) as e:
+        raise TargetMismatchError(
+            f"The checkpoint holds typed PRNG keys of impl {impl!r}, unknown to this JAX: {e}"
+        ) from None
+    return key.dtype, len(jax.eval_shape(jax.random.key_data, key).shape)
+
+
 def _any_key_or_bytes(target: Any) -> bool:
     """Whether ``target`` holds a typed key or a bytes leaf, found without key paths: a
     flatten with paths costs a restore of many small leaves ~13 us per leaf each time."""
@@ -58,31 +71,44 @@ def _any_key_or_bytes(target: Any) -> bool:
 
 def stored_target(manifest: Manifest, target: Any, subtree: str | None) -> Any:
     """``target`` with each typed-key leaf replaced by its key data's ``ShapeDtypeStruct``
-    (same sharding) and each bytes leaf by a uint8 array of the saved length: what the
-    reads fill in."""
+    (same sharding; its shape is then checked as any array's) and each bytes leaf by a uint8
+    array of the saved length: what the reads fill in. A typed-key target of another impl
+    than the saved keys is a TargetMismatchError, every such leaf named at once."""
     if not _any_key_or_bytes(target):  # the usual target: kept as given, not flattened with its paths
         return target
     leaves = {leaf.key: leaf for leaf in manifest.leaves}
     keyed, treedef = flatten(target)
     prefix, _ = normalise_subtree(subtree)
-    out = []
+    out, other_impls = [], []
     for key, _, leaf in keyed:
         saved = leaves.get(_join(prefix, key))
         if saved is not None and saved.kind == "array" and is_key(leaf):
+            if saved.logical.startswith(_KEY) and key_type(saved.logical[len(_KEY):])[0] != leaf.dtype:
+                other_impls.append(f"{saved.key!r}: a {leaf.dtype} target, saved as {saved.logical[len(_KEY):]} keys")
+            data = jax.eval_shape(jax.random.key_data, leaf)
             sharding = jax.random.key_data(leaf).sharding if isinstance(leaf, jax.Array) else leaf.sharding
-            leaf = jax.ShapeDtypeStruct(saved.shape, np.uint32, sharding=sharding)
+            leaf = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
         elif saved is not None and saved.kind == "array" and isinstance(leaf, (bytes, bytearray, memoryview)):
             leaf = np.empty(saved.shape, np.uint8)
         out.append(leaf)
+    if other_impls:
+        raise TargetMismatchError(
+            f"{len(other_impls)} typed PRNG key target(s) of another impl than saved:\n  " + "\n  ".join(other_impls)
+            + "\nRestore them with a target of the saved impl (tc.abstract_target gives it), then convert.",
+            key=other_impls[0].split("'")[1],
+        )
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def restored(manifest: Manifest, tree: Any, target: Any, subtree: str | None) -> Any:
-    """The restored ``tree`` with key data wrapped as typed keys (saved ones; and where the
-    target asked for a typed key) and bytes leaves as ``bytes``."""
+    """The restored ``tree`` with key data wrapped as typed keys (saved ones, unless the
+    target holds a plain array there: it gets the key data; and where the target asked for a
+    typed key) and bytes leaves as ``bytes``."""
     leaves = {leaf.key: leaf for leaf in manifest.leaves}
-    asking = _any_key_or_bytes(target)
-    asked = {k: v for k, v in _target_leaves(target, subtree).items() if is_key(v)} if asking else {}
+    has_keys = any(leaf.logical.startswith(_KEY) for leaf in manifest.leaves)
+    given = _target_leaves(target, subtree) if target is not None and (has_keys or _any_key_or_bytes(target)) else {}
+    asked = {k: v for k, v in given.items() if is_key(v)}
+    plain = {k for k, v in given.items() if not is_key(v)}  # a saved key's data asked for as an array
     if not any(leaf.logical for leaf in manifest.leaves) and not asked:
         return tree
     keyed, treedef = flatten(tree)
@@ -94,7 +120,7 @@ def restored(manifest: Manifest, tree: Any, target: Any, subtree: str | None) ->
         logical = saved.logical if saved is not None else ""
         if logical == "bytes":
             leaf = np.asarray(leaf).tobytes()
-        elif logical.startswith(_KEY) or full in asked:
+        elif (logical.startswith(_KEY) and full not in plain) or full in asked:
             impl = logical[len(_KEY):] if logical else str(jax.random.key_impl(asked[full]))
             leaf = jax.random.wrap_key_data(leaf, impl=impl)
         out.append(leaf)
