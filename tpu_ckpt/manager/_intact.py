@@ -1,4 +1,5 @@
-"""Which committed steps a CheckpointManager names and restores: those whose manifest is intact.
+"""Which committed steps a CheckpointManager names and restores: those whose manifest is intact,
+and, with ``fallback``, whose data restores.
 
 A ``step_<n>`` with a manifest is committed, but that manifest can still be unusable: damaged
 (it fails its seal, its crc32c), of a format this tpu_ckpt does not read, or a stray step put
@@ -11,6 +12,12 @@ steps above the newest intact one. An intact verdict is kept while the step stay
 a manager reads each manifest once; a damaged one is read again at each call (it may be
 replaced). Damaged steps below the newest intact one are not looked for: no call takes them
 but ``restore(step)``, which names what is wrong.
+
+A step's data can fail too, found only by reading it: a piece that fails its crc32c, a data
+file truncated or gone. With ``fallback``, a restore of the newest step that fails so on any
+process is followed by one more coordination round (``tiers.agree``, the tier restore's own),
+and every process alike then restores the newest intact step below it, with a warning
+(:meth:`Checks.restored`); any other failure is raised, as without ``fallback``.
 """
 
 from __future__ import annotations
@@ -18,10 +25,11 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from tpu_ckpt import cluster, storage, tiers
 from tpu_ckpt.catalog import read_manifest
-from tpu_ckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from tpu_ckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, RemoteProcessError
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +99,39 @@ class Checks:
             skipped(directory, damaged, found.step)
             return found
         return chosen(directory, listed, damaged, found)
+
+    def restored(
+        self, directory: str, committed: dict[int, str], step: int, fallback: bool, timeout: float,
+        restore: Callable[[int], Any],
+    ) -> tuple[int, Any]:
+        """``restore(step)``; with ``fallback``, where its data fails its checks on some process,
+        the newest step below it whose manifest is intact, and so on, every process alike
+        (collective: see the module docstring). Returns the step restored and its tree."""
+        if not fallback:
+            return step, restore(step)
+        failed: dict[int, str] = {}
+        while True:
+            tree, failure = None, None
+            try:
+                tree = restore(step)
+            except Exception as error:  # noqa: BLE001 - every failure goes to the agreement, then falls back or raises
+                failure = error
+            verdict = tiers.agree(f"{directory} (step {step})", failure, timeout)
+            if verdict.cause is None:
+                skipped(directory, failed, step)
+                return step, tree
+            if not (verdict.damaged and verdict.fall_back):
+                if failure is not None:
+                    raise failure
+                raise RemoteProcessError(f"The restore of step {step} from {directory} failed ({verdict.cause}).")
+            failed[step] = verdict.cause
+            older = {s: name for s, name in committed.items() if s < step}
+            failed.update(self.damaged(older, timeout))
+            intact = [s for s in older if s not in failed]
+            if not intact:
+                raise CorruptCheckpointError(f"No step of {directory} restores: {_named(failed)}",
+                                             file=f"{directory.rstrip('/')}/{committed[step]}")
+            step = max(intact)
 
     def spare(self, committed: dict[int, str], step: int, expired: list[int]) -> list[int]:
         """``expired`` (retention's choice after committing ``step``) less the newest intact

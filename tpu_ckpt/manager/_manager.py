@@ -225,8 +225,9 @@ class CheckpointManager:
         Orbax's habit, is ``restore(None, target)``: a first argument that is no integer is the target.
 
         The latest step's manifest is checked first (its seal, crc32c, and fields): if it fails, the restore raises
-        ``CorruptCheckpointError`` naming the step, unless ``fallback`` is set: then each step failing its check is
-        skipped, with a warning naming it, and the newest intact step is restored (what :meth:`latest_step` names).
+        ``CorruptCheckpointError`` naming the step, unless ``fallback`` is set: then each step failing its check, or
+        whose data fails them on any process as it is read, is skipped with a warning naming it, and the newest intact
+        step is restored.
 
         With ``local_directory``: from the local tier when every process's part of the step is on some live host (its
         own disk or a replica) and ``directory`` has no newer step; else from ``directory``. First waits for a save in
@@ -242,15 +243,15 @@ class CheckpointManager:
         self.wait_until_finished()
         committed = self._list().committed
         options = options if options is not None else self._options
-        tier = (
-            None if self._tier is None
-            else functools.partial(self._tier.restore, step=step, target=target, options=options)
-        )
+        tier = None if self._tier is None else functools.partial(self._tier.restore, step=step, target=target,
+                                                                 options=options)
         found = self._checks.restorable(self.directory, committed, step, fallback, options.coordination_timeout, tier)
         if isinstance(found, tiers.FromLocal):
             step, tree = found
-        else:
-            step, tree = found, restore(self._location.child(committed[found]), target, options=options)
+        else:  # a step asked for by number is restored, or refused, as it is: no fallback
+            step, tree = self._checks.restored(
+                self.directory, committed, found, fallback and step is None, options.coordination_timeout,
+                lambda s: restore(self._location.child(committed[s]), target, options=options))
         for cadence in (self._cadence, self._local_cadence):
             if cadence is not None:
                 cadence.counts_from(step)

@@ -1,6 +1,7 @@
 """Multi-tier checkpoints: a fast local tier on each host, replicated to peers, promoted to
 persistent storage in the background, and the choice of which tier a restore reads."""
 
+from tpu_ckpt.tiers._fallback import agree
 from tpu_ckpt.tiers._local_tier import (
     FromLocal,
     LocalTier,
@@ -8,6 +9,7 @@ from tpu_ckpt.tiers._local_tier import (
 from tpu_ckpt.tiers._upload import Upload
 
 __all__ = [
+    "agree",
     "FromLocal",
     "LocalTier",
     "Upload",
