@@ -10,6 +10,9 @@ the newest persistent step not newer than the chosen local one, which each works
 from what all share (the persistent steps, agreed by the manager's listing, and the step
 asked for), so no further round can split them; with no such step, each raises.
 
+The manager holds the same round after a persistent restore with ``fallback`` (``agree``,
+``manager/_intact.py``): a step whose data one process found damaged is skipped by all.
+
 If the round itself fails on a process, that process reports the failure (waking the
 others' waits, so they fall back too) and falls back: the verdict is "restored" only when
 process 0 saw every process restore, and a process that then cannot read it means the
