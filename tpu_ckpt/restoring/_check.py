@@ -197,8 +197,7 @@ def check_restore(
       options: as for :func:`restore` (``skip_slot_variables``, ``host_memory_limit``).
       subtree: as for :func:`restore`.
       bytes_per_second: each process's read speed, which turns bytes into the estimated time.
-      devices_per_process: counts device ``d`` as process ``d.id // devices_per_process``,
-        to plan a multi-host restore from one machine with that many devices.
+      devices_per_process: plans as if device ``d`` were process ``d.id // devices_per_process`` (a pod, here).
 
     Returns:
       A :class:`RestoreReport`: whether the restore would succeed (a mismatched ``target``
@@ -212,11 +211,9 @@ def check_restore(
       CorruptCheckpointError: the manifest is unreadable.
     """
     if not bytes_per_second > 0 or (devices_per_process is not None and devices_per_process < 1):
-        raise ValueError(
-            f"bytes_per_second and devices_per_process must be positive, got {bytes_per_second}, {devices_per_process}"
-        )
-    options = options or CheckpointOptions()
-    loc = storage.location(path)
+        raise ValueError(f"bytes_per_second and devices_per_process must be positive, got {bytes_per_second}, "
+                         f"{devices_per_process}")
+    options, loc = options or CheckpointOptions(), storage.location(path)
     skip = options.skip_slot_variables
     with open_checkpoint(loc) as checkpoint:  # per process, or (a report of several) every process's rows
         manifest, refused = leaf_kinds.unread_per_process(checkpoint.manifest, target, subtree, loc.url)
@@ -236,11 +233,11 @@ def check_restore(
         _check_references(checkpoint.store, arrays)
     count = ReadCount(manifest, arrays, read_batch_bytes(options))
     problems = refused + _layout_problems(manifest, loc.child(MANIFEST_FILE), count)
-    process_of = None if devices_per_process is None else (lambda d: d.id // devices_per_process)
     return RestoreReport(
         loc.url, not problems, problems, _leaf_checks(arrays, count), _unread(manifest, entries, subtree, target),
         [f"{a.key}: {a.leaf.dtype} -> {a.dtype}" for a in arrays if dtype_from_name(a.leaf.dtype) != a.dtype],
-        _skipped(manifest, entries, subtree, skip, target), _reads(arrays, count, process_of), bytes_per_second,
+        _skipped(manifest, entries, subtree, skip, target), _reads(arrays, count, devices_per_process),
+        bytes_per_second,
     )
 
 
@@ -321,14 +318,15 @@ def _skipped(
     return [leaf.key for leaf in manifest.leaves if skip and leaf.is_slot and under(leaf.key, prefix)]
 
 
-def _reads(
-    arrays: Sequence[ArrayRead], count: ReadCount, process_of: Callable[[jax.Device], int] | None
-) -> dict[int, ProcessReads]:
-    """This process's reads from its plan; with several processes, each one's from the
-    target shardings' global device maps, batched as the planner batches them."""
-    if process_of is None and jax.process_count() == 1:
+def _reads(arrays: Sequence[ArrayRead], count: ReadCount, devices_per_process: int | None) -> dict[int, ProcessReads]:
+    """This process's reads from its plan; with several processes (or ``devices_per_process``
+    given: device ``d`` counted as process ``d.id // devices_per_process``), each one's from
+    the target shardings' global device maps, batched as the planner batches them."""
+    if devices_per_process is None and jax.process_count() == 1:
         return {jax.process_index(): _process_reads(count, [u for a in arrays for u in count.units(a, count.own(a))])}
-    process_of = process_of or (lambda d: d.process_index)
+    process_of: Callable[[jax.Device], int] = (
+        (lambda d: d.process_index) if devices_per_process is None else (lambda d: d.id // devices_per_process)
+    )
     by_process: dict[int, list[Any]] = {p: [] for p in sorted({process_of(d) for d in jax.devices()})}
     processes = list(by_process)
     for array in arrays:
