@@ -192,10 +192,12 @@ def configure(value: Settings | None) -> Settings | None:
 def use_cpu_devices(count: int) -> None:
     """Before JAX is imported, for a command that builds shardings it will not run on
     (``tpu-ckpt plan``): ``count`` CPU devices, unless the environment names a platform or a
-    device count already. Once JAX is imported, its devices are what they are."""
+    device count already, and 64-bit dtypes as themselves (a plan is of layouts: whether the
+    job restoring them runs with x64 is its own). Once JAX is imported, its devices are what they are."""
     if "jax" in sys.modules:
         return
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("JAX_ENABLE_X64", "1")
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(count, 1)}".strip()

@@ -89,3 +89,41 @@ def test_another_mesh_and_a_subtree(tmp_path):
         tc.abstract_target(tmp_path / "c", jax.sharding.Mesh(np.array(jax.devices()), ("data",)))
     with pytest.raises(tc.TargetMismatchError):
         tc.abstract_target(tmp_path / "c", subtree="nope")
+
+
+def test_64_bit_leaves_without_x64_come_back_exact_on_the_host(tmp_path):
+    """JAX without jax_enable_x64 holds int64 as int32: "restore as saved" keeps such leaves
+    numpy targets (exact), and a device target of a 64-bit dtype is refused, not narrowed.
+    (The suite runs with x64 on: JAX's default is off.)"""
+    jax.config.update("jax_enable_x64", False)
+    try:
+        _without_x64(tmp_path)
+    finally:
+        jax.config.update("jax_enable_x64", True)
+
+
+def _without_x64(tmp_path) -> None:
+    saved = {"count": np.array([2**40 + 7, -1], np.int64), "u": np.array([2**63 + 5], np.uint64),
+             "f": np.array([1e300]), "w": jnp.ones(3)}
+    tc.save(tmp_path / "c", saved).wait()
+    target = tc.abstract_target(tmp_path / "c")
+    assert all(isinstance(target[k], np.ndarray) for k in ("count", "u", "f")), target
+    assert isinstance(target["w"], jax.ShapeDtypeStruct)
+    back = tc.restore(tmp_path / "c", target)
+    for key in ("count", "u", "f"):
+        assert back[key].dtype == saved[key].dtype and np.array_equal(back[key], saved[key]), (key, back[key])
+    device = {"count": jax.ShapeDtypeStruct((2,), np.int64, sharding=NamedSharding(_mesh(), P()))}
+    with pytest.raises(tc.TargetMismatchError, match="'count'.*jax_enable_x64 would narrow it"):
+        tc.restore(tmp_path / "c", device)
+
+
+def test_a_mesh_or_subtree_of_the_wrong_type_is_a_type_error(tmp_path):
+    tc.save(tmp_path / "c", [{"w": np.ones(2, np.float32)}, {"b": np.ones(1, np.float32)}]).wait()
+    with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
+        tc.abstract_target(tmp_path / "c", jax.devices())
+    for subtree in (0, ("0",), ["0"]):
+        with pytest.raises(TypeError, match="subtree must be a key path string"):
+            tc.restore(tmp_path / "c", subtree=subtree)
+        with pytest.raises(TypeError, match="subtree must be a key path string"):
+            tc.check_restore(tmp_path / "c", subtree=subtree)
+    assert np.array_equal(tc.restore(tmp_path / "c", subtree="0")["w"], np.ones(2, np.float32))

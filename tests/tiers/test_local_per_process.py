@@ -119,3 +119,15 @@ def test_per_process_values_live_in_the_local_tier_its_replicas_and_its_uploads(
     )
     assert res["step"] == 3
     assert res["it"] == {"from": [[0, 3, 4096], [1, 3, 4097]], "as": [0, 1]}  # both saved values, in process order
+
+
+def test_a_per_process_leaf_restored_by_another_process_count_is_raised_not_fallen_back_from():
+    """Restoring a local step with a tc.PerProcess leaf in another process count without
+    ``reshard`` is the target's mistake: the persistent tier would refuse it the same way, so
+    the tier restore raises it for the step asked for rather than falling back."""
+    from tpu_ckpt.errors import CorruptCheckpointError, ProcessCountMismatchError, RemoteProcessError
+    from tpu_ckpt.tiers._fallback import recoverable
+
+    assert not recoverable(ProcessCountMismatchError("it", key="it", saved_count=2, process_count=1))
+    assert not recoverable(RemoteProcessError("process 1: ...", remote_type="ProcessCountMismatchError"))
+    assert recoverable(CorruptCheckpointError("a part is damaged"))

@@ -137,6 +137,11 @@ def _describe_path(path: tuple[Any, ...]) -> str:
 def normalise_subtree(prefix: str | None) -> tuple[str, int]:
     """A subtree argument normalised (``"/params/"`` -> ``"params"``) and how many path
     entries it spans, which its leaves' paths lose when it is restored or exported alone."""
+    if prefix is not None and not isinstance(prefix, str):
+        raise TypeError(
+            f"subtree must be a key path string as `tpu-ckpt inspect` shows it ('params', 'opt_state/0'), or None; "
+            f"got {prefix!r}"
+        )
     prefix = (prefix or "").strip("/")
     return prefix, len(prefix.split("/")) if prefix else 0
 

@@ -37,7 +37,9 @@ def abstract_target(path: str | os.PathLike[str], mesh: Mesh | None = None, *, s
         names. Default: a mesh of the saved axis sizes over ``jax.devices()`` (of the first
         NamedSharding leaf; every leaf saved on a NamedSharding must use the same axes).
         Leaves saved on one device or on the host come back replicated over the mesh (or
-        over ``jax.devices()`` when the checkpoint has no mesh), not on one device.
+        over ``jax.devices()`` when the checkpoint has no mesh), not on one device. Leaves
+        JAX cannot hold as saved (64-bit ones where ``jax_enable_x64`` is off) come back as
+        numpy targets, restored exact on the host.
       subtree: a key path such as ``"params"``: only that part.
 
     Returns:
@@ -49,7 +51,10 @@ def abstract_target(path: str | os.PathLike[str], mesh: Mesh | None = None, *, s
       TargetMismatchError: ``subtree`` is not in the checkpoint.
       ValueError: the default mesh cannot be built from this job's devices (pass ``mesh``),
         or ``mesh`` lacks an axis a saved sharding uses.
+      TypeError: ``mesh`` is not a ``jax.sharding.Mesh``, or ``subtree`` not a string.
     """
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh (jax.make_mesh(...)) or None, not a {type(mesh).__name__}")
     loc = storage.location(path)
     with open_checkpoint(loc, threads=1) as checkpoint:
         manifest = checkpoint.manifest
@@ -92,12 +97,15 @@ def _abstract_leaf(leaf: LeafEntry, mesh: Mesh) -> Any:
         return PerProcess()
     if leaf.logical == "bytes":
         return b""
+    dtype = dtype_from_name(leaf.dtype)
+    if jax.dtypes.canonicalize_dtype(dtype) != dtype:  # 64 bits, which JAX without x64 would narrow
+        return np.empty(leaf.shape, dtype)  # a host target: restored exact (untouched pages: no memory yet)
     sharding = _sharding(leaf, mesh)
     if leaf.logical.startswith("prng_key:"):
         key_type, trailing = leaf_kinds.key_type(leaf.logical.split(":", 1)[1])
         shape = leaf.shape[: len(leaf.shape) - trailing]
         return jax.ShapeDtypeStruct(shape, key_type, sharding=_truncated(sharding, len(shape)))
-    return jax.ShapeDtypeStruct(leaf.shape, dtype_from_name(leaf.dtype), sharding=sharding)
+    return jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=sharding)
 
 
 def _sharding(leaf: LeafEntry, mesh: Mesh) -> NamedSharding:

@@ -145,13 +145,8 @@ class RestorePlan:
 
 
 def plan_restore(
-    manifest: Manifest,
-    target: Any = None,
-    subtree: str | None = None,
-    skip_slots: bool = False,
-    *,
-    batch_bytes: int,
-    url: str = "<manifest>",
+    manifest: Manifest, target: Any = None, subtree: str | None = None, skip_slots: bool = False, *,
+    batch_bytes: int, url: str = "<manifest>",
 ) -> RestorePlan:
     """Plans restoring ``target`` (None: everything under ``subtree``) from ``manifest``, whose piece-table rows for
     :func:`needed_slices` are loaded (no IO here).
@@ -211,10 +206,14 @@ def plan_leaf(
             f"Target leaf {key!r} has shape {shape} but checkpoint {url} saved {leaf.shape}", key=key, file=url
         )
     saved = dtype_from_name(leaf.dtype)
-    if dtype != saved and not (jnp.issubdtype(dtype, jnp.floating) and jnp.issubdtype(saved, jnp.floating)):
+    narrowed = sharding is not None and jax.dtypes.canonicalize_dtype(dtype) != dtype  # 64 bits without x64
+    cast = jnp.issubdtype(dtype, jnp.floating) and jnp.issubdtype(saved, jnp.floating)
+    if narrowed or (dtype != saved and not cast):
         raise TargetMismatchError(
-            f"Target leaf {key!r} has dtype {dtype} but checkpoint {url} saved {saved}; "
-            "only float->float casts are done on restore (no silent int/float conversion)",
+            f"Target leaf {key!r} has dtype {dtype} but checkpoint {url} saved {saved}; " + (
+                "JAX without jax_enable_x64 would narrow it on devices: restore it onto a numpy target "
+                "(as tc.abstract_target gives it), or enable x64" if narrowed
+                else "only float->float casts are done on restore (no silent int/float conversion)"),
             key=key, file=url,
         )
     return _array_read(key, leaf, dtype, sharding, python_type, regions)

@@ -32,13 +32,15 @@ from tpu_ckpt.errors import (
     CheckpointError,
     CorruptCheckpointError,
     InvalidShardsError,
+    ProcessCountMismatchError,
     RemoteProcessError,
     TargetMismatchError,
 )
 
 logger = logging.getLogger(__name__)
 
-_CALLERS = (TargetMismatchError, InvalidShardsError, TypeError)  # the caller's mistake: no other tier helps
+# The caller's mistake (the target's, or a per-process leaf without reshard): no other tier helps.
+_CALLERS = (TargetMismatchError, InvalidShardsError, ProcessCountMismatchError, TypeError)
 _CALLER_TYPES = {t.__name__ for t in _CALLERS}
 
 
