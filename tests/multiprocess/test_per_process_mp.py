@@ -37,7 +37,9 @@ def per_process_job(directory: str) -> dict:
     data = jax.make_array_from_callback(KEY_DATA.shape, sharding, lambda i: KEY_DATA[i])
     keys = jax.random.wrap_key_data(data)
     path = os.path.join(directory, "c")
-    tc.save(path, {"w": w, "keys": keys, "it": tc.PerProcess(own_value(me)), "cfg": {"lr": 0.5}, "step": 3}).wait()
+    same = {"tok": b"same on every process", "rng": np.array([1, 2], np.uint32)}  # host leaves: checked, equal
+    tc.save(path, {"w": w, "keys": keys, "it": tc.PerProcess(own_value(me)), "cfg": {"lr": 0.5}, "step": 3,
+                   **same}).wait()
     target = {
         "w": jax.ShapeDtypeStruct(W.shape, W.dtype, sharding=sharding),
         "keys": jax.ShapeDtypeStruct((8,), keys.dtype, sharding=sharding),
@@ -62,7 +64,16 @@ def per_process_job(directory: str) -> dict:
         refused = None
     except tc.CheckpointError as error:
         refused = f"{type(error).__name__}: {error}"
+    forgotten = {}  # an iterator's state saved without tc.PerProcess: one process's would be kept
+    for kind, state in (("bytes", f"next_index={96 + 33 * me}".encode()), ("numpy", np.array([me, 7]))):
+        try:
+            tc.save(os.path.join(directory, f"bad-{kind}"), {"w": w, "it_state": state}).wait()
+            forgotten[kind] = None
+        except tc.CheckpointError as error:
+            forgotten[kind] = f"{type(error).__name__}: {error}"
     return {
+        "same_host_leaves": tc.restore(path)["tok"] == same["tok"],
+        "forgotten": forgotten,
         "process": me,
         "own_value": back["it"]["next_index"] == own_value(me)["next_index"]
         and back["it"]["state"] == own_value(me)["state"]
@@ -94,6 +105,12 @@ def test_two_processes_save_their_own_values_and_one_restores_them(tmp_path):
     leader = next(r.result for r in results if r.result["process"] == 0)
     assert leader["refused"].startswith("ProcessValueMismatchError") and "'cfg/name'" in leader["refused"]
     assert "tc.PerProcess" in leader["refused"]
+    assert all(r.result["same_host_leaves"] for r in results)
+    for kind, refused in leader["forgotten"].items():  # bytes and small numpy leaves that differ: refused too
+        assert refused is not None and refused.startswith("ProcessValueMismatchError"), (kind, refused)
+        assert "'it_state'" in refused and "tc.PerProcess" in refused, refused
+    assert all(value is not None for r in results for value in r.result["forgotten"].values())
+    assert not (tmp_path / "bad-bytes").exists() and not (tmp_path / "bad-numpy").exists()
 
     path = tmp_path / "c"
     meta = tc.metadata(path)["it"]

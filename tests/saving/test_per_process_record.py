@@ -18,7 +18,7 @@ def test_a_16_mib_value_sends_the_leader_a_few_bytes(tmp_path):
         {"it": tc.PerProcess(value), "config": {"lr": 0.1, "name": "x" * 1000}}, process_index=3, process_count=4
     )
     with storage.Store(storage.location(str(tmp_path))) as store:
-        record = write_values(store, plan.manifest, 3, "")
+        record = write_values(store, plan.manifest, plan.host_digests, 3, "")
     assert len(record) < 200  # the coordination service sees this, and nothing else
     doc = json.loads(record)
     name, size = doc["file"]

@@ -7,7 +7,10 @@ the ``written`` stage it reaches anyway: the file's name and size, each value's 
 and crc32c, and a short digest of each plain Python leaf. The leader puts the values into the
 manifest as pieces (one per process: slice ``[p, p+1)``), and refuses to commit a Python leaf
 whose value differs between processes (a checkpoint holds one value per Python leaf; the
-others' would be lost).
+others' would be lost). The same goes for the host leaves one process writes for all: bytes,
+and numpy arrays of at most ``HOST_CHECKED_BYTES`` (a forgotten ``tc.PerProcess`` around an
+iterator's state is usually one); a bigger numpy leaf would cost a hash of its bytes at every
+save, and is taken from the writing process unchecked.
 """
 
 from __future__ import annotations
@@ -15,18 +18,41 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from tpu_ckpt import storage
 from tpu_ckpt.errors import CheckpointError, CorruptCheckpointError, ProcessValueMismatchError
 from tpu_ckpt.format import PER_PROCESS, LeafEntry, Manifest, PieceEntry, crc32c, values_file_name
 
+HOST_CHECKED_BYTES = 64 << 10
+HostDigests = Sequence[tuple[str, str]]  # (key, digest) per checked host leaf, in leaf order
 
-def write_values(store: storage.CheckpointStore, planned: Manifest, me: int, token: str) -> str:
+
+def host_digests(leaves: Sequence[tuple[str, Any, Any]]) -> tuple[tuple[str, str], ...]:
+    """The digests of the flattened tree's bytes leaves and numpy leaves of at most
+    ``HOST_CHECKED_BYTES`` (dtype and shape included)."""
+    out = []
+    for key, _, leaf in leaves:
+        if isinstance(leaf, (bytes, bytearray, memoryview)):
+            form, data = b"bytes", bytes(leaf)
+        elif isinstance(leaf, (np.ndarray, np.generic)) and leaf.nbytes <= HOST_CHECKED_BYTES:
+            form, data = f"{leaf.dtype.str}{leaf.shape}".encode(), np.ascontiguousarray(leaf).tobytes()
+        else:
+            continue
+        out.append((key, hashlib.blake2b(form + b"\0" + data, digest_size=8).hexdigest()))
+    return tuple(out)
+
+
+def write_values(store: storage.CheckpointStore, planned: Manifest, host: HostDigests, me: int, token: str) -> str:
     """Writes this process's per-process values, if the tree has any, and returns the record
     the leader gets (a short JSON text: sizes, crc32c and digests, never the values)."""
     values = [leaf.value for leaf in planned.leaves if leaf.kind == PER_PROCESS]
     record: dict[str, Any] = {"digests": [_digest(leaf.value) for leaf in planned.leaves if leaf.kind == "value"]}
+    if host:
+        record["host"] = [digest for _, digest in host]
     if values:
         name, offset, places = values_file_name(me, token), 0, []
         for value in values:
@@ -42,12 +68,14 @@ def _digest(value: Any) -> str:
     return hashlib.blake2b(json.dumps([type(value).__name__, value]).encode(), digest_size=8).hexdigest()
 
 
-def completed(planned: Manifest, records: dict[int, str]) -> Manifest:
+def completed(planned: Manifest, records: dict[int, str], host: HostDigests = ()) -> Manifest:
     """The leader: ``planned`` (merged) with each per-process leaf's values as pieces, one per
     process, and the values files among its files. Raises ProcessValueMismatchError for a
-    Python leaf some process saved with another value than the leader."""
+    Python leaf, or a checked host leaf (``host``: the leader's digests), some process saved
+    with another value than the leader."""
     decoded = {p: _record(p, text) for p, text in sorted(records.items())}
     _check_values_agree(planned, decoded)
+    _check_host_leaves_agree(host, decoded)
     per_process = [n for n, leaf in enumerate(planned.leaves) if leaf.kind == PER_PROCESS]
     if not per_process:
         return planned
@@ -88,5 +116,24 @@ def _check_values_agree(planned: Manifest, records: dict[int, dict[str, Any]]) -
                 "value than the committing process), and a checkpoint keeps one value per Python leaf; nothing was "
                 f"committed. If each process has its own value (a data iterator's position, say), save it as "
                 f"tc.PerProcess(value); otherwise make every process save the same value.",
+                key=differing,
+            )
+
+
+def _check_host_leaves_agree(host: HostDigests, records: dict[int, dict[str, Any]]) -> None:
+    for p, record in records.items():
+        theirs = record.get("host", [])
+        if len(theirs) != len(host):
+            raise CheckpointError(
+                f"process {p} saved another tree than the committing process (other bytes or small numpy leaves); "
+                "refusing to commit. Are all processes saving the same tree?"
+            )
+        differing = next((key for (key, mine), other in zip(host, theirs) if mine != other), None)
+        if differing is not None:
+            raise ProcessValueMismatchError(
+                f"Leaf {differing!r} (bytes or a small numpy array) differs between processes (process {p} saved "
+                "another value than the committing process), and one process writes such a leaf for all: the "
+                "others' values would be lost; nothing was committed. If each process has its own value (a data "
+                "iterator's state, say), save it as tc.PerProcess(value); otherwise make every process save the same.",
                 key=differing,
             )

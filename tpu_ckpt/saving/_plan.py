@@ -32,6 +32,7 @@ from tpu_ckpt.format import (
     spread,
 )
 from tpu_ckpt.options import CheckpointOptions
+from tpu_ckpt.saving._per_process import host_digests
 from tpu_ckpt.sharding import (
     BUILT_IN_POLICIES,
     LocalPieces,
@@ -68,12 +69,15 @@ class SavePlan:
         the process count and the metrics.
       files: the data files this process writes, in writing order.
       piece_count: the pieces handed to the sharding callback (which may cut them further).
+      host_digests: a digest of each bytes leaf and small numpy leaf, which one process writes
+        for all: the leader refuses to commit one that differs between processes.
     """
 
     process_index: int
     manifest: Manifest
     files: tuple[DataFile, ...]
     piece_count: int
+    host_digests: tuple[tuple[str, str], ...] = ()  # (key, digest) of the small host leaves (``per_process``)
 
     @property
     def nbytes(self) -> int:
@@ -145,7 +149,7 @@ def plan_save(
     manifest = Manifest(
         tuple(entries), {}, count, callback.description, metrics=None if metrics is None else metric_values(metrics)
     )
-    return SavePlan(me, manifest, files, len(local.pieces))
+    return SavePlan(me, manifest, files, len(local.pieces), host_digests(leaves) if count > 1 else ())
 
 
 _NBYTES = operator.itemgetter(3)  # a PlannedPiece's size

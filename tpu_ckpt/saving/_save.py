@@ -212,6 +212,7 @@ class SaveJob:
         reused: Reused | None = None, own_files: OwnFiles | None = None,
     ):
         self.manifest = plan.manifest
+        self.host_digests = plan.host_digests
         self.piece_count = plan.piece_count
         self.final = final
         self.coord = coord
@@ -249,13 +250,13 @@ class SaveJob:
         hands_off = False  # set once this process may delete nothing any more
         try:
             index, files, kept = self._own_index(store)
-            record = per_process.write_values(store, self.manifest, coord.me, self.staging.token)
+            record = per_process.write_values(store, self.manifest, self.host_digests, coord.me, self.staging.token)
             if coord.me == self.leader:
                 records = coord.collect("written", record, at=self.leader)
                 others = [p for p in range(coord.count) if p != self.leader]
                 commit.commit(
                     self.staging.backend, self.final, self._planned(), index, others, coord.progress,
-                    self.staging.token, finish=lambda merged: per_process.completed(merged, records),
+                    self.staging.token, finish=lambda merged: per_process.completed(merged, records, self.host_digests),
                 )
                 hands_off = True  # committed
                 coord.publish("committed")
