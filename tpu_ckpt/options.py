@@ -206,6 +206,13 @@ class CheckpointOptions:
         return tuple(getattr(self, name) for name in _FIELDS if name != "sharding_callback")
 
 
+def checked_options(options: Any, call: str) -> CheckpointOptions:
+    """``options`` as ``call`` got it (None: the defaults); a dict of fields, say, is a TypeError here."""
+    if options is not None and not isinstance(options, CheckpointOptions):
+        raise TypeError(f"{call}(options=...) takes a tpu_ckpt.CheckpointOptions or None, not a "
+                        f"{type(options).__name__}: e.g. options=tc.CheckpointOptions(enable_async=True)")
+    return CheckpointOptions() if options is None else options
+
 
 def io_process(options: CheckpointOptions, process_count: int) -> int | None:
     """The process doing all storage IO, checked against the job's size (unknown when the
@@ -313,10 +320,8 @@ def _check_callbacks(callbacks: Sequence[WriteCallback] | None) -> tuple[WriteCa
             raise TypeError(f"write callback {cb!r} is not callable")
         required, _ = _positional_capacity(cb)
         if required > 1:
-            raise ValueError(
-                f"write callback {getattr(cb, '__name__', cb)!r} requires {required} positional "
-                "arguments; a write callback takes none or one (the saved path)."
-            )
+            raise ValueError(f"write callback {getattr(cb, '__name__', cb)!r} requires {required} positional "
+                             "arguments; a write callback takes none or one (the saved path).")
     return out
 
 
@@ -324,17 +329,15 @@ def _check_sharding_callback(callback: Any) -> ShardingCallback:
     if callback is None:
         return ShardByDevicePolicy()
     if not isinstance(callback, ShardingCallback):
-        raise ValueError(
-            "sharding_callback must be an instance of tpu_ckpt.ShardingCallback (e.g. "
-            f"tc.MaxShardSizePolicy(2**30)); got {callback!r} of type {type(callback).__name__}."
-        )
+        raise ValueError("sharding_callback must be an instance of tpu_ckpt.ShardingCallback (e.g. "
+                         f"tc.MaxShardSizePolicy(2**30)); got {callback!r} of type {type(callback).__name__}.")
     return callback
 
 
 def _check_timeout(timeout: Any) -> float:
     if isinstance(timeout, (bool, np.bool_)) or not isinstance(timeout, numbers.Real):
-        kind = type(timeout).__name__
-        raise TypeError(f"coordination_timeout must be a number of seconds, got {timeout!r} of type {kind}")
+        raise TypeError(f"coordination_timeout must be a number of seconds, got {timeout!r} of type "
+                        f"{type(timeout).__name__}")
     seconds = float(timeout)
     if not (seconds > 0 and math.isfinite(seconds)):
         raise ValueError(f"coordination_timeout must be a positive, finite number of seconds, got {timeout!r}")

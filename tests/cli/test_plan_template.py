@@ -29,6 +29,7 @@ def test_the_template_is_the_saved_layout_and_plans_as_saved(tmp_path, mesh42):
             "p/host": {"shape": [3], "dtype": "int64", "spec": []},
             "p/w": {"shape": [8, 4], "dtype": "float32", "spec": ["data", "model"]},
             "step": 3,
+            "name": "x",
         },
     }
     (tmp_path / "t.json").write_text(shown.stdout)

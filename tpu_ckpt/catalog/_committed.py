@@ -14,7 +14,15 @@ from typing import Any, NoReturn
 from tpu_ckpt import storage
 from tpu_ckpt.catalog import _listing as listing
 from tpu_ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UncommittedCheckpointError
-from tpu_ckpt.format import MANIFEST_FILE, REFERENCED_FILE, Manifest, TableSource, crc32c, decode_manifest
+from tpu_ckpt.format import (
+    MANIFEST_FILE,
+    REFERENCED_FILE,
+    Manifest,
+    TableSource,
+    crc32c,
+    decode_manifest,
+    left_by_a_save,
+)
 
 
 def read_manifest(loc: storage.Location) -> Manifest:
@@ -78,6 +86,11 @@ def _raise_missing(loc: storage.Location, files: list[str]) -> NoReturn:
         raise CheckpointNotFoundError(_directory_of_checkpoints(loc, found), file=loc.url)
     if not files and storage.is_empty(loc) and not storage.has_staging_leftover(loc):
         raise CheckpointNotFoundError(f"No checkpoint at {loc.url}", file=loc.url)
+    if not any(map(left_by_a_save, files)) and not storage.has_staging_leftover(loc):
+        shown = ", ".join(sorted(files)[:3]) + (", ..." if len(files) > 3 else "")
+        raise CheckpointNotFoundError(
+            f"No checkpoint at {loc.url}: it holds {len(files)} other file(s) ({shown}), none a save's", file=loc.url
+        )
     raise UncommittedCheckpointError(
         f"{loc.url} holds an uncommitted checkpoint (no {MANIFEST_FILE}): its save was "
         "interrupted or failed, so it is not restorable. Restore an earlier checkpoint.",

@@ -100,7 +100,7 @@ def _template(ckpt: str, subtree: str | None) -> dict[str, Any]:
             on_mesh = bool(meshes) and sharding.get("mesh") == meshes[0]
             spec = sharding["spec"] if on_mesh else []
             doc["leaves"][key] = {"shape": list(leaf.shape), "dtype": leaf.dtype, "spec": spec}
-        elif leaf.kind == "value" and isinstance(leaf.value, (bool, int, float)):
+        elif leaf.kind == "value" and (isinstance(leaf.value, (bool, int, float, str)) or leaf.value is None):
             doc["leaves"][key] = leaf.value
     return doc
 
@@ -181,13 +181,16 @@ def _natural(n: Any) -> bool:
 
 
 def _leaf(path: str, key: str, value: Any, mesh: dict[str, int]) -> Any:
-    """One --target leaf: a ShapeDtypeStruct on the mesh, or a Python scalar."""
+    """One --target leaf: a ShapeDtypeStruct on the mesh, or a Python value (a saved one's target)."""
     import jax
 
     from tpu_ckpt.format import dtype_from_name
 
-    if isinstance(value, (bool, int, float)):
+    if isinstance(value, (bool, int, float, str)) or value is None:
         return value
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: leaf {key!r} is a {type(value).__name__}; give {{\"shape\": [...], \"dtype\": ...}} "
+                         "or a number, string, true/false or null")
     try:
         if not isinstance(value["shape"], list) or not all(_natural(n) for n in value["shape"]):
             raise ValueError(f"a shape is a list of whole numbers, got {value['shape']!r}")

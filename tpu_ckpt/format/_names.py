@@ -100,6 +100,13 @@ def is_marker(name: str) -> bool:
     return name == STAGING_MARKER or (token is not None and name == spread(token, STAGING_MARKER))
 
 
+def left_by_a_save(name: str) -> bool:
+    """Whether ``name`` is a file a save writes before its manifest (a data, index or values
+    file, a staging marker, any object named with a save's token): what an uncommitted save
+    leaves behind, as opposed to files of anything else."""
+    return is_marker(name) or token_of(name) is not None or written_by(name) is not None
+
+
 def staging_directory(path: str, token: str) -> str:
     """Where a local save of ``path`` writes before its commit renames it onto ``path``."""
     return f"{path}.tmp-{token}"

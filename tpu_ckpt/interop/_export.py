@@ -38,7 +38,7 @@ from tpu_ckpt.format import (
 from tpu_ckpt.interop._hf_export import export_huggingface
 from tpu_ckpt.interop._hf_layout import parse_size
 from tpu_ckpt.interop._hf_names import Names
-from tpu_ckpt.options import CheckpointOptions
+from tpu_ckpt.options import CheckpointOptions, checked_options
 from tpu_ckpt.restoring import missing_subtree, restore_from
 from tpu_ckpt.saving import save
 from tpu_ckpt.settings import settings
@@ -99,7 +99,7 @@ def export_for_serving(
         raise ValueError(f"dtype must be a float type (e.g. bfloat16), got {cast}")
     if layout == "huggingface":
         return export_huggingface(
-            src, dst, subtree, cast, names, max_shard_size, options or CheckpointOptions(), progress
+            src, dst, subtree, cast, names, max_shard_size, checked_options(options, "export_for_serving"), progress
         )
     params = _read_params(src, subtree, cast, progress)
     policy = MaxShardSizePolicy(parse_size(max_shard_size)) if max_shard_size is not None else None

@@ -28,7 +28,7 @@ from tpu_ckpt.errors import CorruptCheckpointError, TargetMismatchError
 from tpu_ckpt.format import SliceSpec, dtype_from_name, extent, flatten, full_slice, intersect, relative, volume
 from tpu_ckpt.interop import _hf_layout as layout
 from tpu_ckpt.interop._hf_names import Named, Names, resolve
-from tpu_ckpt.options import CheckpointOptions
+from tpu_ckpt.options import CheckpointOptions, checked_options
 from tpu_ckpt.settings import settings
 from tpu_ckpt.sharding import index_to_slice
 
@@ -67,7 +67,7 @@ def load_safetensors(
         missing, short or not a regular file.
     """
     folder, only = _source(storage.location(src))
-    batch = _batch_bytes(options or CheckpointOptions())
+    batch = _batch_bytes(checked_options(options, "load_safetensors"))
     triples, treedef = flatten(target)
     with storage.Store(folder) as store:
         entries = _catalog(store, folder, only)

@@ -41,7 +41,7 @@ from tpu_ckpt.format import (
     sharding_text,
     under,
 )
-from tpu_ckpt.options import CheckpointOptions
+from tpu_ckpt.options import CheckpointOptions, checked_options
 from tpu_ckpt.restoring import _leaf_kinds as leaf_kinds
 from tpu_ckpt.restoring._check_reads import ReadCount
 from tpu_ckpt.restoring._mismatch import mismatches
@@ -213,7 +213,7 @@ def check_restore(
     if not bytes_per_second > 0 or (devices_per_process is not None and devices_per_process < 1):
         raise ValueError(f"bytes_per_second and devices_per_process must be positive, got {bytes_per_second}, "
                          f"{devices_per_process}")
-    options, loc = options or CheckpointOptions(), storage.location(path)
+    options, loc = checked_options(options, "check_restore"), storage.location(path)
     skip = options.skip_slot_variables
     with open_checkpoint(loc) as checkpoint:  # per process, or (a report of several) every process's rows
         manifest, refused = leaf_kinds.unread_per_process(checkpoint.manifest, target, subtree, loc.url)

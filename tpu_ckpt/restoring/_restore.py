@@ -32,7 +32,7 @@ from tpu_ckpt.format import (
     dtype_from_name,
     unflatten_nested,
 )
-from tpu_ckpt.options import CheckpointOptions, io_process
+from tpu_ckpt.options import CheckpointOptions, checked_options, io_process
 from tpu_ckpt.restoring import _exec as restore_exec
 from tpu_ckpt.restoring import _fanout as fanout
 from tpu_ckpt.restoring import _leaf_kinds as leaf_kinds
@@ -157,7 +157,7 @@ def restore(
       TargetMismatchError: ``target`` or ``subtree`` does not match the checkpoint's tree,
         shapes or dtypes (every mismatch is listed).
     """
-    options = options or CheckpointOptions()
+    options = checked_options(options, "restore")
     started = time.perf_counter()
     loc = storage.location(path)
     with _open(loc, options) as (checkpoint, coord):

@@ -122,6 +122,8 @@ class _Writer:
         current, self._current = self._current, None
         if current is None:
             return "", None
+        if current._thread is threading.current_thread():  # a write callback of that save, saving again:
+            return "", None  # its checkpoint is committed; its own result reports what follows
         if current._thread is not None:
             current._thread.join()
         return current.path, current._unseen_error()

@@ -161,10 +161,10 @@ def _arranged(callback: ShardingCallback, local: LocalPieces) -> list[list[Plann
     if arranged is not None:
         return arranged
     pieces = local.shardable()
-    shards = [s for s in callback(pieces) if s]
+    shards = callback(pieces)
     if type(callback) not in BUILT_IN_POLICIES:  # ours are tested to be valid; at a million pieces the check is seconds
-        validate_shards(shards, pieces, callback.description)
-    return [planned(shard) for shard in shards]
+        validate_shards(shards, pieces, callback.description)  # a list of shards: not None, a dict or a generator
+    return [planned(shard) for shard in shards if shard]
 
 
 def _leaf_entries(

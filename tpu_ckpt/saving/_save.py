@@ -26,7 +26,7 @@ from typing import Any
 
 from tpu_ckpt import cluster, relay, storage
 from tpu_ckpt.format import IndexPlan, Manifest, encode_index, metric_values, staged_index_file, values_file_name
-from tpu_ckpt.options import CheckpointOptions, io_process, path_callbacks
+from tpu_ckpt.options import CheckpointOptions, checked_options, io_process, path_callbacks
 from tpu_ckpt.runtime import gc_paused
 from tpu_ckpt.saving import _commit as commit
 from tpu_ckpt.saving import _data_writes as data_writes
@@ -78,7 +78,7 @@ def save(
       RemoteProcessError: another process of the job failed the save.
       CheckpointError: the storage write failed (the checkpoint stays uncommitted).
     """
-    options = options or CheckpointOptions()
+    options = checked_options(options, "save")
     metrics = None if metrics is None else metric_values(metrics)
     WRITER.settle()  # one save in flight; an unseen failure of the last one surfaces here
     if not options.enable_async:

@@ -16,7 +16,7 @@ import os
 
 from tpu_ckpt import cluster, relay, storage
 from tpu_ckpt.errors import CheckpointExistsError
-from tpu_ckpt.format import is_marker, token_of, written_by
+from tpu_ckpt.format import is_marker, left_by_a_save, token_of, written_by
 
 logger = logging.getLogger(__name__)
 
@@ -106,20 +106,17 @@ def _check_free(final: storage.Location) -> None:
     while they run: on an object store, where a save writes into the final prefix, the
     objects of a save that crashed or stalled there (no manifest) do not block a new one,
     whose names carry its own token (``spread``) and whose manifest is created only if
-    absent (``write_manifest``). A local destination must be empty (its save renames onto it)."""
+    absent (``write_manifest``). A local destination must be empty (its save renames onto it),
+    and a directory if it exists."""
+    taken = final.is_local and os.path.lexists(final.local_path) and not os.path.isdir(final.local_path)
     with storage.Store(final, threads=1) as store:
-        names = store.list()
-    if any(final.is_local or not _left_by_a_save(name) for name in names):
+        names = [] if taken else store.list()
+    if taken or any(final.is_local or not left_by_a_save(name) for name in names):
         raise CheckpointExistsError(
             f"{final.url} already exists and is not empty; tpu_ckpt never overwrites a checkpoint. "
             "Save to a new path, or delete the old one first.",
             file=final.url,
         )
-
-
-def _left_by_a_save(name: str) -> bool:
-    """Whether object ``name`` is one an uncommitted save leaves in its final prefix."""
-    return is_marker(name) or token_of(name) is not None or written_by(name) is not None
 
 
 def remove_staging(location: storage.Location, token: str) -> None:

@@ -40,7 +40,8 @@ def validate_shards(
     *,
     max_grid_cells: int = MAX_GRID_CELLS,
 ) -> None:
-    """Raises ``InvalidShardsError`` unless ``shards`` covers every piece exactly once, unaltered.
+    """Raises ``InvalidShardsError`` unless ``shards`` covers every piece exactly once, each
+    slice with its shape and dtype (the values are not compared: that would read them all).
 
     Empty shards are allowed (the caller drops them).
     """

@@ -94,4 +94,22 @@ def location(path: str | os.PathLike[str]) -> Location:
         raise ValueError("Checkpoint path is empty")
     loc = Location(text)
     loc.kvstore_spec()  # validates the scheme
+    if loc.scheme in ("gs", "s3"):
+        _check_object_url(loc.url)
     return loc
+
+
+def _check_object_url(url: str) -> None:
+    """An object-store URL names a bucket and a prefix of plain segments: an object store has
+    no directories, so ``..``, ``.`` and an empty segment would name other keys than the
+    prefix's (``a/../b`` is not ``b``), which a save writes and then cannot find or remove."""
+    parsed = urlparse(url)
+    if not parsed.netloc:
+        raise ValueError(f"{url!r} names no bucket: give {parsed.scheme}://BUCKET/PATH")
+    prefix = parsed.path.strip("/")
+    bad = [s for s in (prefix.split("/") if prefix else []) if s in ("", ".", "..")]
+    if bad:
+        raise ValueError(
+            f"{url!r} has a path segment {bad[0]!r}: an object-store prefix is made of plain names (no '.', '..' "
+            "or empty segments); write the prefix it should be"
+        )
