@@ -7,6 +7,7 @@ import pytest
 
 import tpu_ckpt as tc
 from tests.support import helpers, mp_scenarios, process_group
+from tests.support.process_group import results_of
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -66,15 +67,9 @@ def test_async_save_across_processes_with_buffers_deleted(tmp_path):
     assert os.listdir(tmp_path) == ["ckpt"]
 
 
-def _ok(results):
-    for r in results:
-        assert r.returncode == 0 and r.result is not None, r.output
-    return [r.result for r in results]
-
-
 def test_io_device_one_process_does_all_the_storage_io(tmp_path):
     io = 1  # not process 0: the io process also merges the indexes and commits
-    results = _ok(process_group.run("io_device_save_and_restore", 2, str(tmp_path), str(io)))
+    results = results_of(process_group.run("io_device_save_and_restore", 2, str(tmp_path), str(io)))
     for res in results:
         assert res["mismatches"] == []
         assert res["missing_error"] == "CheckpointNotFoundError", res
@@ -97,7 +92,7 @@ def test_io_device_one_process_does_all_the_storage_io(tmp_path):
 
 
 def test_a_local_path_that_is_not_shared_fails_the_save_before_any_data_is_written(tmp_path):
-    results = _ok(process_group.run("save_to_unshared_local_disks", 2, str(tmp_path)))
+    results = results_of(process_group.run("save_to_unshared_local_disks", 2, str(tmp_path)))
     for res in results:
         assert res["save_error"] == "CheckpointError", res
         message = res["save_message"]
@@ -112,7 +107,7 @@ def test_a_local_path_that_is_not_shared_fails_the_save_before_any_data_is_writt
 
 
 def test_four_processes_save_async_and_restore_with_balanced_writes(tmp_path):
-    results = _ok(process_group.run("save_restore_many_processes", 4, str(tmp_path)))
+    results = results_of(process_group.run("save_restore_many_processes", 4, str(tmp_path)))
     assert [r["mismatches"] for r in results] == [[]] * len(results)
     assert all(r["needs_other_process_pieces"] for r in results), results
     written = [r["bytes_written"] for r in results]
@@ -157,7 +152,7 @@ def test_four_processes_name_every_straggler(tmp_path):
 
 
 def test_a_manager_with_io_device_lists_through_the_io_process(tmp_path):
-    results = _ok(process_group.run("io_device_manager", 2, str(tmp_path), "0"))
+    results = results_of(process_group.run("io_device_manager", 2, str(tmp_path), "0"))
     assert [r["steps"] for r in results] == [[2, 3], [2, 3]]
     assert [r["mismatches"] for r in results] == [[]] * len(results)
     assert results[0]["local"] == ["run", "step_2", "step_3"]  # retention ran on the io process
@@ -165,7 +160,7 @@ def test_a_manager_with_io_device_lists_through_the_io_process(tmp_path):
 
 
 def test_load_and_broadcast_reads_each_shared_piece_once(tmp_path):
-    results = _ok(process_group.run("load_and_broadcast_restore", 4, str(tmp_path)))
+    results = results_of(process_group.run("load_and_broadcast_restore", 4, str(tmp_path)))
     assert [(r["plain_mismatches"], r["shared_mismatches"]) for r in results] == [([], [])] * len(results)
     unique = sum(helpers.files(tmp_path / "ckpt").values())  # every data byte of the checkpoint
     plain = sum(r["plain_read"] for r in results)
@@ -186,7 +181,7 @@ def test_every_operation_deletes_its_coordination_keys(tmp_path):
     """Saves (sync, async, io_device, one failing), restores (load_and_broadcast, io_device)
     and a manager loop (collective should_save and listing) leave no key behind in the
     coordination service, which lives as long as the job."""
-    for res in _ok(process_group.run("coordination_keys_are_deleted", 2, str(tmp_path))):
+    for res in results_of(process_group.run("coordination_keys_are_deleted", 2, str(tmp_path))):
         assert res["failed"] in ("RuntimeError", "RemoteProcessError"), res
         assert res["keys"] == [], res
 
@@ -198,7 +193,7 @@ def test_a_manager_lists_its_directory_on_the_leader_only_once_per_call(tmp_path
     the expired steps; the other processes neither list nor remove anything."""
     os.makedirs(tmp_path / "run" / "step_0")  # a leftover: no manifest
     (tmp_path / "run" / "step_0" / "d00000-00000.safetensors").write_bytes(b"partial")
-    leader, other = _ok(process_group.run("manager_lists_on_the_leader_only", 2, str(tmp_path)))
+    leader, other = results_of(process_group.run("manager_lists_on_the_leader_only", 2, str(tmp_path)))
     assert [leader["mismatches"], other["mismatches"]] == [[], []]
     assert leader["steps"] == other["steps"] == [3, 4]
     listed = ["os.scandir", "."]
@@ -226,7 +221,7 @@ def _pod_like(tmp_path, processes: int, devices_per_process: int) -> list[dict]:
     """Runs mp_scenarios.pod_like with the last process as the straggler, and checks what
     every shape must give."""
     late = processes - 1
-    results = _ok(process_group.run(
+    results = results_of(process_group.run(
         "pod_like", processes, str(tmp_path), str(late), devices_per_process=devices_per_process, timeout=_POD_LIKE_S
     ))
     assert [r["mismatches"] for r in results] == [[]] * processes
@@ -253,7 +248,7 @@ def test_a_straggler_writing_while_the_leader_removes_the_staging_area_leaves_no
     its name and writes into it meanwhile (the removal is slowed by 5000 files). A file it
     made after the removal listed the directory kept the directory from going: a
     ``late.tmp-<hex>`` left behind, which made the pod-like tests fail on loaded machines."""
-    results = _ok(process_group.run(
+    results = results_of(process_group.run(
         "straggler_while_the_staging_area_is_removed", 2, str(tmp_path), "5000", devices_per_process=1, timeout=500
     ))
     assert [(r["late_error"], r["late_missing"]) for r in results] == [("CoordinationTimeoutError", [1])] * 2, results
@@ -274,7 +269,7 @@ def test_waits_block_in_the_coordination_service_instead_of_polling(tmp_path):
     """Processes 0-2 wait ~4 s for process 3 at a save's commit and at an io_device restore.
     Polling made ~40 key-value reads a second each; blocking makes a handful of calls per
     stage however long the wait (the count is of what this code calls, on the real client)."""
-    results = _ok(process_group.run("coordination_calls_while_waiting", 4, str(tmp_path), "4"))
+    results = results_of(process_group.run("coordination_calls_while_waiting", 4, str(tmp_path), "4"))
     for process, res in enumerate(results):
         assert res["mismatches"] == [], res
         calls = res["calls"]

@@ -6,19 +6,14 @@ collective is named by the barrier before it."""
 import pytest
 
 from tests.support import process_group
+from tests.support.process_group import results_of
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
-def _ok(results):
-    for r in results:
-        assert r.returncode == 0 and r.result is not None, r.output
-    return [r.result for r in results]
-
-
 @pytest.mark.parametrize("processes", [2, 4])
 def test_each_replica_reads_its_part_and_the_collective_completes_them(tmp_path, processes):
-    results = _ok(process_group.run("multiprocess.fanout_scenarios.replica_fanout", processes, str(tmp_path),
+    results = results_of(process_group.run("multiprocess.fanout_scenarios.replica_fanout", processes, str(tmp_path),
                                     devices_per_process=2))
     for r in results:
         assert r["plain_mismatches"] == r["shared_mismatches"] == r["mixed_mismatches"] == [], r
@@ -31,7 +26,7 @@ def test_each_replica_reads_its_part_and_the_collective_completes_them(tmp_path,
 
 def test_a_corrupt_piece_and_a_process_that_never_reaches_the_collective_are_named(tmp_path):
     timeout = 3
-    results = _ok(process_group.run("multiprocess.fanout_scenarios.fanout_failures", 2, str(tmp_path),
+    results = results_of(process_group.run("multiprocess.fanout_scenarios.fanout_failures", 2, str(tmp_path),
                                     str(timeout), devices_per_process=2))
     # The reader of the flipped piece names it; the other hears of it before any collective.
     kinds = sorted(r["corrupt"]["type"] for r in results)
@@ -52,7 +47,7 @@ def test_small_host_targets_travel_packed_in_the_collective(tmp_path, processes)
     arrays): each process reads a part, the collective brings the rest, no relay connection;
     a host leaf bigger than a device's part of the read batch, or of a dtype JAX cannot carry,
     still comes through the relay. All bit for bit, -0.0 and NaN payloads included."""
-    results = _ok(process_group.run("multiprocess.fanout_scenarios.host_targets", processes, str(tmp_path),
+    results = results_of(process_group.run("multiprocess.fanout_scenarios.host_targets", processes, str(tmp_path),
                                     devices_per_process=2))
     for r in results:
         assert r["small_mismatches"] == r["everything_mismatches"] == [], r

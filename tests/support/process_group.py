@@ -25,6 +25,14 @@ class ProcessResult:
     result: dict | None  # the scenario's JSON result, when it returned normally
 
 
+def results_of(results: list[ProcessResult]) -> list[dict]:
+    """Every process's scenario result, in process order, each process having exited cleanly
+    (else the assertion shows the end of what it printed)."""
+    for r in results:
+        assert r.returncode == 0 and r.result is not None, r.output[-4000:]
+    return [r.result for r in results]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tests.support import process_group
+from tests.support.process_group import results_of
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -98,23 +99,17 @@ def restored_by_one(directory: str) -> dict:
         }
 
 
-def _ok(results: list[process_group.ProcessResult]) -> list[dict]:
-    for r in results:
-        assert r.returncode == 0 and r.result is not None, r.output[-4000:]
-    return [r.result for r in results]
-
-
 @pytest.mark.parametrize("fanout", ["", "1"], ids=["flat", "tree"])
 def test_per_process_values_live_in_the_local_tier_its_replicas_and_its_uploads(tmp_path, fanout):
     results = process_group.run("tiers.test_local_per_process.saved_by_two", 2, str(tmp_path), fanout,
                                 devices_per_process=2)
-    for res in _ok(results):
+    for res in results_of(results):
         me = res["process"]
         assert res["files"] == ["values-00000.bin", "values-00001.bin"]  # its own, and its peer's replica
         assert res["alive"] == [[me, 3, True], {"lr": 0.5}]  # local step 3 (the persistent tier has step 1)
         assert res["persistent_steps"] == [1] and res["uploaded"] == [me, 1, True]
         assert res["latest_after_loss"] == 3 and res["lost"] == [me, 3, True]  # process 1's from its replica on 0
-    (res,) = _ok(
+    (res,) = results_of(
         process_group.run("tiers.test_local_per_process.restored_by_one", 1, str(tmp_path), devices_per_process=2)
     )
     assert res["step"] == 3

@@ -6,18 +6,13 @@ import os
 import pytest
 
 from tests.support import process_group
+from tests.support.process_group import results_of
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
-def _ok(results):
-    for r in results:
-        assert r.returncode == 0 and r.result is not None, r.output[-4000:]
-    return [r.result for r in results]
-
-
 def test_local_tier_survives_lost_hosts_and_falls_back_to_the_persistent_tier(tmp_path):
-    results = _ok(process_group.run("tiers.tier_scenarios.survivors_and_lost_hosts", 4, str(tmp_path)))
+    results = results_of(process_group.run("tiers.tier_scenarios.survivors_and_lost_hosts", 4, str(tmp_path)))
     for me, res in enumerate(results):
         # (e) while step 5 was being uploaded, the local saves of 6 and 7 went on.
         assert {"step_5", "step_6"} <= set(res["while_uploading"]["local"]), res
@@ -49,7 +44,9 @@ def test_a_host_killed_during_a_local_save_leaves_the_previous_step(tmp_path):
     assert killed[1].returncode == -9, killed[1].output[-3000:]
     for i in (0, 2, 3):  # each hears of it from us, unless JAX's own heartbeat ends it first
         assert killed[i].result is None or killed[i].result["error"], killed[i].output[-3000:]
-    resumed = _ok(process_group.run("tiers.tier_scenarios.killed_during_a_local_save", 4, str(tmp_path), "resume"))
+    resumed = results_of(
+        process_group.run("tiers.tier_scenarios.killed_during_a_local_save", 4, str(tmp_path), "resume")
+    )
     for res in resumed:
         assert res["latest"] == 2 and res["step"] == 2 and res["mismatches"] == [], res
         assert res["persistent_opened"] == [], res
@@ -59,16 +56,16 @@ def test_a_host_killed_during_a_local_save_leaves_the_previous_step(tmp_path):
 
 
 def test_a_local_directory_shared_by_the_processes_is_refused(tmp_path):
-    for res in _ok(process_group.run("tiers.tier_scenarios.shared_local_directory", 2, str(tmp_path))):
+    for res in results_of(process_group.run("tiers.tier_scenarios.shared_local_directory", 2, str(tmp_path))):
         assert res["error"] == "CheckpointError" and "is shared with other processes" in res["message"], res
     assert sorted(os.listdir(tmp_path / "local")) == []  # nothing committed, nothing left
 
 
 def test_a_local_step_restores_onto_another_process_count(tmp_path):
-    saved = _ok(process_group.run("tiers.tier_scenarios.another_process_count", 4, str(tmp_path), "save"))
+    saved = results_of(process_group.run("tiers.tier_scenarios.another_process_count", 4, str(tmp_path), "save"))
     assert [f for f in saved[0]["local"]["step_2"] if f.startswith("index-")] == [
         "index-00000.bin", "index-00002.bin", "index-00003.bin"]
-    for res in _ok(process_group.run("tiers.tier_scenarios.another_process_count", 2, str(tmp_path), "restore")):
+    for res in results_of(process_group.run("tiers.tier_scenarios.another_process_count", 2, str(tmp_path), "restore")):
         assert res["step"] == 2 and res["mismatches"] == [] and res["persistent_opened"] == [], res
 
 
@@ -77,7 +74,7 @@ def test_a_damaged_part_fails_the_restore_on_every_process(tmp_path, fanout):
     """The holder of the damaged part finds it (each holder checks its own parts' indexes);
     the other process hears of it, named; the same where the merge goes through the tree
     (a fan-out of 1: each process is its own group)."""
-    other, holder = _ok(process_group.run("tiers.tier_scenarios.damaged_index", 2, str(tmp_path), fanout))
+    other, holder = results_of(process_group.run("tiers.tier_scenarios.damaged_index", 2, str(tmp_path), fanout))
     assert holder["error"] == "CorruptCheckpointError" and "index-00001.bin" in holder["message"], holder
     assert other["error"] == "RemoteProcessError" and "index-00001.bin" in other["message"], other
 
@@ -86,7 +83,7 @@ def test_the_tier_merge_is_spread_over_the_processes_none_reads_another_part_s_i
     """Issue 24: no process-0 funnel. Each part's holder cuts its own index by range of leaves;
     process r reads range r's rows of every part (6 leaves, 4 processes: 4 ranges) and no
     process reads any part's whole index."""
-    results = _ok(process_group.run("tiers.tier_scenarios.spread_merge", 4, str(tmp_path)))
+    results = results_of(process_group.run("tiers.tier_scenarios.spread_merge", 4, str(tmp_path)))
     for me, res in enumerate(results):
         assert res["step"] == 2 and res["mismatches"] == [], res
         assert not [n for n in res["names"] if n.startswith("index-")], res["names"]
@@ -95,19 +92,20 @@ def test_the_tier_merge_is_spread_over_the_processes_none_reads_another_part_s_i
 
 
 def test_async_local_saves_keep_host_memory_limit_on_every_process(tmp_path):
-    for res in _ok(process_group.run("tiers.tier_scenarios.async_local_saves_under_a_memory_limit", 2, str(tmp_path))):
+    scenario = "tiers.tier_scenarios.async_local_saves_under_a_memory_limit"
+    for res in results_of(process_group.run(scenario, 2, str(tmp_path))):
         assert res == {"local": [], "persistent": []}, res
 
 
 def test_a_damaged_local_data_file_falls_back_to_the_persistent_step(tmp_path):
-    for res in _ok(process_group.run("tiers.tier_scenarios.damaged_data_falls_back", 2, str(tmp_path))):
+    for res in results_of(process_group.run("tiers.tier_scenarios.damaged_data_falls_back", 2, str(tmp_path))):
         assert res == {"step": 1, "mismatches": []}, res
 
 
 @pytest.mark.parametrize(("case", "cause"), [
     ("timeout", "CoordinationTimeoutError"), ("holder", "Relay"), ("error", "process 1: OSError: the disk went away")])
 def test_a_tier_restore_failing_anywhere_falls_back_to_the_persistent_step_on_every_process(tmp_path, case, cause):
-    for res in _ok(process_group.run("tiers.tier_fallback_scenarios.restore_fails", 4, str(tmp_path), case)):
+    for res in results_of(process_group.run("tiers.tier_fallback_scenarios.restore_fails", 4, str(tmp_path), case)):
         assert res["step"] == 1 and res["mismatches"] == [], res
         assert len(res["warnings"]) == 1 and cause in res["warnings"][0], res
         assert res["again"] == 3 and res["again_mismatches"] == [], res  # the next restore is the local one again
@@ -115,7 +113,8 @@ def test_a_tier_restore_failing_anywhere_falls_back_to_the_persistent_step_on_ev
 
 def test_a_whole_slice_lost_restores_from_the_other_slice_with_nothing_sent_at_save_time(tmp_path, monkeypatch):
     monkeypatch.setenv("TPU_CKPT_SLICES", "0,0,1,1")
-    for me, res in enumerate(_ok(process_group.run("tiers.tier_slice_scenarios.whole_slice_lost", 4, str(tmp_path)))):
+    results = results_of(process_group.run("tiers.tier_slice_scenarios.whole_slice_lost", 4, str(tmp_path)))
+    for me, res in enumerate(results):
         assert res["sent_per_step"] == 0, res  # each slice's own copy is the replica
         assert res["copy"] == ([0, 1] if me < 2 else [2, 3]), res
         assert [n for n in res["local"] if n.startswith("index-")] == [f"index-{me:05d}.bin"], res
@@ -125,14 +124,14 @@ def test_a_whole_slice_lost_restores_from_the_other_slice_with_nothing_sent_at_s
 
 
 def test_replicas_inside_a_single_slice_are_warned_of_and_none_are_accepted(tmp_path):
-    for res in _ok(process_group.run("tiers.tier_slice_scenarios.one_slice_warns", 2, str(tmp_path))):
+    for res in results_of(process_group.run("tiers.tier_slice_scenarios.one_slice_warns", 2, str(tmp_path))):
         assert len(res["1"]) == 1 and "local_replicas=1" in res["1"][0], res
         assert len(res["0"]) == 1, res  # no second warning for local_replicas=0
 
 
 def test_each_slice_restores_its_own_copy_and_only_a_wiped_slice_is_filled(tmp_path, monkeypatch):
     monkeypatch.setenv("TPU_CKPT_SLICES", "0,0,1,1")
-    results = _ok(process_group.run("tiers.tier_slice_scenarios.every_slice_own_copy", 4, str(tmp_path)))
+    results = results_of(process_group.run("tiers.tier_slice_scenarios.every_slice_own_copy", 4, str(tmp_path)))
     for res in results:
         for case in ("intact", "slice_1_wiped"):
             assert res[case]["step"] == 3 and res[case]["mismatches"] == [], res
@@ -147,7 +146,7 @@ def test_each_slice_restores_its_own_copy_and_only_a_wiped_slice_is_filled(tmp_p
 
 def test_no_replica_lands_on_its_owners_host_with_two_processes_per_host(tmp_path, monkeypatch):
     monkeypatch.setenv("TPU_CKPT_HOSTS", "0,0,1,1")  # 2 processes per simulated host
-    results = _ok(process_group.run("tiers.tier_slice_scenarios.host_lost_with_two_processes", 4, str(tmp_path)))
+    results = results_of(process_group.run("tiers.tier_slice_scenarios.host_lost_with_two_processes", 4, str(tmp_path)))
     for me, res in enumerate(results):
         other_host = (me + 2) % 4  # a host's k-th process keeps the other host's k-th's part
         assert res["indexes"] == sorted([f"index-{me:05d}.bin", f"index-{other_host:05d}.bin"]), res

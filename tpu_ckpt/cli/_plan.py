@@ -100,7 +100,7 @@ def _template(ckpt: str, subtree: str | None) -> dict[str, Any]:
             on_mesh = bool(meshes) and sharding.get("mesh") == meshes[0]
             spec = sharding["spec"] if on_mesh else []
             doc["leaves"][key] = {"shape": list(leaf.shape), "dtype": leaf.dtype, "spec": spec}
-        elif leaf.kind == "value" and (isinstance(leaf.value, (bool, int, float, str)) or leaf.value is None):
+        elif leaf.kind == "value" and isinstance(leaf.value, _JSON_VALUES):
             doc["leaves"][key] = leaf.value
     return doc
 
@@ -180,13 +180,16 @@ def _natural(n: Any) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n >= 0
 
 
+_JSON_VALUES = (bool, int, float, str, type(None))  # a saved Python value's target, as a --target file holds it
+
+
 def _leaf(path: str, key: str, value: Any, mesh: dict[str, int]) -> Any:
     """One --target leaf: a ShapeDtypeStruct on the mesh, or a Python value (a saved one's target)."""
     import jax
 
     from tpu_ckpt.format import dtype_from_name
 
-    if isinstance(value, (bool, int, float, str)) or value is None:
+    if isinstance(value, _JSON_VALUES):
         return value
     if not isinstance(value, dict):
         raise ValueError(f"{path}: leaf {key!r} is a {type(value).__name__}; give {{\"shape\": [...], \"dtype\": ...}} "

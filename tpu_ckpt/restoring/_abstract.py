@@ -101,8 +101,9 @@ def _abstract_leaf(leaf: LeafEntry, mesh: Mesh) -> Any:
     if jax.dtypes.canonicalize_dtype(dtype) != dtype:  # 64 bits, which JAX without x64 would narrow
         return np.empty(leaf.shape, dtype)  # a host target: restored exact (untouched pages: no memory yet)
     sharding = _sharding(leaf, mesh)
-    if leaf.logical.startswith("prng_key:"):
-        key_type, trailing = leaf_kinds.key_type(leaf.logical.split(":", 1)[1])
+    impl = leaf_kinds.saved_impl(leaf)
+    if impl is not None:
+        key_type, trailing = leaf_kinds.key_type(impl)
         shape = leaf.shape[: len(leaf.shape) - trailing]
         return jax.ShapeDtypeStruct(shape, key_type, sharding=_truncated(sharding, len(shape)))
     return jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=sharding)

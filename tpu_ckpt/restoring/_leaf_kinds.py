@@ -51,6 +51,11 @@ def is_key(x: Any) -> bool:
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
+def saved_impl(leaf: LeafEntry) -> str | None:
+    """The impl of the typed PRNG keys ``leaf`` holds (``logical`` ``"prng_key:<impl>"``), or None."""
+    return leaf.logical[len(_KEY):] if leaf.logical.startswith(_KEY) else None
+
+
 @functools.cache
 def key_type(impl: str) -> tuple[Any, int]:
     """The typed-key dtype of ``impl`` and its key data's trailing rank, without a computation."""
@@ -83,8 +88,9 @@ def stored_target(manifest: Manifest, target: Any, subtree: str | None) -> Any:
     for key, _, leaf in keyed:
         saved = leaves.get(_join(prefix, key))
         if saved is not None and saved.kind == "array" and is_key(leaf):
-            if saved.logical.startswith(_KEY) and key_type(saved.logical[len(_KEY):])[0] != leaf.dtype:
-                other_impls.append(f"{saved.key!r}: a {leaf.dtype} target, saved as {saved.logical[len(_KEY):]} keys")
+            impl = saved_impl(saved)
+            if impl is not None and key_type(impl)[0] != leaf.dtype:
+                other_impls.append(f"{saved.key!r}: a {leaf.dtype} target, saved as {impl} keys")
             data = jax.eval_shape(jax.random.key_data, leaf)
             sharding = jax.random.key_data(leaf).sharding if isinstance(leaf, jax.Array) else leaf.sharding
             leaf = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
@@ -105,7 +111,7 @@ def restored(manifest: Manifest, tree: Any, target: Any, subtree: str | None) ->
     target holds a plain array there: it gets the key data; and where the target asked for a
     typed key) and bytes leaves as ``bytes``."""
     leaves = {leaf.key: leaf for leaf in manifest.leaves}
-    has_keys = any(leaf.logical.startswith(_KEY) for leaf in manifest.leaves)
+    has_keys = any(saved_impl(leaf) for leaf in manifest.leaves)
     given = _target_leaves(target, subtree) if target is not None and (has_keys or _any_key_or_bytes(target)) else {}
     asked = {k: v for k, v in given.items() if is_key(v)}
     plain = {k for k, v in given.items() if not is_key(v)}  # a saved key's data asked for as an array
@@ -117,12 +123,11 @@ def restored(manifest: Manifest, tree: Any, target: Any, subtree: str | None) ->
     for key, _, leaf in keyed:
         full = _join(prefix, key)
         saved = leaves.get(full)
-        logical = saved.logical if saved is not None else ""
-        if logical == "bytes":
+        impl = None if saved is None else saved_impl(saved)
+        if saved is not None and saved.logical == "bytes":
             leaf = np.asarray(leaf).tobytes()
-        elif (logical.startswith(_KEY) and full not in plain) or full in asked:
-            impl = logical[len(_KEY):] if logical else str(jax.random.key_impl(asked[full]))
-            leaf = jax.random.wrap_key_data(leaf, impl=impl)
+        elif (impl is not None and full not in plain) or full in asked:
+            leaf = jax.random.wrap_key_data(leaf, impl=impl or str(jax.random.key_impl(asked[full])))
         out.append(leaf)
     return jax.tree_util.tree_unflatten(treedef, out)
 

@@ -74,8 +74,7 @@ def completed(planned: Manifest, records: dict[int, str], host: HostDigests = ()
     Python leaf, or a checked host leaf (``host``: the leader's digests), some process saved
     with another value than the leader."""
     decoded = {p: _record(p, text) for p, text in sorted(records.items())}
-    _check_values_agree(planned, decoded)
-    _check_host_leaves_agree(host, decoded)
+    _check_values_agree(planned, decoded, host)
     per_process = [n for n, leaf in enumerate(planned.leaves) if leaf.kind == PER_PROCESS]
     if not per_process:
         return planned
@@ -99,41 +98,33 @@ def _record(process: int, text: str) -> dict[str, Any]:
     return record
 
 
-def _check_values_agree(planned: Manifest, records: dict[int, dict[str, Any]]) -> None:
-    keys = [leaf.key for leaf in planned.leaves if leaf.kind == "value"]
-    mine = [_digest(leaf.value) for leaf in planned.leaves if leaf.kind == "value"]
+_DIFFERS = {
+    "digests": "Leaf {key!r} is a Python value that differs between processes (process {p} saved another value than "
+    "the committing process), and a checkpoint keeps one value per Python leaf; nothing was committed. If each "
+    "process has its own value (a data iterator's position, say), save it as tc.PerProcess(value); otherwise make "
+    "every process save the same value.",
+    "host": "Leaf {key!r} (bytes or a small numpy array) differs between processes (process {p} saved another value "
+    "than the committing process), and one process writes such a leaf for all: the others' values would be lost; "
+    "nothing was committed. If each process has its own value (a data iterator's state, say), save it as "
+    "tc.PerProcess(value); otherwise make every process save the same.",
+}
+
+
+def _check_values_agree(planned: Manifest, records: dict[int, dict[str, Any]], host: HostDigests) -> None:
+    """Every process saved the leader's tree (the same Python, PerProcess and checked host
+    leaves) with the leader's Python values and checked host leaves (``host``: its digests)."""
+    values = [leaf for leaf in planned.leaves if leaf.kind == "value"]
+    leader = {"digests": [(leaf.key, _digest(leaf.value)) for leaf in values], "host": list(host)}
     per_process = sum(leaf.kind == PER_PROCESS for leaf in planned.leaves)
     for p, record in records.items():
-        if len(record["digests"]) != len(keys) or len(record.get("values", ())) != per_process:
+        if len(record.get("values", ())) != per_process or any(
+            len(record.get(field, [])) != len(mine) for field, mine in leader.items()
+        ):
             raise CheckpointError(
-                f"process {p} saved another tree than process 0 (other Python or PerProcess leaves); refusing to "
-                "commit. Are all processes saving the same tree?"
+                f"process {p} saved another tree than the committing process (other Python, PerProcess, bytes or "
+                "small numpy leaves); refusing to commit. Are all processes saving the same tree?"
             )
-        differing = next((k for k, a, b in zip(keys, mine, record["digests"]) if a != b), None)
-        if differing is not None:
-            raise ProcessValueMismatchError(
-                f"Leaf {differing!r} is a Python value that differs between processes (process {p} saved another "
-                "value than the committing process), and a checkpoint keeps one value per Python leaf; nothing was "
-                f"committed. If each process has its own value (a data iterator's position, say), save it as "
-                f"tc.PerProcess(value); otherwise make every process save the same value.",
-                key=differing,
-            )
-
-
-def _check_host_leaves_agree(host: HostDigests, records: dict[int, dict[str, Any]]) -> None:
-    for p, record in records.items():
-        theirs = record.get("host", [])
-        if len(theirs) != len(host):
-            raise CheckpointError(
-                f"process {p} saved another tree than the committing process (other bytes or small numpy leaves); "
-                "refusing to commit. Are all processes saving the same tree?"
-            )
-        differing = next((key for (key, mine), other in zip(host, theirs) if mine != other), None)
-        if differing is not None:
-            raise ProcessValueMismatchError(
-                f"Leaf {differing!r} (bytes or a small numpy array) differs between processes (process {p} saved "
-                "another value than the committing process), and one process writes such a leaf for all: the "
-                "others' values would be lost; nothing was committed. If each process has its own value (a data "
-                "iterator's state, say), save it as tc.PerProcess(value); otherwise make every process save the same.",
-                key=differing,
-            )
+        for field, mine in leader.items():
+            differing = next((key for (key, a), b in zip(mine, record.get(field, [])) if a != b), None)
+            if differing is not None:
+                raise ProcessValueMismatchError(_DIFFERS[field].format(key=differing, p=p), key=differing)
